@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Creates (or reuses) a virtual environment for verl and builds verl._C into this checkout.
+#
+#   bash scripts/setup_env.sh dev    # CPU torch 2.13.0 + megatron-core + the test tools; CPU kernels
+#   bash scripts/setup_env.sh cuda   # CUDA torch 2.14.1; builds the CUDA kernels with nvcc (sm_90 in CI)
+#
+# Environments are cached outside the clone in $VERL_CACHE (default ~/.cache/verl), keyed by a hash of the
+# pinned requirements and the Python version, so a second run is fast and a change of pins makes a new one.
+# Prints the environment's folder on its last line.
+set -euo pipefail
+kind=${1:-dev}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+req="$root/requirements/$kind.txt"
+[ -f "$req" ] || { echo "setup_env: unknown environment '$kind' (expected dev or cuda)" >&2; exit 2; }
+py=${PYTHON:-python3}
+command -v "$py" >/dev/null || { echo "setup_env: $py not found; install Python 3.11" >&2; exit 2; }
+key=$( (cat "$req"; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+cache=${VERL_CACHE:-$HOME/.cache/verl}
+venv="$cache/venv-$kind-$key"
+if [ ! -f "$venv/.complete" ]; then
+  echo "[setup_env] creating $venv" >&2
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q -r "$req" >&2
+  if [ "$kind" = dev ]; then
+    # vLLM-free, CPU-only environment: make sure nothing pulled a CUDA torch or the PyPI `apex` impostor.
+    "$venv/bin/python" - <<'PY' >&2
+import importlib.util, sys, torch
+assert torch.version.cuda is None, f"expected the CPU torch build, got CUDA {torch.version.cuda}"
+PY
+  fi
+  touch "$venv/.complete"
+else
+  echo "[setup_env] reusing $venv" >&2
+fi
+cd "$root"
+if [ "$kind" = cuda ]; then
+  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(sed -n 's/^exec \([^ ]*\).*/\1/p' "$(command -v nvcc)" 2>/dev/null || command -v nvcc)")")")}
+  export VERL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+  builddir=build/cuda
+else
+  export VERL_BUILD_CUDA=0
+  builddir=build/cpu
+fi
+export MAX_JOBS=${MAX_JOBS:-2}
+echo "[setup_env] building verl._C ($kind)" >&2
+"$venv/bin/python" setup.py -q build_ext --inplace --build-temp "$builddir/temp" --build-lib "$builddir/lib" >&2
+"$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2 2>/dev/null \
+  || VERL_SKIP_EXT=1 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2
+echo "$venv"

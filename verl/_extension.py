@@ -1,0 +1,78 @@
+"""Loads the compiled extension `verl._C` (csrc/) once and says what it was built with.
+
+When the extension is missing, broken, or lacks a backend for the tensors at hand, verl.ops falls back
+to its pure-PyTorch references and warns once, naming the command that builds the extension.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+BUILD_HINT = ("build it with `pip install --no-build-isolation -e .` in the repository "
+              "(or `bash scripts/setup_env.sh dev`); `verl doctor` checks the toolchain")
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> object | None:
+    """The imported `verl._C` module, or None (the import error is kept in `load_error()`)."""
+    try:
+        from verl import _C  # noqa: F401  (importing registers torch.ops.verl.*)
+    except Exception as e:  # noqa: BLE001 - any failure means "no extension", reported by doctor
+        _errors.append(e)
+        return None
+    return _C
+
+
+_errors: list[BaseException] = []
+
+
+def load_error() -> BaseException | None:
+    load()
+    return _errors[0] if _errors else None
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def built_with_cuda() -> bool:
+    mod = load()
+    return bool(mod is not None and getattr(mod, "with_cuda", 0))
+
+
+def cuda_archs() -> list[str]:
+    mod = load()
+    archs = getattr(mod, "cuda_archs", "") if mod is not None else ""
+    return [a for a in archs.split(";") if a]
+
+
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    """Whether `verl::op` has a kernel registered for `dispatch_key` ("CPU", "CUDA")."""
+    if not available():
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"verl::{op}", dispatch_key)
+
+
+def op_names() -> list[str]:
+    """Every op declared in the TORCH_LIBRARY(verl) block."""
+    if not available():
+        return []
+    return sorted(str(s.name).split("::", 1)[1] for s in torch._C._jit_get_all_schemas()
+                  if str(s.name).startswith("verl::"))
+
+
+_warned: set[str] = set()
+
+
+def warn_fallback(what: str) -> None:
+    """Warns once per reason that verl.ops runs its pure-PyTorch reference instead of a fused kernel."""
+    if what in _warned:
+        return
+    _warned.add(what)
+    err = load_error()
+    detail = f" ({type(err).__name__}: {err})" if err is not None else ""
+    warnings.warn(f"verl.ops: {what}{detail}; using the pure-PyTorch reference implementations. To get the fused "
+                  f"kernels, {BUILD_HINT}.", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,26 @@
+"""verl's fused kernels with a plain, typed Python API; embedding them in another trainer needs only
+`import verl.ops` (which also makes `torch.ops.verl.*` available with fake and autograd registrations).
+
+Each op family lives in its own module with its pure-PyTorch reference (`*_ref`) beside it. Choose between
+fused kernels and references with `set_backend("auto" | "fused" | "reference")` or `VERL_OPS_BACKEND`.
+"""
+
+from __future__ import annotations
+
+from verl.ops._backend import BACKENDS, backend, get_backend, set_backend, use_fused
+from verl.ops.masked import (
+    masked_mean,
+    masked_mean_ref,
+    masked_sum,
+    masked_sum_ref,
+    masked_var,
+    masked_var_ref,
+    masked_whiten,
+    masked_whiten_ref,
+)
+
+__all__ = [
+    "BACKENDS", "backend", "get_backend", "set_backend", "use_fused",
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten",
+    "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref",
+]

@@ -1,0 +1,194 @@
+"""Masked reductions over valid (mask != 0) positions: sum, mean, variance, whitening.
+
+Every later RL kernel reduces over a response mask; these are also the smallest complete example of the
+extension pattern: schema in csrc/ops.cpp, CPU kernel in csrc/cpu/masked.cpp, CUDA kernel in
+csrc/cuda/masked.cu, fake + autograd here (the backward is itself an op), and a pure-PyTorch reference.
+
+Conventions (kernel and reference alike):
+- `mask` has the shape of `values`, any real dtype, nonzero = valid.
+- `dim=None` reduces every element; an int reduces that dimension.
+- An all-zero mask (or row) gives 0, never NaN. Variance is unbiased (n - 1) by default and 0 when n <= 1.
+- `masked_whiten` uses the unbiased variance (as PPO implementations do) and writes 0 at masked positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl import _extension
+from verl.ops._backend import use_fused
+
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten",
+           "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref"]
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask.ne(0)
+
+
+def _check(values: torch.Tensor, mask: torch.Tensor, op: str) -> None:
+    if not values.is_floating_point():
+        raise TypeError(f"{op}: `values` must be a floating-point tensor, got {values.dtype}")
+    if values.shape != mask.shape:
+        raise ValueError(f"{op}: `mask` must have the shape of `values` {tuple(values.shape)}, got {tuple(mask.shape)}")
+
+
+def masked_sum_ref(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    _check(values, mask, "masked_sum")
+    kept = torch.where(_valid(mask), values, values.new_zeros(()))
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def _count(mask: torch.Tensor, dim: int | None) -> torch.Tensor:
+    m = _valid(mask)
+    return m.sum() if dim is None else m.sum(dim)
+
+
+def masked_mean_ref(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    total = masked_sum_ref(values, mask, dim)
+    return total / _count(mask, dim).clamp(min=1).to(total.dtype)
+
+
+def masked_var_ref(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean_ref(values, mask)
+    sq = masked_sum_ref((values - mean) ** 2, mask)
+    n = _count(mask, None)
+    denom = (n - 1) if unbiased else n
+    return torch.where(denom > 0, sq / denom.clamp(min=1).to(sq.dtype), sq.new_zeros(()))
+
+
+def masked_whiten_ref(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                      eps: float = 1e-8) -> torch.Tensor:
+    mean = masked_mean_ref(values, mask)
+    var = masked_var_ref(values, mask)
+    out = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(_valid(mask), out, out.new_zeros(()))
+
+
+# ---------------------------------------------------------------------------------------- public wrappers
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `values` where `mask` != 0. values, mask: [...]; returns [] (dim=None) or [...] without `dim`."""
+    if use_fused("masked_sum", values):
+        return torch.ops.verl.masked_sum(values, mask, dim)
+    return masked_sum_ref(values, mask, dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` over `mask` != 0 (0 where nothing is valid). Shapes as masked_sum."""
+    if use_fused("masked_mean", values):
+        return torch.ops.verl.masked_mean(values, mask, dim)
+    return masked_mean_ref(values, mask, dim)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of every valid element (0-d result); unbiased (n - 1) by default, 0 when n <= 1."""
+    if use_fused("masked_var", values):
+        return torch.ops.verl.masked_var(values, mask, unbiased)
+    return masked_var_ref(values, mask, unbiased)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """(values - mean) / sqrt(var + eps) over the mask (mean added back if not shift_mean); 0 where masked."""
+    if use_fused("masked_whiten", values):
+        return torch.ops.verl.masked_whiten(values, mask, shift_mean, eps)
+    return masked_whiten_ref(values, mask, shift_mean, eps)
+
+
+# ------------------------------------------------------------------------- fake implementations + autograd
+
+def _reduced_shape(values: torch.Tensor, dim: int | None) -> list[int]:
+    if dim is None:
+        return []
+    d = dim % values.dim()
+    return [s for i, s in enumerate(values.shape) if i != d]
+
+
+def _fake_check(values: torch.Tensor, mask: torch.Tensor) -> None:
+    torch._check(values.is_floating_point(), lambda: f"`values` must be floating point, got {values.dtype}")
+    torch._check(values.shape == mask.shape,
+                 lambda: f"`mask` must have the shape of `values` {tuple(values.shape)}, got {tuple(mask.shape)}")
+
+
+def _register() -> None:
+    lib = "verl::"
+
+    @torch.library.register_fake(lib + "masked_sum")
+    def _(values, mask, dim=None):
+        _fake_check(values, mask)
+        return values.new_empty(_reduced_shape(values, dim))
+
+    @torch.library.register_fake(lib + "masked_mean")
+    def _(values, mask, dim=None):
+        _fake_check(values, mask)
+        return values.new_empty(_reduced_shape(values, dim))
+
+    @torch.library.register_fake(lib + "masked_var")
+    def _(values, mask, unbiased=True):
+        _fake_check(values, mask)
+        return values.new_empty([])
+
+    @torch.library.register_fake(lib + "masked_whiten")
+    def _(values, mask, shift_mean=True, eps=1e-8):
+        _fake_check(values, mask)
+        return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(lib + "masked_reduce_backward")
+    def _(grad, mask, dim, mean):
+        return mask.new_empty(mask.shape, dtype=grad.dtype)
+
+    @torch.library.register_fake(lib + "masked_var_backward")
+    def _(grad, values, mask, unbiased):
+        return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(lib + "masked_whiten_backward")
+    def _(grad, values, mask, shift_mean, eps):
+        return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+    def _setup_reduce(ctx, inputs, output):
+        _, mask, dim = inputs
+        ctx.save_for_backward(mask)
+        ctx.dim = dim
+
+    def _sum_backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return torch.ops.verl.masked_reduce_backward(grad, mask, ctx.dim, False), None, None
+
+    def _mean_backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return torch.ops.verl.masked_reduce_backward(grad, mask, ctx.dim, True), None, None
+
+    torch.library.register_autograd(lib + "masked_sum", _sum_backward, setup_context=_setup_reduce)
+    torch.library.register_autograd(lib + "masked_mean", _mean_backward, setup_context=_setup_reduce)
+
+    def _setup_var(ctx, inputs, output):
+        values, mask, unbiased = inputs
+        ctx.save_for_backward(values, mask)
+        ctx.unbiased = unbiased
+
+    def _var_backward(ctx, grad):
+        values, mask = ctx.saved_tensors
+        return torch.ops.verl.masked_var_backward(grad, values, mask, ctx.unbiased), None, None
+
+    torch.library.register_autograd(lib + "masked_var", _var_backward, setup_context=_setup_var)
+
+    def _setup_whiten(ctx, inputs, output):
+        values, mask, shift_mean, eps = inputs
+        ctx.save_for_backward(values, mask)
+        ctx.shift_mean, ctx.eps = shift_mean, eps
+
+    def _whiten_backward(ctx, grad):
+        values, mask = ctx.saved_tensors
+        return (torch.ops.verl.masked_whiten_backward(grad, values, mask, ctx.shift_mean, ctx.eps),
+                None, None, None)
+
+    torch.library.register_autograd(lib + "masked_whiten", _whiten_backward, setup_context=_setup_whiten)
+
+
+if _extension.available():
+    _register()

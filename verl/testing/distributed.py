@@ -1,0 +1,139 @@
+"""Run a function on N CPU ranks with gloo and collect each rank's result.
+
+    from verl.testing import run_distributed
+
+    def body(rank, world_size, scale):        # module-level, so that it pickles
+        t = torch.full((2,), float(rank))
+        torch.distributed.all_reduce(t)
+        return t * scale
+
+    results = run_distributed(body, world_size=2, args=(3.0,))   # [rank0_result, rank1_result]
+
+A rank that raises makes `run_distributed` raise `RankFailure` naming the rank, with the rank's own
+traceback in the message; the other ranks are then stopped instead of waiting in a collective. A run
+that outlives `timeout` is killed and reported the same way (gloo would otherwise hang a healthy rank for
+the process group's whole timeout when its peer dies). No `torch.testing._internal` here: it moves
+between releases.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    """A rank of `run_distributed` raised, or the run timed out."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+def free_port() -> int:
+    """A TCP port that is free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[Any], kwargs: dict,
+            results: "mp.Queue", pg_timeout_s: float, threads: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        out = fn(rank, world_size, *args, **kwargs)
+        try:
+            payload = pickle.dumps(out)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"the result of rank {rank} cannot be pickled ({e}); return tensors, numbers, "
+                            f"lists or dicts") from e
+        results.put((rank, "ok", payload))
+    except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwargs: dict | None = None, *,
+                    timeout: float = 120.0, threads: int = 1, env: dict[str, str] | None = None) -> list[Any]:
+    """Runs `fn(rank, world_size, *args, **kwargs)` on `world_size` spawned gloo ranks.
+
+    Returns the results ordered by rank. Raises `RankFailure` when a rank raises (the first failing rank's
+    traceback is in the message) or when the whole run exceeds `timeout` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    # The process group's own timeout is shorter than ours, so a rank stuck in a collective whose peer died
+    # errors out by itself; we still kill stragglers at `timeout`.
+    pg_timeout = max(5.0, timeout * 0.8)
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), results, pg_timeout, threads,
+                               dict(env or {})))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failure: RankFailure | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size and failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                failure = RankFailure(f"run_distributed({getattr(fn, '__name__', fn)}) timed out after {timeout:.0f}s; "
+                                      f"ranks {missing} did not finish")
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in outputs]
+                if dead:
+                    # A rank died without reporting (segfault, os._exit): give its message a moment to arrive.
+                    try:
+                        rank, status, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        r = dead[0]
+                        failure = RankFailure(f"rank {r} exited with code {procs[r].exitcode} without a result", r)
+                        break
+                else:
+                    continue
+            if status == "ok":
+                outputs[rank] = pickle.loads(payload)
+            else:
+                failure = RankFailure(f"rank {rank} of {world_size} failed: {payload}", rank)
+    finally:
+        grace = time.monotonic() + (5.0 if failure is None else 0.5)
+        for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+    if failure is not None:
+        raise failure
+    return [outputs[r] for r in range(world_size)]
