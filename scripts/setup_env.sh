@@ -47,6 +47,6 @@ fi
 export MAX_JOBS=${MAX_JOBS:-2}
 echo "[setup_env] building verl._C ($kind)" >&2
 "$venv/bin/python" setup.py -q build_ext --inplace --build-temp "$builddir/temp" --build-lib "$builddir/lib" >&2
-"$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2 2>/dev/null \
-  || VERL_SKIP_EXT=1 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2
+# The package itself (console script `verl`), editable, without building the extension a second time.
+VERL_SKIP_EXT=1 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2
 echo "$venv"
