@@ -1,0 +1,89 @@
+"""End to end through `verl.trainer.main_ppo.main`: GRPO and PPO on a tiny model, every advantage estimator,
+KL in reward and in loss, outputs on disk, and bad input failing before anything is written."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl.config import PPOConfig, load_config
+from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.rewards import register_reward
+from verl.trainer.main_ppo import main
+from verl.trainer.ppo_flow import ppo_nodes
+from verl.utils.distributed import World
+from verl.trainer.ppo_trainer import PPOTrainer
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_run_writes_metrics_checkpoint_plot_and_hf_export(tmp_path, tiny_args):
+    assert main(tiny_args("trainer.total_steps=3", "trainer.save_every=2", "trainer.keep_checkpoints=0")) == 0
+    out = tmp_path / "run"
+    steps = [r for r in _metrics(out) if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert all(math.isfinite(v) for v in r.values())
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["perf/tokens_per_s"] > 0 and "actor/entropy" in r
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert (out / "curves.png").stat().st_size > 1000
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(out / "hf_actor")
+    tok = AutoTokenizer.from_pretrained(out / "hf_actor")
+    assert model.config.model_type == "llama" and tok.eos_token == "</s>"
+
+
+def test_ppo_with_critic_and_kl_in_reward(tmp_path, tiny_args):
+    main(tiny_args("algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                   "actor.ppo_epochs=2", "actor.mini_batch_size=2", "actor.micro_batch_size=4",
+                   "trainer.save_final=false", "trainer.export_hf=false"))
+    steps = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
+    assert len(steps) == 2
+    for key in ("critic/vf_loss", "critic/grad_norm", "actor/kl", "actor/kl_coef", "actor/pg_clipfrac"):
+        assert key in steps[-1] and math.isfinite(steps[-1][key]), key
+    # the adaptive controller moved the coefficient away from its start after the first step
+    assert steps[1]["actor/kl_coef"] != 0.001
+
+
+@pytest.mark.parametrize("estimator", ["drgrpo", "rloo", "reinforce_plus_plus", "remax"])
+def test_critic_free_estimators_run(tmp_path, tiny_args, estimator):
+    main(tiny_args(f"algorithm.adv_estimator={estimator}", "actor.use_kl_loss=true", "trainer.total_steps=1",
+                   "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false", "warmup.steps=0"))
+    (step,) = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
+    assert "actor/kl_loss" in step and "critic/vf_loss" not in step
+
+
+def test_flow_is_chosen_by_config():
+    names = lambda *o: [n.__name__ if hasattr(n, "__name__") else n.name for n in ppo_nodes(load_config(PPOConfig, None, list(o)))]  # noqa: E731
+    assert names("algorithm.adv_estimator=gae") == ["generate", "reward", "old_log_prob", "values", "token_rewards",
+                                                   "gae_advantage", "update_critic", "update_actor", "sync_weights"]
+    assert names() == ["generate", "reward", "old_log_prob", "token_rewards", "grpo_advantage", "update_actor",
+                       "sync_weights"]
+    assert "ref_log_prob" in names("actor.use_kl_loss=true") and "generate_baseline" in names("algorithm.adv_estimator=remax")
+
+
+def test_bad_inputs_fail_before_writing(tmp_path, tiny_args):
+    out = tmp_path / "run"
+    with pytest.raises(VerlConfigError, match="not a Hugging Face model directory"):
+        main(tiny_args(f"model.path={tmp_path / 'nope'}"))
+    with pytest.raises(VerlConfigError, match="data.train_batch_size=4 prompts do not split over 3 ranks"):
+        PPOTrainer(load_config(PPOConfig, None, tiny_args()), World(0, 3, 0, torch.device("cpu")))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    with pytest.raises(VerlConfigError, match="no column 'prompt'"):
+        main(tiny_args(f"data.train_files={bad}"))
+    assert not out.exists()
+
+
+def test_nan_reward_stops_the_step(tmp_path, tiny_args):
+    register_reward("test_always_nan")(lambda response, gt, prompt: float("nan"))
+    with pytest.raises(VerlRuntimeError, match=r"node 'reward'.*test_always_nan.*finite float"):
+        main(tiny_args("reward.name=test_always_nan", "warmup.steps=0"))
+    assert not (tmp_path / "run" / "checkpoints").exists()

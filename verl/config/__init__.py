@@ -1,0 +1,24 @@
+"""verl's typed configs: one dataclass tree per job, loaded from YAML plus dotted overrides."""
+
+from verl.config.base import apply_overrides, describe, field_docs, from_dict, load_config, load_yaml, to_dict
+from verl.config.ppo import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    KLControlConfig,
+    ModelConfig,
+    OptimConfig,
+    PPOConfig,
+    RewardConfig,
+    RolloutConfig,
+    TinyModelConfig,
+    TrainerConfig,
+    WarmupConfig,
+)
+
+__all__ = [
+    "apply_overrides", "describe", "field_docs", "from_dict", "load_config", "load_yaml", "to_dict",
+    "ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
+    "PPOConfig", "RewardConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig", "WarmupConfig",
+]

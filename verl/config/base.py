@@ -1,0 +1,260 @@
+"""Typed config machinery: dataclass trees built from YAML plus dotted command-line overrides.
+
+    cfg = load_config(PPOConfig, "job.yaml", ["actor.optim.lr=1e-6", "rollout.n=4"])
+
+Every config class is a `@dataclass(kw_only=True, slots=True)` whose fields carry a docstring (a string
+literal right after the field, read back with `field_docs`). Unknown keys — in the YAML or in an override —
+raise `VerlConfigError` naming the full dotted key and its nearest valid spelling; values are checked
+against the field's type (int, float, bool, str, Literal choices, optional, lists, nested configs).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from verl.errors import VerlConfigError
+
+T = TypeVar("T")
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{hint}valid keys: {', '.join(sorted(valid))}"
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _dataclass_type(tp: Any) -> type | None:
+    """The config class inside `tp` (also through `Optional[...]`), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return None
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Checks (and for strings from the command line, converts) `value` against the field type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except VerlConfigError as e:
+                errors.append(str(e))
+        raise VerlConfigError(f"config key '{key}': {value!r} does not match {tp}; " + "; ".join(errors))
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.4)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise VerlConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(repr, choices))}{hint}")
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            raise VerlConfigError(f"config key '{key}': expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise VerlConfigError(f"config key '{key}': expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise VerlConfigError(f"config key '{key}': expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise VerlConfigError(f"config key '{key}': expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise VerlConfigError(f"config key '{key}': expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads `1e-6` (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise VerlConfigError(f"config key '{key}': expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise VerlConfigError(f"config key '{key}': expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:
+    """Builds the config `cls` from a nested mapping; unknown keys and ill-typed values are errors."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise VerlConfigError(f"config section '{prefix or '<root>'}' must be a mapping, got {data!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise VerlConfigError(f"unknown config key '{full}' in {cls.__name__}; {_suggest(str(key), names)}")
+        sub = _dataclass_type(hints[key])
+        if sub is not None and isinstance(value, dict):
+            kwargs[key] = from_dict(sub, value, f"{full}.")
+        else:
+            kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as e:
+        raise VerlConfigError(f"config section '{prefix or '<root>'}': {e}") from e
+    check = getattr(obj, "check", None)
+    if callable(check):
+        check()
+    return obj
+
+
+def to_dict(cfg: Any) -> Any:
+    """The plain nested dict (YAML-ready) of a config tree."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise VerlConfigError(f"override {item!r} must look like 'section.key=value' (e.g. actor.optim.lr=1e-6)")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key:
+        raise VerlConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _check_path(cls: type, path: list[str]) -> None:
+    """Raises naming the first unknown component of a dotted override key."""
+    cur = cls
+    for i, part in enumerate(path):
+        names = [f.name for f in dataclasses.fields(cur)]
+        if part not in names:
+            where = ".".join(path[:i]) or "<root>"
+            raise VerlConfigError(f"unknown config key '{'.'.join(path)}' ('{part}' is not a key of {where}); "
+                                  f"{_suggest(part, names)}")
+        sub = _dataclass_type(_hints(cur)[part])
+        if i < len(path) - 1:
+            if sub is None:
+                raise VerlConfigError(f"config key '{'.'.join(path[:i + 1])}' is a value, not a section; "
+                                      f"it has no key '{path[i + 1]}'")
+            cur = sub
+
+
+def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
+    """Returns a copy of the raw mapping `data` with dotted `key=value` overrides applied (validated)."""
+    import copy
+    out = copy.deepcopy(data) if data else {}
+    for item in overrides:
+        path, value = _parse_override(item)
+        _check_path(cls, path)
+        node = out
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+    return out
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise VerlConfigError(f"config file {str(p)!r} does not exist; pass a YAML file "
+                              f"(e.g. verl/trainer/config/default.yaml)")
+    with p.open() as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise VerlConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise VerlConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """YAML file (optional) + dotted overrides → a validated config tree of type `cls`."""
+    data = load_yaml(path) if path is not None else {}
+    return from_dict(cls, apply_overrides(cls, data, list(overrides or [])))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name → its docstring (the string literal written right after the field in the class body)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """Lines `key (type, default): doc` for every field of the tree — the `--help` of a config."""
+    lines = []
+    docs = field_docs(cls)
+    hints = _hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_type(hints[f.name])
+        if sub is not None:
+            lines.append(f"{prefix}{f.name}: {docs.get(f.name, '')}")
+            lines.extend(describe(sub, f"{prefix}{f.name}."))
+        else:
+            default = getattr(defaults, f.name)
+            lines.append(f"{prefix}{f.name} = {default!r}: {docs.get(f.name, '')}")
+    return lines

@@ -1,0 +1,132 @@
+"""Prompt datasets from parquet or JSONL files with a ground-truth column, and a resumable batch order.
+
+    ds = load_prompt_dataset(["train.parquet"], prompt_key="question", answer_key="answer")
+    sampler = BatchSampler(len(ds), batch_size=16, seed=1)
+    rows = [ds[i] for i in sampler.next_batch()]      # {"prompt": ..., "answer": ...}
+    state = sampler.state_dict()                       # saved in checkpoints (data position)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from verl.errors import VerlConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class PromptDataset:
+    """Prompts and their ground truths, indexable; rows are {"prompt": str, "answer": str}."""
+
+    prompts: list[str]
+    answers: list[str]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> dict[str, str]:
+        return {"prompt": self.prompts[i], "answer": self.answers[i]}
+
+    @classmethod
+    def from_records(cls, records: Sequence[dict], prompt_key: str = "prompt", answer_key: str = "answer",
+                     source: str = "records") -> "PromptDataset":
+        if not records:
+            raise VerlConfigError(f"dataset {source} is empty")
+        for key, what in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+            if key not in records[0]:
+                raise VerlConfigError(f"dataset {source} has no column {key!r} (set by {what}); its columns are "
+                                      f"{sorted(records[0])}: set {what} to one of them")
+        prompts, answers = [], []
+        for i, r in enumerate(records):
+            p, a = r.get(prompt_key), r.get(answer_key)
+            if not isinstance(p, str) or not p:
+                raise VerlConfigError(f"dataset {source} row {i}: column {prompt_key!r} must be a non-empty string, "
+                                      f"got {p!r}")
+            if a is None:
+                raise VerlConfigError(f"dataset {source} row {i}: ground truth {answer_key!r} is missing")
+            prompts.append(p)
+            answers.append(str(a))
+        return cls(prompts, answers)
+
+
+def _read_file(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise VerlConfigError(f"dataset file {str(path)!r} does not exist (data.train_files)")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise VerlConfigError(f"dataset file {str(path)!r} line {lineno} is not JSON: {e}") from e
+        return rows
+    raise VerlConfigError(f"dataset file {str(path)!r}: unsupported format {suffix!r}; use .parquet or .jsonl")
+
+
+def load_prompt_dataset(files: Sequence[str], prompt_key: str = "prompt",
+                        answer_key: str = "answer") -> PromptDataset:
+    """Reads and concatenates parquet / JSONL files; a missing column or file is a `VerlConfigError`."""
+    if not files:
+        raise VerlConfigError("no dataset files given (data.train_files)")
+    prompts, answers = [], []
+    for f in files:
+        ds = PromptDataset.from_records(_read_file(Path(f)), prompt_key, answer_key, source=repr(str(f)))
+        prompts += ds.prompts
+        answers += ds.answers
+    return PromptDataset(prompts, answers)
+
+
+def write_jsonl(records: Sequence[dict], path: str | Path) -> None:
+    with Path(path).open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+class BatchSampler:
+    """Endless epoch-shuffled order of dataset indices whose position is part of a checkpoint.
+
+    The permutation of epoch e depends only on (seed, e), so restoring (epoch, cursor) reproduces the order
+    of an uninterrupted run exactly.
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int, shuffle: bool = True):
+        if batch_size > num_examples:
+            raise VerlConfigError(f"batch of {batch_size} prompts is larger than the dataset ({num_examples} rows); "
+                                  f"lower data.train_batch_size or add data")
+        self.num_examples, self.batch_size, self.seed, self.shuffle = num_examples, batch_size, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+        self._cached: tuple[int, list[int]] | None = None
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._cached is None or self._cached[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+                order = torch.randperm(self.num_examples, generator=g).tolist()
+            else:
+                order = list(range(self.num_examples))
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def next_batch(self) -> list[int]:
+        """The next `batch_size` indices; an epoch's tail shorter than a batch is dropped."""
+        if self.cursor + self.batch_size > self.num_examples:
+            self.epoch, self.cursor = self.epoch + 1, 0
+        out = self._order(self.epoch)[self.cursor:self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

@@ -1,0 +1,64 @@
+"""Registry of rule-based rewards and the checked batch scorer.
+
+A rule-based reward is a plain function ``fn(response: str, ground_truth: str, prompt: str) -> float``:
+
+    from verl.rewards import register_reward
+
+    @register_reward("ends_politely")
+    def ends_politely(response, ground_truth, prompt):
+        return 1.0 if response.rstrip().endswith("please") else 0.0
+
+and is chosen with ``reward.name=ends_politely``. A reward that raises or returns NaN / a non-number stops the
+step with a `VerlRuntimeError` naming the reward, the sample and the response.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from verl.errors import VerlConfigError, VerlRuntimeError
+
+RewardFn = Callable[[str, str, str], float]
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering `fn` under `name` (re-registering a name replaces it)."""
+    def wrap(fn: RewardFn) -> RewardFn:
+        _REWARDS[name] = fn
+        return fn
+    return wrap
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REWARDS)
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in _REWARDS:
+        close = difflib.get_close_matches(name, list(_REWARDS), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise VerlConfigError(f"unknown reward {name!r} (reward.name); {hint}registered: {', '.join(list_rewards())}")
+    return _REWARDS[name]
+
+
+def score_batch(fn: RewardFn, responses: Sequence[str], ground_truths: Sequence[str], prompts: Sequence[str],
+                name: str | None = None) -> torch.Tensor:
+    """Scores each response; returns float32 [len(responses)]. Failures and NaNs raise `VerlRuntimeError`."""
+    label = name or getattr(fn, "__name__", "reward")
+    out = []
+    for i, (resp, gt, prompt) in enumerate(zip(responses, ground_truths, prompts, strict=True)):
+        try:
+            value = fn(resp, gt, prompt)
+        except Exception as e:  # noqa: BLE001 - re-raised with the sample that broke it
+            raise VerlRuntimeError(f"reward {label!r} raised {type(e).__name__}: {e} on sample {i} "
+                                   f"(response {resp!r}, ground truth {gt!r})", node="reward", cause=e) from e
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+            raise VerlRuntimeError(f"reward {label!r} returned {value!r} for sample {i} (response {resp!r}, "
+                                   f"ground truth {gt!r}); a reward must be a finite float", node="reward")
+        out.append(float(value))
+    return torch.tensor(out, dtype=torch.float32)

@@ -1,0 +1,137 @@
+"""The PPO step as a dataflow — this file is the algorithm.
+
+    generate → reward → old log-probs, reference log-probs, values → token rewards (KL in reward)
+             → advantage → update critic → update actor → sync weights
+
+GRPO, Dr.GRPO, RLOO, REINFORCE++ and ReMax are the same flow with another advantage node and no critic
+(`algorithm.adv_estimator`); the reference node appears when a KL term needs it. Workers arrive as inputs
+(`rollout`, `reward_fn`, `actor`, `ref`, `critic`), so engines and placement change without touching this file.
+"""
+
+from __future__ import annotations
+
+try:
+    from verl import DataflowNode, build_dataflow
+except ImportError:  # until verl.dataflow lands on this branch
+    from verl.trainer._dataflow_shim import DataflowNode, build_dataflow
+
+from verl.config.ppo import PPOConfig
+from verl.trainer import algorithms as algo
+
+
+@DataflowNode(input_keys=["prompts", "rollout"], output_keys=["batch"])
+def generate(prompts, rollout):
+    return rollout.generate(prompts)
+
+
+@DataflowNode(input_keys=["prompts", "rollout", "reward_fn"], output_keys=["baseline_scores"])
+def generate_baseline(prompts, rollout, reward_fn):
+    """ReMax: the greedy response's reward is each prompt's baseline."""
+    greedy = rollout.generate(prompts, n=1, greedy=True)
+    return reward_fn.score(greedy).repeat_interleave(rollout.cfg.n)
+
+
+@DataflowNode(input_keys=["batch", "reward_fn"], output_keys=["scores"])
+def reward(batch, reward_fn):
+    return reward_fn.score(batch)
+
+
+@DataflowNode(input_keys=["batch", "actor", "on_policy"], output_keys=["old_log_probs"])
+def old_log_prob(batch, actor, on_policy):
+    """None when the update is on-policy (one epoch, one mini-batch): its first forward gives them."""
+    return None if on_policy else actor.compute_log_probs(batch)[0]
+
+
+@DataflowNode(input_keys=["batch", "ref"], output_keys=["ref_log_probs"])
+def ref_log_prob(batch, ref):
+    return ref.compute_log_probs(batch)[0]
+
+
+@DataflowNode(input_keys=["batch", "critic"], output_keys=["values"])
+def values(batch, critic):
+    return critic.compute_values(batch)
+
+
+@DataflowNode(input_keys=["batch", "scores"], output_keys=["token_rewards", "kl_metrics"])
+def token_rewards(batch, scores):
+    return algo.token_level_rewards(scores, batch.response_mask), {}
+
+
+@DataflowNode(input_keys=["batch", "scores", "old_log_probs", "ref_log_probs", "kl_ctrl", "algo_cfg"],
+              output_keys=["token_rewards", "kl_metrics"])
+def kl_in_reward(batch, scores, old_log_probs, ref_log_probs, kl_ctrl, algo_cfg):
+    mask = batch.response_mask
+    kl = algo.kl_penalty(old_log_probs, ref_log_probs, algo_cfg.kl_penalty) * mask
+    rewards = algo.token_level_rewards(scores, mask) - kl_ctrl.value * kl
+    seq_kl = float((kl.sum(-1)).mean())
+    metrics = {"actor/kl": float(kl.sum() / mask.sum().clamp(min=1)), "actor/kl_coef": kl_ctrl.value}
+    kl_ctrl.update(seq_kl, n_steps=len(batch))
+    return rewards, metrics
+
+
+@DataflowNode(input_keys=["batch", "token_rewards", "values", "algo_cfg"], output_keys=["advantages", "returns"])
+def gae_advantage(batch, token_rewards, values, algo_cfg):
+    return algo.gae_advantage(token_rewards, values, batch.response_mask, algo_cfg.gamma, algo_cfg.lam)
+
+
+@DataflowNode(input_keys=["batch", "token_rewards", "algo_cfg"], output_keys=["advantages"])
+def grpo_advantage(batch, token_rewards, algo_cfg):
+    return algo.grpo_advantage(token_rewards.sum(-1), batch.response_mask, batch.group,
+                               norm_by_std=algo_cfg.norm_adv_by_std_in_grpo)
+
+
+@DataflowNode(input_keys=["batch", "token_rewards"], output_keys=["advantages"])
+def drgrpo_advantage(batch, token_rewards):
+    return algo.grpo_advantage(token_rewards.sum(-1), batch.response_mask, batch.group, norm_by_std=False)
+
+
+@DataflowNode(input_keys=["batch", "token_rewards"], output_keys=["advantages"])
+def rloo_advantage(batch, token_rewards):
+    return algo.rloo_advantage(token_rewards.sum(-1), batch.response_mask, batch.group)
+
+
+@DataflowNode(input_keys=["batch", "token_rewards", "algo_cfg"], output_keys=["advantages"])
+def reinforce_plus_plus_advantage(batch, token_rewards, algo_cfg):
+    return algo.reinforce_pp_advantage(token_rewards, batch.response_mask, algo_cfg.gamma)[0]
+
+
+@DataflowNode(input_keys=["batch", "token_rewards", "baseline_scores"], output_keys=["advantages"])
+def remax_advantage(batch, token_rewards, baseline_scores):
+    return algo.remax_advantage(token_rewards.sum(-1), baseline_scores, batch.response_mask)
+
+
+@DataflowNode(input_keys=["batch", "critic", "values", "returns"], output_keys=["critic_metrics"])
+def update_critic(batch, critic, values, returns):
+    return critic.update(batch, values, returns)
+
+
+@DataflowNode(input_keys=["batch", "actor", "old_log_probs", "advantages", "ref_log_probs", "update_actor_now"],
+              output_keys=["actor_metrics"])
+def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, update_actor_now):
+    return actor.update(batch, old_log_probs, advantages, ref_log_probs) if update_actor_now else {}
+
+
+@DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_bytes"])
+def sync_weights(actor, rollout, actor_metrics):
+    return rollout.sync_weights(actor.engine.module)
+
+
+ADVANTAGE_NODES = {"gae": gae_advantage, "grpo": grpo_advantage, "drgrpo": drgrpo_advantage,
+                   "rloo": rloo_advantage, "reinforce_plus_plus": reinforce_plus_plus_advantage,
+                   "remax": remax_advantage}
+
+
+def ppo_nodes(cfg: PPOConfig) -> list:
+    """The nodes of the configured algorithm, in reading order."""
+    est = cfg.algorithm.adv_estimator
+    nodes = [generate, reward, old_log_prob]
+    nodes += [ref_log_prob] if cfg.needs_ref else []
+    nodes += [values] if cfg.needs_critic else []
+    nodes += [generate_baseline] if est == "remax" else []
+    nodes += [kl_in_reward if cfg.algorithm.use_kl_in_reward else token_rewards, ADVANTAGE_NODES[est]]
+    nodes += [update_critic] if cfg.needs_critic else []
+    return nodes + [update_actor, sync_weights]
+
+
+def build_ppo_dataflow(cfg: PPOConfig):
+    return build_dataflow(nodes=ppo_nodes(cfg))

@@ -1,0 +1,238 @@
+"""The PPO / GRPO training loop: builds the workers from the config, then runs the dataflow once per step,
+logging metrics and writing checkpoints. The algorithm itself lives in `verl.trainer.ppo_flow`."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from verl.config.base import to_dict
+from verl.config.ppo import PPOConfig
+from verl.data import BatchSampler, PromptDataset, load_prompt_dataset, make_task, task_corpus
+from verl.errors import VerlConfigError
+from verl.trainer.kl_control import build_kl_controller
+from verl.trainer.ppo_flow import build_ppo_dataflow
+from verl.trainer.warmup import supervised_warmup
+from verl.utils.checkpoint import CheckpointManager
+from verl.utils.distributed import World, barrier
+from verl.utils.metrics import MetricsLogger, plot_curves
+from verl.workers import ActorWorker, CriticWorker, ReferenceWorker, TorchEngine, ValueModel, build_reward, build_rollout
+
+TIMING_PREFIXES = ("perf/", "timing/")
+
+
+def load_dataset(cfg: PPOConfig) -> PromptDataset:
+    d = cfg.data
+    if d.train_files:
+        return load_prompt_dataset(d.train_files, d.prompt_key, d.answer_key)
+    return PromptDataset.from_records(make_task(d.task, d.num_examples, seed=cfg.trainer.seed, max_operand=d.max_operand), source=f"task {d.task}")
+
+
+def load_policy(cfg: PPOConfig, dataset: PromptDataset):
+    """(model, tokenizer): a Hugging Face directory, or the tiny local Llama with a BPE trained on the data."""
+    from verl.utils.tiny_model import build_tiny_llama, build_tokenizer
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise VerlConfigError(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no "
+                                  f"config.json there); fix the path, or unset model.path for the tiny local model")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if tokenizer.bos_token_id is None:
+            tokenizer.bos_token = tokenizer.eos_token
+        return model, tokenizer
+    corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
+              else [p + a for p, a in zip(dataset.prompts, dataset.answers)])
+    tokenizer = build_tokenizer(corpus, cfg.model.tiny.vocab_size)
+    return build_tiny_llama(cfg.model.tiny, tokenizer, seed=cfg.trainer.seed), tokenizer
+
+
+class PPOTrainer:
+    """Owns the workers, the data order, the KL controller, metrics and checkpoints of one job."""
+
+    def __init__(self, cfg: PPOConfig, world: World):
+        cfg.validate_world(world.world_size)  # before anything touches the disk
+        self.cfg, self.world = cfg, world
+        if cfg.trainer.threads > 0:
+            torch.set_num_threads(cfg.trainer.threads)
+        torch.manual_seed(cfg.trainer.seed * 1000 + world.rank)
+        self.dataset = load_dataset(cfg)
+        model, self.tokenizer = load_policy(cfg, self.dataset)
+        self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+        n, ws = cfg.rollout.n, world.world_size
+        self.actor = ActorWorker(TorchEngine(model, cfg.actor.optim, world), cfg.actor,
+                                 temperature=cfg.rollout.temperature,
+                                 responses_per_mini=cfg.actor.mini_batch_size // ws * n,
+                                 max_response_length=cfg.rollout.max_new_tokens)
+        self.rollout = build_rollout(model, self.tokenizer, cfg.rollout, cfg.data.max_prompt_length, world.device)
+        self.reward_fn = build_reward(cfg.reward, world.device)
+        self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
+        self.flow = build_ppo_dataflow(cfg)
+        self.ckpt = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints", world, cfg.trainer.keep_checkpoints)
+        self.ref: ReferenceWorker | None = None
+        self.critic: CriticWorker | None = None
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+
+    # -- building the models that copy the (warm-started) policy -------------------------------------------
+    def _build_ref_and_critic(self) -> None:
+        cfg, policy = self.cfg, self.actor.engine.module
+        if cfg.needs_ref:
+            self.ref = ReferenceWorker(TorchEngine(copy.deepcopy(policy), None, self.world),
+                                       cfg.rollout.temperature, cfg.actor.micro_batch_size)
+        if cfg.needs_critic:
+            self.critic = CriticWorker(TorchEngine(ValueModel.from_causal_lm(policy), cfg.critic.optim, self.world),
+                                       cfg.critic)
+
+    def _modules(self) -> dict:
+        mods = {"actor": (self.actor.engine.module, self.actor.engine.optimizer)}
+        if self.ref is not None:
+            mods["ref"] = (self.ref.engine.module, None)
+        if self.critic is not None:
+            mods["critic"] = (self.critic.engine.module, self.critic.engine.optimizer)
+        return mods
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "actor_sched": self.actor.engine.scheduler.state_dict(),
+                "critic_sched": self.critic.engine.scheduler.state_dict() if self.critic else None,
+                "config": to_dict(self.cfg)}
+
+    def _restore(self, path: Path) -> None:
+        state = self.ckpt.load(path, self._modules())
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.actor.engine.scheduler.load_state_dict(state["actor_sched"])
+        if self.critic is not None and state["critic_sched"] is not None:
+            self.critic.engine.scheduler.load_state_dict(state["critic_sched"])
+
+    def setup(self) -> dict[str, float]:
+        """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up metrics."""
+        resume = self.ckpt.resolve(self.cfg.trainer.resume)
+        info: dict[str, float] = {}
+        if resume is None and self.cfg.warmup.steps > 0:
+            info = supervised_warmup(self.actor.engine.module, self.tokenizer, self.dataset, self.cfg.warmup,
+                                     self.world, self.cfg.trainer.seed)
+        self._build_ref_and_critic()
+        if resume is not None:
+            self._restore(resume)
+            info["resumed_from_step"] = self.step
+        return info
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def _rows(self) -> list[dict]:
+        idx = self.sampler.next_batch()
+        per = len(idx) // self.world.world_size
+        mine = idx[self.world.rank * per:(self.world.rank + 1) * per]
+        return [self.dataset[i] for i in mine]
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        inputs = {"prompts": self._rows(), "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor,
+                  "ref": self.ref, "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": cfg.algorithm,
+                  "on_policy": (cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.data.train_batch_size
+                                and not cfg.algorithm.use_kl_in_reward),
+                  "update_actor_now": self.step >= cfg.critic.warmup_steps or not cfg.needs_critic}
+        if not cfg.needs_ref:
+            inputs["ref_log_probs"] = None
+        out = self.flow.run(inputs)
+        elapsed = time.perf_counter() - t0
+        return self._metrics(out, elapsed)
+
+    def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
+        batch, scores = out["batch"], out["scores"]
+        m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
+             "response/length": float(batch.response_mask.sum(-1).mean()),
+             "response/clip_ratio": float((batch.response_mask[:, -1] > 0).float().mean()),
+             **out.get("kl_metrics", {}), **out.get("actor_metrics", {}), **(out.get("critic_metrics") or {})}
+        adv = out["advantages"]
+        m["advantage/mean"] = float((adv * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+        if "actor/kl" not in m and "actor/ppo_kl" in m:
+            m["actor/kl"] = m["actor/ppo_kl"]
+        local = torch.tensor([float(batch.num_tokens()), float(batch.response_mask.sum())], dtype=torch.float64)
+        keys = sorted(m)
+        vec = torch.tensor([m[k] for k in keys], dtype=torch.float64)
+        if self.world.distributed:
+            torch.distributed.all_reduce(vec)
+            vec /= self.world.world_size
+            torch.distributed.all_reduce(local)
+        m = dict(zip(keys, vec.tolist()))
+        m["perf/step_time_s"] = elapsed
+        m["perf/tokens_per_s"] = float(local[0]) / elapsed
+        m["perf/response_tokens_per_s"] = float(local[1]) / elapsed
+        for name, seconds in getattr(self.flow, "timings", {}).items():
+            m[f"timing/{name}_s"] = seconds
+        return m
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        return self.ckpt.save(self.step, self._modules(), self._trainer_state())
+
+    def fit(self) -> list[dict[str, float]]:
+        cfg, world = self.cfg, self.world
+        info = self.setup()
+        out_dir = Path(cfg.trainer.output_dir)
+        logger = MetricsLogger(out_dir, enabled=world.is_main, tensorboard=cfg.trainer.tensorboard,
+                               start_step=self.step)
+        bar = None
+        if world.is_main and cfg.trainer.progress_bar:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=cfg.trainer.total_steps, initial=self.step, desc=f"{cfg.algorithm.adv_estimator}",
+                       dynamic_ncols=True)
+        if info:
+            logger.log(self.step, info)
+            if world.is_main:
+                print("  ".join(f"{k}={v:.4g}" for k, v in info.items()), flush=True)
+        try:
+            while self.step < cfg.trainer.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                self.history.append(metrics)
+                logger.log(self.step, metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('actor/kl', 0.0):.4f}",
+                                    entropy=f"{metrics.get('actor/entropy', 0.0):.3f}",
+                                    tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
+                every = cfg.trainer.save_every
+                last = self.step == cfg.trainer.total_steps
+                if (every and self.step % every == 0) or (last and cfg.trainer.save_final):
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            logger.close()
+        self._finish(out_dir)
+        return self.history
+
+    def _finish(self, out_dir: Path) -> None:
+        if not self.world.is_main:
+            barrier(self.world)
+            return
+        if self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
+            plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
+        if self.cfg.trainer.export_hf:
+            export_hf(self.actor.engine.module, self.tokenizer, out_dir / "hf_actor")
+        barrier(self.world)
+
+
+def export_hf(module: torch.nn.Module, tokenizer, path: Path) -> Path:
+    """Writes a Hugging Face directory atomically (temp dir, then rename over the old one)."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    module.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.rename(tmp, path)
+    return path
