@@ -104,6 +104,8 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     top_k: int = 0
     """Top-k sampling (0 disables)."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS up to max_new_tokens (fixed-length responses, e.g. for benchmarks)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,7 +8,8 @@ A rule-based reward is a plain function ``fn(response: str, ground_truth: str, p
     def ends_politely(response, ground_truth, prompt):
         return 1.0 if response.rstrip().endswith("please") else 0.0
 
-and is chosen with ``reward.name=ends_politely``. A reward that raises or returns NaN / a non-number stops the
+and is chosen with ``reward.name=ends_politely``, or without registering as ``reward.name=my_pkg.rewards:fn``
+(an importable ``module:function`` path, which also reaches processes that torchrun spawns). A reward that raises or returns NaN / a non-number stops the
 step with a `VerlRuntimeError` naming the reward, the sample and the response.
 """
 
@@ -39,6 +40,16 @@ def list_rewards() -> list[str]:
 
 
 def get_reward(name: str) -> RewardFn:
+    if ":" in name and name not in _REWARDS:
+        import importlib
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise VerlConfigError(f"reward.name={name!r}: cannot import {attr!r} from {module!r} ({e})") from e
+        if not callable(fn):
+            raise VerlConfigError(f"reward.name={name!r} is not a function")
+        return fn
     if name not in _REWARDS:
         close = difflib.get_close_matches(name, list(_REWARDS), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""

@@ -66,15 +66,17 @@ class HFRollout:
         sampling = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
         out = self.module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                   min_new_tokens=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                   use_cache=True, **sampling)
+                                   min_new_tokens=cfg.max_new_tokens if cfg.ignore_eos else 0,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, use_cache=True,
+                                   **sampling)
         self.module.train(was_training)
         responses = out[:, ids.shape[1]:]
         if responses.shape[1] < cfg.max_new_tokens:  # every sequence stopped early
             fill = torch.full((len(responses), cfg.max_new_tokens - responses.shape[1]), tok.pad_token_id,
                               dtype=responses.dtype, device=responses.device)
             responses = torch.cat([responses, fill], dim=1)
-        return assemble_batch(ids, mask, responses, tok.eos_token_id, tok.pad_token_id, rows, n, tok)
+        eos = -1 if cfg.ignore_eos else tok.eos_token_id
+        return assemble_batch(ids, mask, responses, eos, tok.pad_token_id, rows, n, tok)
 
     def sync_weights(self, actor_module: torch.nn.Module) -> int:
         """Shares the actor's module, so there is nothing to move; returns the bytes moved (0)."""

@@ -1,0 +1,151 @@
+"""End-to-end GRPO throughput: verl vs TRL's GRPOTrainer on the same tiny model, tokenizer and prompts
+(8 prompts x 4 samples, 32 new tokens, one process, one thread), plus verl's scaling over 1, 2, 4 processes.
+
+    bash benchmarks/e2e/setup_trl_env.sh                       # once: TRL 1.16 venv (/root/.cache/verl-trl)
+    python benchmarks/e2e/bench_grpo_vs_trl.py --quick         # ~5 steps each side
+    python benchmarks/e2e/bench_grpo_vs_trl.py --full          # more steps, and the 1/2/4-process scaling
+
+Both sides sample exactly 32 tokens per response (EOS ignored), learn with lr 1e-4, no KL term, one PPO
+epoch (on-policy: no extra old-log-prob pass on either side). tokens/s = generated tokens / step wall time;
+the first step (warm-up) is excluded. Writes benchmarks/results/e2e_grpo_vs_trl.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS, SAMPLES, NEW_TOKENS = 8, 4, 32
+TINY = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
+            max_position_embeddings=128, vocab_size=96)
+
+
+def build_assets(work: Path) -> tuple[Path, Path, int]:
+    from verl.config import TinyModelConfig
+    from verl.data import make_task, task_corpus, write_jsonl
+    from verl.utils.tiny_model import build_tiny_llama, build_tokenizer, save_pretrained_pair
+    tok = build_tokenizer(task_corpus("arithmetic"), TINY["vocab_size"])
+    model = build_tiny_llama(TinyModelConfig(**TINY), tok, seed=0)
+    model_dir = save_pretrained_pair(model, tok, work / "model")
+    rows = make_task("arithmetic", PROMPTS, seed=0)
+    write_jsonl(rows, work / "prompts.jsonl")
+    return model_dir, work / "prompts.jsonl", sum(p.numel() for p in model.parameters())
+
+
+def verl_args(model_dir: Path, prompts: Path, steps: int, out: Path, per_rank_prompts: int = PROMPTS) -> list[str]:
+    return [f"model.path={model_dir}", f"data.train_files={prompts}", f"data.train_batch_size={per_rank_prompts}",
+            f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.ignore_eos=true",
+            f"actor.mini_batch_size={per_rank_prompts}", f"actor.micro_batch_size={PROMPTS * SAMPLES}",
+            "actor.optim.lr=1e-4", "warmup.steps=0", f"trainer.total_steps={steps}", "trainer.threads=1",
+            "trainer.device=cpu", "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false",
+            "trainer.tensorboard=false", "trainer.progress_bar=false", "data.max_prompt_length=64",
+            f"trainer.output_dir={out}"]
+
+
+def run_verl(model_dir, prompts, steps, out: Path, nproc: int = 1) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_args(model_dir, prompts, steps, out)]
+    else:
+        # weak scaling: every rank keeps the single-process workload (8 prompts x 4 samples)
+        from verl.data import make_task, write_jsonl
+        many = out.parent / f"prompts_x{nproc}.jsonl"
+        write_jsonl(make_task("arithmetic", PROMPTS * nproc, seed=0), many)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+               "-m", "verl.trainer.main_ppo", *verl_args(model_dir, many, steps, out, PROMPTS * nproc)]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step_s = [r["perf/step_time_s"] for r in recs if "perf/step_time_s" in r]
+    return {"step_s": step_s, "wall_s": wall, "nproc": nproc,
+            "mean_response_length": statistics.mean(r["response/length"] for r in recs if "response/length" in r)}
+
+
+def run_trl(model_dir, prompts, steps, out: Path, python: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    subprocess.run([python, str(Path(__file__).with_name("_trl_worker.py")), str(model_dir), str(prompts), str(steps),
+                    str(out), str(SAMPLES), str(NEW_TOKENS)], check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    res = json.loads(out.read_text())
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def summarise(step_s: list[float], nproc: int = 1) -> dict:
+    steady = step_s[1:] if len(step_s) > 1 else step_s
+    s = statistics.median(steady)
+    tokens = PROMPTS * SAMPLES * NEW_TOKENS * nproc
+    return {"s_per_step": s, "tokens_per_s": tokens / s, "tokens_per_s_per_process": tokens / s / nproc,
+            "steps_timed": len(steady)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    names = ["verl", "TRL"]
+    vals = [result["verl"]["tokens_per_s"], result["trl"]["tokens_per_s"]]
+    axes[0].bar(names, vals, color=["tab:blue", "tab:gray"])
+    axes[0].set_title(f"GRPO tokens/s, 1 proc 1 thread (x{result['ratio_tokens_per_s']:.2f})")
+    if result.get("scaling"):
+        ns = [r["nproc"] for r in result["scaling"]]
+        axes[1].plot(ns, [r["tokens_per_s"] for r in result["scaling"]], marker="o", label="total")
+        axes[1].plot(ns, [r["tokens_per_s_per_process"] for r in result["scaling"]], marker="s", label="per process")
+        axes[1].set_xticks(ns)
+        axes[1].set_xlabel("processes (gloo, 1 thread each)")
+        axes[1].legend()
+    axes[1].set_title("verl weak scaling")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="5 steps per side, no scaling sweep (default)")
+    mode.add_argument("--full", action="store_true", help="10 steps per side plus scaling over 1, 2, 4 processes")
+    ap.add_argument("--trl-python", default="/root/.cache/verl-trl/bin/python")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_grpo_vs_trl"))
+    args = ap.parse_args()
+    steps = 10 if args.full else 5
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir, prompts, n_params = build_assets(work)
+        verl = run_verl(model_dir, prompts, steps, work / "verl")
+        trl = run_trl(model_dir, prompts, steps, work / "trl.json", args.trl_python)
+        result = {"config": {"prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS, "steps": steps,
+                             "threads": 1, "model": {**TINY, "parameters": n_params}},
+                  "verl": {**summarise(verl["step_s"]), "raw": verl},
+                  "trl": {**summarise(trl["step_s"]), "raw": trl}}
+        result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
+        if args.full:
+            result["scaling"] = []
+            for nproc in (1, 2, 4):
+                r = run_verl(model_dir, prompts, steps, work / f"scale{nproc}", nproc=nproc)
+                result["scaling"].append({"nproc": nproc, **summarise(r["step_s"], nproc)})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in ("ratio_tokens_per_s",)} |
+                     {s: {k: round(v, 3) for k, v in result[s].items() if k != "raw"} for s in ("verl", "trl")}))
+    for r in result.get("scaling", []):
+        print(f"nproc={r['nproc']}: {r['tokens_per_s']:.0f} tokens/s total, {r['s_per_step']:.2f} s/step")
+
+
+if __name__ == "__main__":
+    main()
