@@ -8,6 +8,16 @@ fused kernels and references with `set_backend("auto" | "fused" | "reference")` 
 from __future__ import annotations
 
 from verl.ops._backend import BACKENDS, backend, get_backend, set_backend, use_fused
+from verl.ops.logprob import (
+    DEFAULT_CHUNK_N,
+    DEFAULT_CHUNK_V,
+    linear_logprob_entropy,
+    linear_logprob_entropy_ref,
+    logprob_entropy,
+    logprob_entropy_ref,
+    vocab_parallel_linear_logprob_entropy,
+    vocab_parallel_logprob_entropy,
+)
 from verl.ops.masked import (
     masked_mean,
     masked_mean_ref,
@@ -23,4 +33,8 @@ __all__ = [
     "BACKENDS", "backend", "get_backend", "set_backend", "use_fused",
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref",
+    # log-prob / entropy (verl/ops/logprob.py)
+    "logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
+    "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
+    "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V",
 ]
