@@ -44,6 +44,8 @@ __all__ = ["logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_
 # small enough to stay far below one [N, V] logits tensor at any realistic vocabulary.
 DEFAULT_CHUNK_N = 1024
 DEFAULT_CHUNK_V = 4096
+# exp(-1e4) is 0 in every dtype, so clamping log-probs there changes no value.
+_MIN_LOGP = -1e4
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -107,7 +109,8 @@ def logprob_entropy_ref(logits: torch.Tensor, labels: torch.Tensor, temperature:
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     lp = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
+    # Clamping keeps p * log p at 0 (not 0 * -inf = NaN) for masked (-inf) vocabulary entries.
+    ent = -(logp.exp() * logp.clamp(min=_MIN_LOGP)).sum(-1)
     zero = lp.new_zeros(())
     return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
 
@@ -124,8 +127,8 @@ def _shard_stats_ref(logits: torch.Tensor, labels: torch.Tensor, temperature: fl
     """(target logit if owned else 0, shard lse, shard entropy) of a [N, V/tp] slice; 0 on ignored rows."""
     z = logits.to(_out_dtype(logits.dtype)) / temperature
     lse = torch.logsumexp(z, dim=-1)
-    p = torch.exp(z - lse.unsqueeze(-1))
-    ent = lse - (p * z).sum(-1)
+    d = (z - lse.unsqueeze(-1)).clamp(min=_MIN_LOGP)
+    ent = -(torch.exp(d) * d).sum(-1)
     valid = labels != ignore_index
     local = labels.long() - vocab_start
     owns = valid & (local >= 0) & (local < z.shape[-1])
@@ -141,7 +144,7 @@ def _shard_backward_ref(grad_logprob: torch.Tensor | None, grad_entropy: torch.T
     z = logits.to(_out_dtype(logits.dtype)) / temperature
     glp = grad_logprob if grad_logprob is not None else lse.new_zeros(lse.shape)
     gh = grad_entropy if grad_entropy is not None else lse.new_zeros(lse.shape)
-    d = z - lse.unsqueeze(-1)
+    d = (z - lse.unsqueeze(-1)).clamp(min=_MIN_LOGP)
     g = torch.exp(d) * (-glp.unsqueeze(-1) - gh.unsqueeze(-1) * (d + ent.unsqueeze(-1)))
     valid = labels != ignore_index
     local = labels.long() - vocab_start
