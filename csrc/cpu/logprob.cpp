@@ -203,9 +203,15 @@ struct CpuKernels {
           const acc_t at_target = owns ? static_cast<acc_t>(xr[local]) : acc_t(0);  // read before x == out is overwritten
           for (int64_t j = 0; j < cols; j += kBlock) {
             const int64_t len = std::min(kBlock, cols - j);
-            load_scaled(xr + j, len, scale, buf);
-            block_grad(buf, len, rl, rh, rc, rg, scale);
-            for (int64_t i = 0; i < len; ++i) orow[j + i] = static_cast<scalar_t>(buf[i]);
+            if (std::is_same_v<scalar_t, acc_t>) {  // no staging copy: compute in the output row
+              acc_t* o = reinterpret_cast<acc_t*>(orow + j);  // same type on this branch
+              load_scaled(xr + j, len, scale, o);
+              block_grad(o, len, rl, rh, rc, rg, scale);
+            } else {
+              load_scaled(xr + j, len, scale, buf);
+              block_grad(buf, len, rl, rh, rc, rg, scale);
+              for (int64_t i = 0; i < len; ++i) orow[j + i] = static_cast<scalar_t>(buf[i]);
+            }
           }
           if (owns) {
             // The target's entry gets the extra inv_t * g_logprob; recomputed from its saved logit so the
