@@ -222,14 +222,13 @@ def _build(nodes: Mapping[str, Node], configs, dependencies, *, inputs, world_si
                     f"key '{k}' is produced by two nodes, '{producers[k]}' and '{e.name}'; rename one of the "
                     f"outputs, or use inject_node to replace '{k}' for the nodes downstream of a point")
             producers[k] = e.name
-    bindings = {e.name: {k: producers.get(k) for k in e.node.input_keys} for e in entries}
+    # A node that reads a key it also writes transforms the run's input of that name (reward -> reward).
+    bindings = {e.name: {k: (p if (p := producers.get(k)) != e.name else None) for k in e.node.input_keys}
+                for e in entries}
     edges: dict[tuple[str, str], str] = {}
     for e in entries:
         for k, p in bindings[e.name].items():
             if p is not None:
-                if p == e.name:
-                    raise VerlConfigError(f"node '{e.name}' reads key '{k}' that it produces itself (a cycle "
-                                          f"{e.name} -> {e.name}); give the output another name")
                 edges.setdefault((p, e.name), f"key '{k}'")
     for u, v in _explicit_edges(dependencies, nodes):
         edges.setdefault((u, v), f"dependencies['{v}']")
@@ -296,6 +295,8 @@ def _describe_cycle(df: Dataflow, stuck: set[str]) -> str:
         seen[node] = len(path)
         path.append(node)
     cycle = list(reversed(path[seen[pred[node]]:]))
+    first = min(range(len(cycle)), key=lambda i: df._index[cycle[i]])  # start at the earliest-given node
+    cycle = cycle[first:] + cycle[:first]
     cycle.append(cycle[0])
     steps = " -> ".join(f"{a} -[{df._edges[(a, b)]}]" for a, b in zip(cycle, cycle[1:]))
     return (f"the dataflow has a cycle: {steps} -> {cycle[-1]}; remove one of these dependencies or rename a key "
