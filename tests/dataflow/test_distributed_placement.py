@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -88,11 +87,21 @@ def _error_run(rank, colocated):
     return None
 
 
+def _gather_run(rank, world_size):
+    full = _prompts(0, n=5)
+    padded, pad = full.pad_to_divisor(world_size)
+    mine = padded.dp_shard(rank, world_size)
+    mine["reward"] = mine["input_ids"].float().sum(-1)
+    back = mine.all_gather().unpad(pad)
+    return {"prompt": back["prompt"], "reward": back["reward"], "shard": len(mine)}
+
+
 def _body(rank, world_size, trace_path):
     # One spawn for every scenario (starting 4 interpreters dominates the cost); running them one after
     # another also shows that the ranks are still in step after a failed run.
     return {"split": _split_run(rank, trace_path), "error_split": _error_run(rank, colocated=False),
-            "error_colocated": _error_run(rank, colocated=True), "after": _split_run(rank, None)}
+            "error_colocated": _error_run(rank, colocated=True), "after": _split_run(rank, None),
+            "gather": _gather_run(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +155,12 @@ def test_error_on_one_rank_reaches_every_rank(results, scenario, bad):
         assert "reward model exploded on purpose" in got["msg"]
         assert f"rank {bad}" in got["msg"]
     assert res[bad]["cause"] == "ValueError"  # the original exception is chained where it happened
+
+
+def test_dataproto_split_across_dp_ranks_and_gather_back(results):
+    per_rank, _ = results
+    full = _prompts(0, n=5)
+    assert [r["gather"]["shard"] for r in per_rank] == [2, 2, 2, 2]  # 5 padded to 8
+    for r in per_rank:
+        assert r["gather"]["prompt"] == full["prompt"]
+        torch.testing.assert_close(r["gather"]["reward"], full["input_ids"].float().sum(-1))

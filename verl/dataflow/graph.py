@@ -169,8 +169,18 @@ class Dataflow:
         each multi-rank node agree that nobody has failed before it starts (one tiny all-reduce per node);
         ``"end"`` checks only once per run.
         """
+        return _execute()(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors)
+
+
+_EXECUTE: list = []
+
+
+def _execute():
+    # runtime imports this module, so it is imported on first use; cached because run() is on the hot path.
+    if not _EXECUTE:
         from verl.dataflow.runtime import execute
-        return execute(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors)
+        _EXECUTE.append(execute)
+    return _EXECUTE[0]
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as _dist
 
 from verl.dataflow.graph import Dataflow, NodeEntry
 from verl.dataflow.node import NodeContext, TransientError
@@ -29,6 +30,7 @@ from verl.errors import VerlConfigError, VerlRuntimeError
 
 _MISSING = object()
 _NO_FAILURE = 1 << 30
+_LOCAL_KEY = ("local",)
 
 
 @dataclass(slots=True)
@@ -140,21 +142,25 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
 
 
 def _plan_for(df: Dataflow) -> _Plan:
-    import torch.distributed as dist
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-    if world != df.world_size and (distributed or df.world_size > 1):
-        if any(e.config.device_map is not None and e.config.device_map[-1] >= world for e in df._entries.values()):
-            raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but runs on {world}; a device_map "
-                                  f"names ranks that do not exist here")
-        if df.world_size > 1 and not distributed:
+    distributed = _dist.is_available() and _dist.is_initialized() and _dist.get_world_size() > 1
+    if not distributed:
+        plan = df._plans.get(_LOCAL_KEY)
+        if plan is not None:
+            return plan
+        if df.world_size > 1:
             raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but torch.distributed is not "
                                   f"initialised; launch with torchrun and call init_process_group first")
-    key = (rank, world, distributed, id(dist.group.WORLD) if distributed else 0)
+        plan = df._plans[_LOCAL_KEY] = _compile(df, 0, 1, False)
+        return plan
+    rank, world = _dist.get_rank(), _dist.get_world_size()
+    key = (rank, world, id(_dist.group.WORLD))
     plan = df._plans.get(key)
     if plan is None:
-        plan = df._plans[key] = _compile(df, rank, world, distributed)
+        bad = [e.name for e in df._entries.values() if e.config.device_map is not None and e.config.device_map[-1] >= world]
+        if bad:
+            raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but runs on {world}; the "
+                                  f"device_map of {bad} names ranks that do not exist here")
+        plan = df._plans[key] = _compile(df, rank, world, True)
     return plan
 
 
@@ -163,8 +169,11 @@ def _normalize(entry: NodeEntry, out: Any) -> tuple:
     node = entry.node
     keys = node.output_keys
     if node.returns_dict:
-        if isinstance(out, Mapping) and len(out) == len(keys) and all(k in out for k in keys):
-            return tuple(out[k] for k in keys)
+        if (type(out) is dict or isinstance(out, Mapping)) and len(out) == len(keys):
+            try:
+                return tuple([out[k] for k in keys])
+            except KeyError:
+                pass
         got = sorted(out) if isinstance(out, Mapping) else type(out).__name__
         raise _OutputError(f"returned {got} but its outputs are {list(keys)} (read from its return statement); "
                            f"return a dict with exactly these keys, or declare @CustomNode(output_keys=[...])")
@@ -411,7 +420,7 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
             check_errors: str = "node") -> dict[str, Any]:
     if check_errors not in ("node", "end"):
         raise VerlConfigError(f"check_errors must be 'node' or 'end', got {check_errors!r}")
-    if not isinstance(inputs, Mapping):
+    if type(inputs) is not dict and not isinstance(inputs, Mapping):
         raise VerlConfigError(f"run() takes a dict of inputs, got {type(inputs).__name__}")
     plan = _plan_for(df)
     recorder = TraceRecorder() if trace is not None else None
