@@ -66,8 +66,12 @@ def replace_attr(path: str, make: Callable[[object], object]) -> None:
     _set(owner, name, make(original))
 
 
-def rewrite_source(path: str, replacements: list[tuple[str, str, int]], extra_globals: dict | None = None) -> None:
+def rewrite_source(path: str, replacements: list[tuple[str, str, int]], extra_globals: dict | None = None,
+                   also_in: tuple[str, ...] = ()) -> None:
     """Recompiles the function at `path` with `(old, new, expected_count)` text replacements.
+
+    `also_in` lists modules that imported the function by name (``from .x import f``); their binding is
+    replaced too, after checking it is the same original object.
 
     The new function runs in the defining module's globals (plus `extra_globals`), keeps the original's
     defaults, and keeps zero-argument `super()` working by rebuilding the `__class__` cell for methods.
@@ -106,6 +110,11 @@ def rewrite_source(path: str, replacements: list[tuple[str, str, int]], extra_gl
     elif isinstance(raw, classmethod):
         new_func = classmethod(new_func)
     _set(owner, name, new_func)
+    for module_name in also_in:
+        module = importlib.import_module(module_name)
+        if getattr(module, name, None) is not raw:
+            raise RuntimeError(f"cannot patch {path} in {module_name}: it does not hold the original {name}")
+        _set(module, name, new_func)
 
 
 # --------------------------------------------------------------------------------------------------------

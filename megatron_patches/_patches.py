@@ -106,7 +106,8 @@ def _install_fp32_type_checks() -> None:
         [("model_param.type() == 'torch.cuda.FloatTensor'", "model_param.dtype == torch.float32", 1)])
     mech.rewrite_source(
         "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
-        [("assert param.grad.type() == 'torch.cuda.FloatTensor'", "assert param.grad.dtype == torch.float32", 1)])
+        [("assert param.grad.type() == 'torch.cuda.FloatTensor'", "assert param.grad.dtype == torch.float32", 1)],
+        also_in=("megatron.core.optimizer.optimizer",))
 
 
 def _install_tied_embedding_copy() -> None:

@@ -203,7 +203,8 @@ def causal_lm_loss(model: MegatronGPT, temperature: float = 1.0) -> LossFn:
         mask = (labels != IGNORE_INDEX).float()
         n = mask.sum().clamp(min=1)
         loss = -(lp * mask).sum() / n
-        return loss, {"loss": loss.detach(), "entropy": ((ent * mask).sum() / n).detach()}
+        # clone: megatron divides the returned loss in place by the number of micro-batches
+        return loss, {"loss": loss.detach().clone(), "entropy": ((ent * mask).sum() / n).detach()}
     return loss_fn
 
 
@@ -213,5 +214,5 @@ def value_mse_loss() -> LossFn:
         mask = mb.get("response_mask", mb["attention_mask"]).float()
         err = (values - mb["returns"]) ** 2
         loss = (err * mask).sum() / mask.sum().clamp(min=1)
-        return loss, {"value_loss": loss.detach()}
+        return loss, {"value_loss": loss.detach().clone()}
     return loss_fn
