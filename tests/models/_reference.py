@@ -34,5 +34,5 @@ def hf_reference(path, ids, mask, *, steps: int, lr: float) -> dict:
         l.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step_losses.append(float(l))
+        step_losses.append(float(l.detach()))
     return {"logits": logits.detach(), "loss": float(loss), "grads": grads, "step_losses": step_losses}

@@ -43,15 +43,16 @@ def _files_equal(a, b) -> bool:
     return set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) and ta[k].dtype == tb[k].dtype for k in ta)
 
 
-def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, check_resume=False):
+def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: bool, check_resume: bool = False):
     """Everything one layout must reproduce: logits, loss, grads (HF names), export, optimizer steps."""
     import torch.distributed as dist
 
     from verl.distributed import destroy_process_groups
-    from verl.models import causal_lm_loss, compute_logits, export_hf_checkpoint, forward_backward, make_micro_batches
-    from verl.models.optimizer import (OptimConfig, build_optimizer, load_training_state, save_training_state,
-                                       train_step)
+    from verl.models import causal_lm_loss, compute_logits, export_hf_checkpoint, make_micro_batches
+    from verl.models.optimizer import (OptimConfig, accumulate_grads, apply_update, build_optimizer,
+                                       load_training_state, save_training_state, train_step)
     ids, mask = batch
+    mbs = make_micro_batches(ids, mask, 1)
     res = {}
     model, _ = _build(path, tp, pp, sp)
     logits = compute_logits(model, ids, mask, micro_batch_size=1)
@@ -60,29 +61,35 @@ def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, check_resume=F
     written = export_hf_checkpoint(model, f"{out_dir}/{tag}")
     if written is not None:
         res["export_exact"] = _files_equal(path, written)
-    # Loss and gradients (plain DDP all-reduce; clip off so grads are untouched).
-    build_optimizer(model, OptimConfig(lr=lr, clip_grad=0.0))
-    model.module.zero_grad_buffer()
-    mbs = make_micro_batches(ids, mask, 1)
-    outs = forward_backward(model, mbs, causal_lm_loss(model))
-    if outs:
-        res["loss"] = sum(float(o["loss"]) for o in outs) / len(outs)
-    grads = {n: p.main_grad for n, p in model.gpt.named_parameters()}
-    hf_grads = _hf_grad_names(model, grads)
-    if hf_grads is not None:
-        res["grad_diff"] = max(float((hf_grads[k] - ref["grads"][k]).abs().max()) for k in ref["grads"])
-        res["grad_names_match"] = set(hf_grads) == set(ref["grads"])
-    destroy_process_groups()
-    # A few optimizer steps (distributed optimizer whenever there are DP replicas to shard over).
-    model, _ = _build(path, tp, pp, sp)
     dp = dist.get_world_size() // (tp * pp)
-    opt = build_optimizer(model, OptimConfig(lr=lr, clip_grad=1.0, use_distributed_optimizer=dp > 1))
+    sharded = dist_opt and dp > 1
+
+    def check_grads(outs):
+        if outs:
+            res["loss"] = sum(float(o["loss"]) for o in outs) / len(outs)
+        hf_grads = _hf_grad_names(model, {n: p.main_grad for n, p in model.gpt.named_parameters()})
+        if hf_grads is not None:
+            res["grad_diff"] = max(float((hf_grads[k] - ref["grads"][k]).abs().max()) for k in ref["grads"])
+            res["grad_names_match"] = set(hf_grads) == set(ref["grads"])
+
+    if sharded:
+        # The distributed optimizer leaves only this rank's DP shard of each grad reduced, so grads are
+        # compared on a plain-DDP build first.
+        build_optimizer(model, OptimConfig(lr=lr, clip_grad=0.0))
+        check_grads(accumulate_grads(model, mbs, causal_lm_loss(model)))
+        destroy_process_groups()
+        model, _ = _build(path, tp, pp, sp)
+    opt = build_optimizer(model, OptimConfig(lr=lr, clip_grad=1.0, use_distributed_optimizer=sharded))
     losses = []
     for step in range(steps):
         if check_resume and step == steps - 1:
             save_training_state(model, opt, f"{out_dir}/state_{tag}")
-        losses.append(train_step(model, opt, mbs, causal_lm_loss(model))["loss"])
+        outs = accumulate_grads(model, mbs, causal_lm_loss(model))
+        if step == 0 and not sharded:
+            check_grads(outs)
+        losses.append(apply_update(model, opt, outs)["loss"])
     res["step_losses"] = losses
+    res["dist_opt"] = sharded
     if check_resume:
         load_training_state(model, opt, f"{out_dir}/state_{tag}")
         res["resumed_last_loss"] = train_step(model, opt, mbs, causal_lm_loss(model))["loss"]
@@ -96,6 +103,7 @@ def matrix_body(rank, world_size, jobs):
     for job in jobs:
         for tp, pp, sp in job["layouts"]:
             r = layout_case(job["path"], job["out_dir"], tp, pp, sp, job["batch"], job["ref"], job["steps"],
-                            job["lr"], check_resume=job.get("check_resume", False) and (tp, pp, sp) == job["layouts"][-1])
+                            job["lr"], dist_opt=job.get("dist_opt", False),
+                            check_resume=job.get("check_resume", False) and (tp, pp, sp) == job["layouts"][-1])
             out.append({"case": job["name"], "layout": (tp, pp, sp), **r})
     return out

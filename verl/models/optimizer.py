@@ -96,23 +96,32 @@ def build_optimizer(model: MegatronGPT, config: OptimConfig | None = None) -> Op
     return Optimizer(optimizer=opt, scheduler=sched, config=config)
 
 
-def train_step(model: MegatronGPT, opt: Optimizer, micro_batches, loss_fn: LossFn) -> dict:
-    """Zero grads, forward/backward over the micro-batches, clip, step, advance the LR schedule.
-
-    Returns the mean of each scalar metric over micro-batches (last stage; broadcast over PP) plus
-    grad_norm, lr and whether the update was applied (False when fp16 loss scaling skipped it).
-    """
+def accumulate_grads(model: MegatronGPT, micro_batches, loss_fn: LossFn) -> list[dict]:
+    """Zeroes the grad buffers and runs forward/backward over the micro-batches (grads synced over DP/SP/PP
+    tied embeddings by megatron at the end). Returns the last stage's per-micro-batch metrics."""
     model.module.zero_grad_buffer()
-    opt.optimizer.zero_grad()
-    outs = forward_backward(model, micro_batches, loss_fn, forward_only=False)
+    return forward_backward(model, micro_batches, loss_fn, forward_only=False)
+
+
+def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict]) -> dict:
+    """Clips, steps the optimizer, advances the LR schedule; returns mean metrics + grad_norm, lr, update_applied.
+
+    Metrics are averaged over micro-batches on the last stage and broadcast over PP, so every rank gets them.
+    """
     ok, grad_norm, _ = opt.optimizer.step()
     lr = opt.optimizer.param_groups[0]["lr"]
     if ok:
         opt.scheduler.step(increment=1)
+    opt.optimizer.zero_grad()
     metrics = _mean_metrics(model, outs)
     metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=float(lr),
                    update_applied=bool(ok))
     return metrics
+
+
+def train_step(model: MegatronGPT, opt: Optimizer, micro_batches, loss_fn: LossFn) -> dict:
+    """One optimizer step over the micro-batches: `accumulate_grads` then `apply_update`."""
+    return apply_update(model, opt, accumulate_grads(model, micro_batches, loss_fn))
 
 
 def _mean_metrics(model: MegatronGPT, outs: list[dict]) -> dict:
