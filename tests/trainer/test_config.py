@@ -76,3 +76,12 @@ def test_every_field_documented_and_slots():
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
     lines = describe(PPOConfig)
     assert any(line.startswith("actor.optim.lr = ") for line in lines)
+
+
+def test_example_configs_load():
+    from pathlib import Path
+    examples = sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        cfg = load_config(PPOConfig, path)
+        cfg.validate_world(1)

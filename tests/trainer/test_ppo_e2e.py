@@ -52,7 +52,7 @@ def test_ppo_with_critic_and_kl_in_reward(tmp_path, tiny_args):
     assert steps[1]["actor/kl_coef"] != 0.001
 
 
-@pytest.mark.parametrize("estimator", ["drgrpo", "rloo", "reinforce_plus_plus", "remax"])
+@pytest.mark.parametrize("estimator", ["dr_grpo", "rloo", "reinforce_plus_plus", "remax"])
 def test_critic_free_estimators_run(tmp_path, tiny_args, estimator):
     main(tiny_args(f"algorithm.adv_estimator={estimator}", "actor.use_kl_loss=true", "trainer.total_steps=1",
                    "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false", "warmup.steps=0"))
@@ -64,7 +64,7 @@ def test_flow_is_chosen_by_config():
     names = lambda *o: [n.__name__ if hasattr(n, "__name__") else n.name for n in ppo_nodes(load_config(PPOConfig, None, list(o)))]  # noqa: E731
     assert names("algorithm.adv_estimator=gae") == ["generate", "reward", "old_log_prob", "values", "token_rewards",
                                                    "gae_advantage", "update_critic", "update_actor", "sync_weights"]
-    assert names() == ["generate", "reward", "old_log_prob", "token_rewards", "grpo_advantage", "update_actor",
+    assert names() == ["generate", "reward", "old_log_prob", "token_rewards", "group_advantage", "update_actor",
                        "sync_weights"]
     assert "ref_log_prob" in names("actor.use_kl_loss=true") and "generate_baseline" in names("algorithm.adv_estimator=remax")
 

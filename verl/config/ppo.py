@@ -11,7 +11,6 @@ from typing import Literal
 
 from verl.errors import VerlConfigError
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "drgrpo", "rloo", "reinforce_plus_plus", "remax")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,6 +121,8 @@ class ActorConfig:
     """Prompts per optimizer step over all ranks (each brings rollout.n responses)."""
     micro_batch_size: int = 32
     """Responses per forward/backward on one rank (gradient accumulation unit)."""
+    policy_loss: str = "vanilla"
+    """Registered policy loss (verl.algos: vanilla PPO clip, gspo, reinforce, or your own)."""
     clip_ratio_low: float = 0.2
     """PPO clip below 1 (ratio >= 1 - clip_ratio_low)."""
     clip_ratio_high: float = 0.2
@@ -134,8 +135,8 @@ class ActorConfig:
     """Put the KL to the reference model in the loss (GRPO style) instead of the reward."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
-    kl_loss_type: Literal["k1", "abs", "k2", "k3"] = "k3"
-    """KL estimator used in the loss."""
+    kl_loss_type: str = "k3"
+    """Registered KL estimator used in the loss (k1, abs, k2, k3, k1+, k3+, ...)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses are reduced to one number."""
@@ -175,18 +176,19 @@ class KLControlConfig:
 class AlgorithmConfig:
     """Advantage estimation and KL handling."""
 
-    adv_estimator: Literal[ADVANTAGE_ESTIMATORS] = "grpo"  # type: ignore[valid-type]
-    """gae (PPO with critic), grpo, drgrpo, rloo, reinforce_plus_plus or remax (no critic)."""
+    adv_estimator: str = "grpo"
+    """Registered advantage estimator: gae (PPO with a critic), grpo, dr_grpo, rloo, reinforce_plus_plus, remax
+    (no critic), or your own (verl.algos.register_advantage)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
     """GAE lambda."""
     norm_adv_by_std_in_grpo: bool = True
-    """GRPO divides by the group's reward std (drgrpo never does)."""
+    """GRPO divides by the group's reward std (dr_grpo never does)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef * KL(policy || reference) from the token rewards."""
-    kl_penalty: Literal["k1", "abs", "k2", "k3"] = "k1"
-    """KL estimator used in the reward."""
+    kl_penalty: str = "k1"
+    """Registered KL estimator used in the reward."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Controller of the KL-in-reward coefficient."""
 
@@ -280,7 +282,17 @@ class PPOConfig:
 
     def check(self) -> None:
         """Checks that do not depend on the world size (run when the tree is built)."""
-        if self.algorithm.adv_estimator in ("grpo", "drgrpo", "rloo") and self.rollout.n < 2:
+        from verl.algos import get_advantage, get_kl, get_policy_loss, check_agg_mode
+        for getter, key, value in ((get_advantage, "algorithm.adv_estimator", self.algorithm.adv_estimator),
+                                   (get_policy_loss, "actor.policy_loss", self.actor.policy_loss),
+                                   (get_kl, "actor.kl_loss_type", self.actor.kl_loss_type),
+                                   (get_kl, "algorithm.kl_penalty", self.algorithm.kl_penalty)):
+            try:
+                getter(value)
+            except VerlConfigError as e:
+                raise VerlConfigError(f"{key}: {e}") from None
+        check_agg_mode(self.actor.loss_agg_mode)
+        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
             raise VerlConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses "
                                   f"within a group; set rollout.n >= 2 (got {self.rollout.n})")
         for name, value in (("data.train_batch_size", self.data.train_batch_size),

@@ -3,7 +3,7 @@
 The default config (verl/trainer/config/default.yaml) is the embedded job: a tiny Llama-architecture model
 and BPE tokenizer built locally (no download), the synthetic arithmetic task ("23+9=" → "32") with an
 exact-match reward, a short supervised warm start, then GRPO. Other algorithms are one override away:
-`algorithm.adv_estimator=gae` (PPO with a critic), `drgrpo`, `rloo`, `reinforce_plus_plus`, `remax`.
+`algorithm.adv_estimator=gae` (PPO with a critic), `dr_grpo`, `rloo`, `reinforce_plus_plus`, `remax`.
 
     python -m verl.trainer.main_ppo                                   # the default job, one process
     python -m verl.trainer.main_ppo verl/trainer/config/default.yaml actor.optim.lr=1e-6 rollout.n=4

@@ -4,19 +4,17 @@
              → advantage → update critic → update actor → sync weights
 
 GRPO, Dr.GRPO, RLOO, REINFORCE++ and ReMax are the same flow with another advantage node and no critic
-(`algorithm.adv_estimator`); the reference node appears when a KL term needs it. Workers arrive as inputs
-(`rollout`, `reward_fn`, `actor`, `ref`, `critic`), so engines and placement change without touching this file.
+(`algorithm.adv_estimator`, any estimator registered in verl.algos); the reference node appears when a KL term
+needs it. Workers arrive as inputs (`rollout`, `reward_fn`, `actor`, `ref`, `critic`), so engines and
+placement change without touching this file.
 """
 
 from __future__ import annotations
 
-try:
-    from verl import DataflowNode, build_dataflow
-except ImportError:  # until verl.dataflow lands on this branch
-    from verl.trainer._dataflow_shim import DataflowNode, build_dataflow
-
+from verl import DataflowNode, build_dataflow
 from verl.config.ppo import PPOConfig
 from verl.trainer import algorithms as algo
+from verl.utils.distributed import mean_across_ranks
 
 
 @DataflowNode(input_keys=["prompts", "rollout"], output_keys=["batch"])
@@ -63,41 +61,28 @@ def kl_in_reward(batch, scores, old_log_probs, ref_log_probs, kl_ctrl, algo_cfg)
     mask = batch.response_mask
     kl = algo.kl_penalty(old_log_probs, ref_log_probs, algo_cfg.kl_penalty) * mask
     rewards = algo.token_level_rewards(scores, mask) - kl_ctrl.value * kl
-    seq_kl = float((kl.sum(-1)).mean())
     metrics = {"actor/kl": float(kl.sum() / mask.sum().clamp(min=1)), "actor/kl_coef": kl_ctrl.value}
-    kl_ctrl.update(seq_kl, n_steps=len(batch))
+    # every rank must move its controller identically, so it sees the KL of the whole batch
+    kl_ctrl.update(mean_across_ranks(float(kl.sum(-1).mean())), n_steps=len(batch))
     return rewards, metrics
 
 
 @DataflowNode(input_keys=["batch", "token_rewards", "values", "algo_cfg"], output_keys=["advantages", "returns"])
 def gae_advantage(batch, token_rewards, values, algo_cfg):
-    return algo.gae_advantage(token_rewards, values, batch.response_mask, algo_cfg.gamma, algo_cfg.lam)
-
-
-@DataflowNode(input_keys=["batch", "token_rewards", "algo_cfg"], output_keys=["advantages"])
-def grpo_advantage(batch, token_rewards, algo_cfg):
-    return algo.grpo_advantage(token_rewards.sum(-1), batch.response_mask, batch.group,
-                               norm_by_std=algo_cfg.norm_adv_by_std_in_grpo)
-
-
-@DataflowNode(input_keys=["batch", "token_rewards"], output_keys=["advantages"])
-def drgrpo_advantage(batch, token_rewards):
-    return algo.grpo_advantage(token_rewards.sum(-1), batch.response_mask, batch.group, norm_by_std=False)
-
-
-@DataflowNode(input_keys=["batch", "token_rewards"], output_keys=["advantages"])
-def rloo_advantage(batch, token_rewards):
-    return algo.rloo_advantage(token_rewards.sum(-1), batch.response_mask, batch.group)
-
-
-@DataflowNode(input_keys=["batch", "token_rewards", "algo_cfg"], output_keys=["advantages"])
-def reinforce_plus_plus_advantage(batch, token_rewards, algo_cfg):
-    return algo.reinforce_pp_advantage(token_rewards, batch.response_mask, algo_cfg.gamma)[0]
+    return algo.advantages("gae", token_rewards, batch.response_mask, values=values, gamma=algo_cfg.gamma,
+                           lam=algo_cfg.lam)
 
 
 @DataflowNode(input_keys=["batch", "token_rewards", "baseline_scores"], output_keys=["advantages"])
 def remax_advantage(batch, token_rewards, baseline_scores):
-    return algo.remax_advantage(token_rewards.sum(-1), baseline_scores, batch.response_mask)
+    return algo.advantages("remax", token_rewards, batch.response_mask, baseline=baseline_scores)[0]
+
+
+@DataflowNode(input_keys=["batch", "token_rewards", "algo_cfg"], output_keys=["advantages"])
+def group_advantage(batch, token_rewards, algo_cfg):
+    """Critic-free estimators (grpo, dr_grpo, rloo, reinforce_plus_plus, ...): responses of one prompt form a group."""
+    return algo.advantages(algo_cfg.adv_estimator, token_rewards, batch.response_mask, group=batch.group,
+                           gamma=algo_cfg.gamma, norm_by_std=algo_cfg.norm_adv_by_std_in_grpo)[0]
 
 
 @DataflowNode(input_keys=["batch", "critic", "values", "returns"], output_keys=["critic_metrics"])
@@ -116,9 +101,7 @@ def sync_weights(actor, rollout, actor_metrics):
     return rollout.sync_weights(actor.engine.module)
 
 
-ADVANTAGE_NODES = {"gae": gae_advantage, "grpo": grpo_advantage, "drgrpo": drgrpo_advantage,
-                   "rloo": rloo_advantage, "reinforce_plus_plus": reinforce_plus_plus_advantage,
-                   "remax": remax_advantage}
+ADVANTAGE_NODES = {"gae": gae_advantage, "remax": remax_advantage}
 
 
 def ppo_nodes(cfg: PPOConfig) -> list:
@@ -128,7 +111,8 @@ def ppo_nodes(cfg: PPOConfig) -> list:
     nodes += [ref_log_prob] if cfg.needs_ref else []
     nodes += [values] if cfg.needs_critic else []
     nodes += [generate_baseline] if est == "remax" else []
-    nodes += [kl_in_reward if cfg.algorithm.use_kl_in_reward else token_rewards, ADVANTAGE_NODES[est]]
+    nodes += [kl_in_reward if cfg.algorithm.use_kl_in_reward else token_rewards,
+              ADVANTAGE_NODES.get(est, group_advantage)]
     nodes += [update_critic] if cfg.needs_critic else []
     return nodes + [update_actor, sync_weights]
 

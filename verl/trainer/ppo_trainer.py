@@ -81,6 +81,11 @@ class PPOTrainer:
         self.critic: CriticWorker | None = None
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.node_seconds: dict[str, float] = {}
+
+    def on_node_end(self, event) -> None:
+        """Dataflow hook: per-node durations of the current step (logged as timing/<node>_s)."""
+        self.node_seconds[event.node] = event.duration_s
 
     # -- building the models that copy the (warm-started) policy -------------------------------------------
     def _build_ref_and_critic(self) -> None:
@@ -145,7 +150,8 @@ class PPOTrainer:
                   "update_actor_now": self.step >= cfg.critic.warmup_steps or not cfg.needs_critic}
         if not cfg.needs_ref:
             inputs["ref_log_probs"] = None
-        out = self.flow.run(inputs)
+        self.node_seconds.clear()
+        out = self.flow.run(inputs, hooks=[self])
         elapsed = time.perf_counter() - t0
         return self._metrics(out, elapsed)
 
@@ -170,7 +176,7 @@ class PPOTrainer:
         m["perf/step_time_s"] = elapsed
         m["perf/tokens_per_s"] = float(local[0]) / elapsed
         m["perf/response_tokens_per_s"] = float(local[1]) / elapsed
-        for name, seconds in getattr(self.flow, "timings", {}).items():
+        for name, seconds in self.node_seconds.items():
             m[f"timing/{name}_s"] = seconds
         return m
 

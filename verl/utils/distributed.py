@@ -71,3 +71,12 @@ def broadcast_object(obj, world: World, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def mean_across_ranks(value: float) -> float:
+    """The mean of a per-rank number over the default process group (the value itself without one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()

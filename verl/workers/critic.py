@@ -9,6 +9,7 @@ import torch
 
 from verl.config.ppo import CriticConfig
 from verl.trainer import algorithms as algo
+from verl.workers.actor import step_aggregation
 from verl.workers.batch import RolloutBatch, micro_slices
 from verl.workers.engine import TorchEngine
 
@@ -52,14 +53,17 @@ class CriticWorker:
     def update(self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
         """Epochs of one optimizer step over the whole batch (micro-batches accumulate gradients)."""
         stats: dict[str, list[float]] = defaultdict(list)
+        agg = step_aggregation("token-mean", batch.response_mask, self.engine, batch.response_mask.shape[1])
         for _ in range(self.cfg.ppo_epochs):
+            vf_loss = 0.0
             for sl in micro_slices(len(batch), self.cfg.micro_batch_size):
                 mb = batch.select(sl)
                 values = response_values(self.engine.module, mb)
                 loss, clipfrac = algo.value_loss(values, old_values[sl], returns[sl], mb.response_mask,
-                                                 cliprange=self.cfg.cliprange_value)
-                (loss * ((sl.stop - sl.start) / len(batch))).backward()
-                stats["critic/vf_loss"].append(float(loss.detach()))
+                                                 cliprange=self.cfg.cliprange_value, agg=agg)
+                loss.backward()
+                vf_loss += float(loss.detach())
                 stats["critic/vf_clipfrac"].append(float(clipfrac))
+            stats["critic/vf_loss"].append(vf_loss)
             stats["critic/grad_norm"].append(self.engine.step())
         return {k: sum(v) / len(v) for k, v in stats.items()}
