@@ -2,6 +2,7 @@
 
 from verl.config.base import apply_overrides, describe, field_docs, from_dict, load_config, load_yaml, to_dict
 from verl.config.ppo import (
+    MegatronConfig,
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
@@ -19,6 +20,6 @@ from verl.config.ppo import (
 
 __all__ = [
     "apply_overrides", "describe", "field_docs", "from_dict", "load_config", "load_yaml", "to_dict",
-    "ActorConfig", "AlgorithmConfig", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
+    "ActorConfig", "AlgorithmConfig", "MegatronConfig", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
     "PPOConfig", "RewardConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig", "WarmupConfig",
 ]

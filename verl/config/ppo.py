@@ -108,11 +108,29 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MegatronConfig:
+    """Parallel layout of the megatron engine (actor, reference and critic share it)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    sequence_parallel: bool = False
+    """Split activations along the sequence over the TP group (needs tp > 1)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the megatron models."""
+
+
+@dataclass(kw_only=True, slots=True)
 class ActorConfig:
     """The policy and its PPO update."""
 
     engine: Literal["torch", "megatron"] = "torch"
     """Training engine: plain torch data parallel over a Hugging Face / verl model, or megatron-core."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Layout of the megatron engine (used when engine=megatron)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer of the policy."""
     ppo_epochs: int = 1
@@ -306,9 +324,19 @@ class PPOConfig:
         if self.reward.type == "model" and not self.reward.model_path:
             raise VerlConfigError("reward.type=model needs reward.model_path (a sequence-classification model dir)")
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that get different prompts (TP / PP peers of the megatron engine share theirs)."""
+        if self.actor.engine != "megatron":
+            return world_size
+        m = self.actor.megatron
+        if world_size % (m.tp * m.pp):
+            raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {world_size} ranks")
+        return world_size // (m.tp * m.pp)
+
     def validate_world(self, world_size: int) -> None:
         """Batch-size divisibility across `world_size` ranks and micro-batches; raised before any step."""
         d, a, n = self.data, self.actor, self.rollout.n
+        world_size = self.data_parallel_size(world_size)
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
                                   f"{world_size} ranks; use a multiple of {world_size}")

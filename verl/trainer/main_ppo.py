@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config_path, overrides = parse_args(argv)
     cfg = load_config(PPOConfig, config_path, overrides)
+    owned = not dist.is_initialized()  # tear down only the process groups this call creates
     world = init_world(cfg.trainer.device)
     try:
         history = PPOTrainer(cfg, world).fit()
@@ -52,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"done: {len(history)} steps, reward {first['reward/mean']:.3f} -> {last['reward/mean']:.3f}, "
                   f"outputs in {cfg.trainer.output_dir}")
     finally:
-        if dist.is_initialized():
+        if owned and dist.is_initialized():
+            if cfg.actor.engine == "megatron":
+                from verl.distributed import destroy_process_groups
+                destroy_process_groups()
             dist.destroy_process_group()
     return 0
 

@@ -98,7 +98,7 @@ def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, update_
 
 @DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_bytes"])
 def sync_weights(actor, rollout, actor_metrics):
-    return rollout.sync_weights(actor.engine.module)
+    return rollout.sync_weights(actor)
 
 
 ADVANTAGE_NODES = {"gae": gae_advantage, "remax": remax_advantage}

@@ -19,7 +19,7 @@ from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
-from verl.utils.distributed import World, barrier
+from verl.utils.distributed import World, barrier, ensure_process_group
 from verl.utils.metrics import MetricsLogger, plot_curves
 from verl.workers import ActorWorker, CriticWorker, ReferenceWorker, TorchEngine, ValueModel, build_reward, build_rollout
 
@@ -63,22 +63,28 @@ class PPOTrainer:
         self.cfg, self.world = cfg, world
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
-        torch.manual_seed(cfg.trainer.seed * 1000 + world.rank)
         self.dataset = load_dataset(cfg)
-        model, self.tokenizer = load_policy(cfg, self.dataset)
+        self.policy, self.tokenizer = load_policy(cfg, self.dataset)
+        self.pg = None
+        self.dp_rank, self.dp_size = world.rank, world.world_size
+        if cfg.actor.engine == "megatron":
+            from verl.distributed import init_process_groups
+            ensure_process_group(world)
+            m = cfg.actor.megatron
+            self.pg = init_process_groups(tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
+                                          seed=cfg.trainer.seed)
+            self.dp_rank, self.dp_size = self.pg.dp_rank, self.pg.dp_size
+        # sampling differs between data-parallel replicas and agrees within a model-parallel group
+        torch.manual_seed(cfg.trainer.seed * 1000 + self.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-        n, ws = cfg.rollout.n, world.world_size
-        self.actor = ActorWorker(TorchEngine(model, cfg.actor.optim, world), cfg.actor,
-                                 temperature=cfg.rollout.temperature,
-                                 responses_per_mini=cfg.actor.mini_batch_size // ws * n,
-                                 max_response_length=cfg.rollout.max_new_tokens)
-        self.rollout = build_rollout(model, self.tokenizer, cfg.rollout, cfg.data.max_prompt_length, world.device)
+        self.rollout = build_rollout(self.policy, self.tokenizer, cfg.rollout, cfg.data.max_prompt_length,
+                                     world.device)
         self.reward_fn = build_reward(cfg.reward, world.device)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg)
-        self.ckpt = CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints", world, cfg.trainer.keep_checkpoints)
-        self.ref: ReferenceWorker | None = None
-        self.critic: CriticWorker | None = None
+        self.out_dir = Path(cfg.trainer.output_dir)
+        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", world, cfg.trainer.keep_checkpoints)
+        self.actor = self.ref = self.critic = None
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.node_seconds: dict[str, float] = {}
@@ -87,57 +93,94 @@ class PPOTrainer:
         """Dataflow hook: per-node durations of the current step (logged as timing/<node>_s)."""
         self.node_seconds[event.node] = event.duration_s
 
-    # -- building the models that copy the (warm-started) policy -------------------------------------------
-    def _build_ref_and_critic(self) -> None:
-        cfg, policy = self.cfg, self.actor.engine.module
+    # -- workers (built after the warm start: the reference and critic copy the warm-started policy) --------
+    def _build_workers(self) -> None:
+        if self.cfg.actor.engine == "megatron":
+            self._build_megatron_workers()
+        else:
+            self._build_torch_workers()
+
+    def _build_torch_workers(self) -> None:
+        cfg, world, policy = self.cfg, self.world, self.policy
+        self.actor = ActorWorker(TorchEngine(policy, cfg.actor.optim, world), cfg.actor,
+                                 temperature=cfg.rollout.temperature,
+                                 responses_per_mini=cfg.actor.mini_batch_size // self.dp_size * cfg.rollout.n,
+                                 max_response_length=cfg.rollout.max_new_tokens)
         if cfg.needs_ref:
-            self.ref = ReferenceWorker(TorchEngine(copy.deepcopy(policy), None, self.world),
-                                       cfg.rollout.temperature, cfg.actor.micro_batch_size)
+            self.ref = ReferenceWorker(TorchEngine(copy.deepcopy(policy), None, world), cfg.rollout.temperature,
+                                       cfg.actor.micro_batch_size)
         if cfg.needs_critic:
-            self.critic = CriticWorker(TorchEngine(ValueModel.from_causal_lm(policy), cfg.critic.optim, self.world),
+            self.critic = CriticWorker(TorchEngine(ValueModel.from_causal_lm(policy), cfg.critic.optim, world),
                                        cfg.critic)
 
-    def _modules(self) -> dict:
-        mods = {"actor": (self.actor.engine.module, self.actor.engine.optimizer)}
-        if self.ref is not None:
-            mods["ref"] = (self.ref.engine.module, None)
-        if self.critic is not None:
-            mods["critic"] = (self.critic.engine.module, self.critic.engine.optimizer)
-        return mods
+    def _build_megatron_workers(self) -> None:
+        from verl.workers.megatron import MegatronActorWorker, MegatronCriticWorker, MegatronModel
+        cfg, m = self.cfg, self.cfg.actor.megatron
+        init_dir = self.out_dir / ".init_hf"  # the (warm-started) policy the megatron models load
+        if self.world.is_main:
+            export_hf(self.policy, self.tokenizer, init_dir)
+        barrier(self.world)
+        kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens,
+                  responses_per_mini=cfg.actor.mini_batch_size // self.dp_size * cfg.rollout.n)
+        steps = cfg.trainer.total_steps
+        self.actor = MegatronActorWorker(MegatronModel(init_dir, self.pg, m, optim=cfg.actor.optim, total_steps=steps),
+                                         cfg.actor, **kw)
+        if cfg.needs_ref:
+            self.ref = MegatronActorWorker(MegatronModel(init_dir, self.pg, m), cfg.actor, **kw)
+        if cfg.needs_critic:
+            self.critic = MegatronCriticWorker(MegatronModel(init_dir, self.pg, m, value_head=True,
+                                                             optim=cfg.critic.optim, total_steps=steps), cfg.critic)
+
+    def _checkpointed(self) -> tuple[dict, dict]:
+        """(torch modules saved with DCP, megatron engines saving their own per-rank state)."""
+        workers = {"actor": self.actor, "ref": self.ref, "critic": self.critic}
+        modules, savers = {}, {}
+        for name, w in workers.items():
+            if w is None:
+                continue
+            if isinstance(w.engine, TorchEngine):
+                modules[name] = (w.engine.module, w.engine.optimizer)
+            else:
+                savers[name] = w.engine
+        return modules, savers
+
+    def _scheduler_state(self, worker):
+        sched = getattr(getattr(worker, "engine", None), "scheduler", None)
+        return sched.state_dict() if sched is not None else None
 
     def _trainer_state(self) -> dict:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "actor_sched": self.actor.engine.scheduler.state_dict(),
-                "critic_sched": self.critic.engine.scheduler.state_dict() if self.critic else None,
+                "actor_sched": self._scheduler_state(self.actor), "critic_sched": self._scheduler_state(self.critic),
                 "config": to_dict(self.cfg)}
 
     def _restore(self, path: Path) -> None:
-        state = self.ckpt.load(path, self._modules())
+        state = self.ckpt.load(path, *self._checkpointed())
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.actor.engine.scheduler.load_state_dict(state["actor_sched"])
-        if self.critic is not None and state["critic_sched"] is not None:
-            self.critic.engine.scheduler.load_state_dict(state["critic_sched"])
+        for worker, key in ((self.actor, "actor_sched"), (self.critic, "critic_sched")):
+            if worker is not None and state[key] is not None:
+                worker.engine.scheduler.load_state_dict(state[key])
 
     def setup(self) -> dict[str, float]:
         """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up metrics."""
         resume = self.ckpt.resolve(self.cfg.trainer.resume)
         info: dict[str, float] = {}
         if resume is None and self.cfg.warmup.steps > 0:
-            info = supervised_warmup(self.actor.engine.module, self.tokenizer, self.dataset, self.cfg.warmup,
-                                     self.world, self.cfg.trainer.seed)
-        self._build_ref_and_critic()
+            info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, self.world,
+                                     self.cfg.trainer.seed)
+        self._build_workers()
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
+        self.rollout.sync_weights(self.actor)
         return info
 
     # -- one step -------------------------------------------------------------------------------------------
     def _rows(self) -> list[dict]:
         idx = self.sampler.next_batch()
-        per = len(idx) // self.world.world_size
-        mine = idx[self.world.rank * per:(self.world.rank + 1) * per]
+        per = len(idx) // self.dp_size
+        mine = idx[self.dp_rank * per:(self.dp_rank + 1) * per]
         return [self.dataset[i] for i in mine]
 
     def train_step(self) -> dict[str, float]:
@@ -182,12 +225,12 @@ class PPOTrainer:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def save(self) -> Path:
-        return self.ckpt.save(self.step, self._modules(), self._trainer_state())
+        return self.ckpt.save(self.step, *self._checkpointed(), self._trainer_state())
 
     def fit(self) -> list[dict[str, float]]:
         cfg, world = self.cfg, self.world
         info = self.setup()
-        out_dir = Path(cfg.trainer.output_dir)
+        out_dir = self.out_dir
         logger = MetricsLogger(out_dir, enabled=world.is_main, tensorboard=cfg.trainer.tensorboard,
                                start_step=self.step)
         bar = None
@@ -228,7 +271,7 @@ class PPOTrainer:
         if self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
             plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
         if self.cfg.trainer.export_hf:
-            export_hf(self.actor.engine.module, self.tokenizer, out_dir / "hf_actor")
+            export_hf(self.policy, self.tokenizer, out_dir / "hf_actor")  # synced from the actor each step
         barrier(self.world)
 
 

@@ -88,7 +88,9 @@ class CheckpointManager:
         return path
 
     def save(self, step: int, modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
-             trainer_state: dict[str, Any]) -> Path:
+             savers: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+        """`modules` go through DCP; each of `savers` (engines with their own sharded format, e.g. megatron's
+        per-rank training state) writes `save(dir)` into its own sub-directory of the same atomic checkpoint."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
         if self.world.is_main:
@@ -99,6 +101,8 @@ class CheckpointManager:
         with warnings.catch_warnings():  # DCP warns that a lone process saves without a process group
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save(_dcp_state(modules), checkpoint_id=str(tmp))
+        for name, saver in savers.items():
+            saver.save(tmp / name)
         torch.save(rng_state(), tmp / f"rng_rank{self.world.rank}.pt")
         if self.world.is_main:
             torch.save(trainer_state, tmp / "trainer_state.pt")
@@ -119,8 +123,8 @@ class CheckpointManager:
             for old in self.list()[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: str | Path, modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
-             ) -> dict[str, Any]:
+    def load(self, path: str | Path, modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
+             savers: dict[str, Any] | None = None) -> dict[str, Any]:
         """Restores `modules` in place and this rank's RNG; returns the trainer state saved with them."""
         path = Path(path)
         state = _dcp_state(modules)
@@ -133,6 +137,8 @@ class CheckpointManager:
             else:
                 set_state_dict(model, optim, model_state_dict=state[name]["model"],
                                optim_state_dict=state[name]["optim"])
+        for name, saver in (savers or {}).items():
+            saver.load(path / name)
         rng_file = path / f"rng_rank{self.world.rank}.pt"
         if not rng_file.is_file():
             raise VerlConfigError(f"checkpoint {str(path)!r} has no RNG state for rank {self.world.rank}: it was "

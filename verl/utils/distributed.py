@@ -53,6 +53,14 @@ def init_world(device_choice: str = "auto", timeout_s: float = 1800.0) -> World:
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def ensure_process_group(world: World) -> None:
+    """Creates a one-rank gloo group when running without torchrun (megatron-core needs a process group)."""
+    if dist.is_initialized():
+        return
+    from verl.testing.distributed import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
 def all_reduce_mean_(t: torch.Tensor, world: World) -> torch.Tensor:
     if world.distributed:
         dist.all_reduce(t)

@@ -42,13 +42,14 @@ class _LogProbMixin:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs, entropy) [B, R] of the batch's responses under this worker's model."""
+        """(log-probs, entropy) [B, R] of the batch's responses under this worker's model (0 on padding)."""
         logps, ents = [], []
         for sl in micro_slices(len(batch), self.micro_batch_size):
             lp, ent = response_logprobs(self.engine.module, batch.select(sl), self.temperature)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps), torch.cat(ents)
+        mask = batch.response_mask
+        return torch.cat(logps) * mask, torch.cat(ents) * mask
 
 
 class ReferenceWorker(_LogProbMixin):

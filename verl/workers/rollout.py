@@ -78,9 +78,18 @@ class HFRollout:
         eos = -1 if cfg.ignore_eos else tok.eos_token_id
         return assemble_batch(ids, mask, responses, eos, tok.pad_token_id, rows, n, tok)
 
-    def sync_weights(self, actor_module: torch.nn.Module) -> int:
-        """Shares the actor's module, so there is nothing to move; returns the bytes moved (0)."""
-        return 0
+    def sync_weights(self, actor) -> int:
+        """Refreshes the generation weights from the actor; returns the bytes moved. A torch-engine actor
+        trains this very module (nothing to move); a megatron actor hands over its gathered HF weights."""
+        if getattr(actor.engine, "module", None) is self.module:
+            return 0
+        weights = actor.hf_weights()
+        missing, unexpected = self.module.load_state_dict(weights, strict=False)
+        tied = {"lm_head.weight"} if getattr(self.module.config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"actor weights do not fit the rollout model: missing {sorted(set(missing) - tied)}, "
+                               f"unexpected {sorted(unexpected)}")
+        return sum(t.numel() * t.element_size() for t in weights.values())
 
 
 def build_rollout(module, tokenizer, cfg: RolloutConfig, max_prompt_length: int, device: torch.device):
