@@ -24,7 +24,8 @@ def _metrics(out_dir: Path) -> list[dict]:
 
 
 def test_grpo_run_writes_metrics_checkpoint_plot_and_hf_export(tmp_path, tiny_args):
-    assert main(tiny_args("trainer.total_steps=3", "trainer.save_every=2", "trainer.keep_checkpoints=0")) == 0
+    assert main(tiny_args("trainer.total_steps=3", "trainer.save_every=2", "trainer.keep_checkpoints=0",
+                          "trainer.tensorboard=true", "trainer.progress_bar=true")) == 0
     out = tmp_path / "run"
     steps = [r for r in _metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -34,6 +35,7 @@ def test_grpo_run_writes_metrics_checkpoint_plot_and_hf_export(tmp_path, tiny_ar
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000002", "step_000003"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
     assert (out / "curves.png").stat().st_size > 1000
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(out / "hf_actor")
     tok = AutoTokenizer.from_pretrained(out / "hf_actor")
