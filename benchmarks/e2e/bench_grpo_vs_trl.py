@@ -61,7 +61,7 @@ def run_verl(model_dir, prompts, steps, out: Path, nproc: int = 1) -> dict:
         from verl.data import make_task, write_jsonl
         many = out.parent / f"prompts_x{nproc}.jsonl"
         write_jsonl(make_task("arithmetic", PROMPTS * nproc, seed=0), many)
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "verl.trainer.main_ppo", *verl_args(model_dir, many, steps, out, PROMPTS * nproc)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)

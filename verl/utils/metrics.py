@@ -49,7 +49,8 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-CURVES = (("reward/mean", "mean reward"), ("actor/kl", "KL to reference / rollout"), ("actor/entropy", "entropy"))
+CURVES = (("reward/mean", "mean reward"), ("actor/kl", "KL to reference (rollout policy without one)"),
+          ("actor/entropy", "entropy"))
 
 
 def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
@@ -63,7 +64,12 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "")
     for ax, (key, label) in zip(axes, CURVES):
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker=".", linewidth=1)
+            steps, values = zip(*pts)
+            ax.plot(steps, values, marker=".", linewidth=0.8, alpha=0.5)
+            k = max(1, len(values) // 20)  # running mean over ~5% of the run, for the trend
+            smooth = [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1])
+                      for i in range(len(values))]
+            ax.plot(steps, smooth, linewidth=2)
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
