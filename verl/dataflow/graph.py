@@ -141,12 +141,16 @@ class Dataflow:
         return "\n".join(lines)
 
     # ---- validation against a run's inputs -------------------------------------------------------------------
-    def check_inputs(self, available: Iterable[str]) -> None:
-        """Raises VerlConfigError naming every key some node needs that neither a node nor ``available`` gives."""
+    def check_inputs(self, available: Iterable[str], only: Iterable[str] | None = None) -> None:
+        """Raises VerlConfigError naming every key some node (of ``only``, default all) needs that neither a
+        node nor ``available`` gives."""
         available = set(available)
+        only = set(only) if only is not None else None
         produced = {k for e in self._entries.values() for k in e.node.output_keys}
         problems = []
         for n in self._order:
+            if only is not None and n not in only:
+                continue
             for k, p in self._bindings[n].items():
                 if p is None and k not in available:
                     near_out = nearest(k, produced, "keys nodes produce") if produced else ""

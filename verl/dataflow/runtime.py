@@ -136,7 +136,10 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         steps.append(_Step(entry=entry, fn=node.fn, arg_names=node.input_keys if node.by_keyword else None,
                            arg_slots=tuple(arg_slots), out_slots=tuple(outs), ctx=ctx, runs_here=rank in ranks,
                            group_size=len(ranks), transfers=transfers))
-    external = {k: s for (p, k), s in slots.items() if p is None}
+    # A rank needs only the inputs of the nodes it runs (in split placement the scorer's ranks never see
+    # the prompts).
+    needed = {s for st in steps if st.runs_here for s in st.arg_slots}
+    external = {k: s for (p, k), s in slots.items() if p is None and s in needed}
     exports = {k: slots[(p, k)] for k, p in df._exports.items()}
     return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed)
 
@@ -278,9 +281,12 @@ class _Run:
             for k, s in self.plan.external.items():
                 vals[s] = inputs[k]
         except KeyError:
-            self.df.check_inputs(inputs.keys())
+            self.df.check_inputs(inputs.keys(), only=self.needed_nodes())
             raise
         return vals
+
+    def needed_nodes(self) -> set[str]:
+        return {st.entry.name for st in self.plan.steps if st.runs_here}
 
     def run_step(self, step: _Step, vals: list) -> None:
         args = [vals[s] for s in step.arg_slots]
@@ -410,6 +416,8 @@ class _Run:
         if f is None:
             return
         here = f.rank == self.plan.rank and f.exc is not None
+        if here and isinstance(f.exc, VerlConfigError):
+            raise f.exc
         msg = f"failed: {f.message}" if here else \
             f"failed on rank {f.rank}: {f.message} (rank {self.plan.rank} stopped its run)"
         err = VerlRuntimeError(msg, node=f.node, rank=f.rank, cause=f.exc)
@@ -425,8 +433,8 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
     plan = _plan_for(df)
     recorder = TraceRecorder() if trace is not None else None
     run = _Run(df, plan, hooks, recorder, check_errors)
-    vals = run.fill_inputs(inputs)
     if not plan.distributed:
+        vals = run.fill_inputs(inputs)
         try:
             for step in plan.steps:
                 run.run_step(step, vals)
@@ -437,6 +445,12 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
                 write_trace(trace, [recorder.events], {"dataflow": list(df.order), "world_size": 1})
         run.raise_failure()
         return _result(plan, inputs, vals)
+    try:
+        vals = run.fill_inputs(inputs)
+    except VerlConfigError as exc:
+        # Raising here would leave the other ranks waiting for this one; walk the plan as a failed rank.
+        vals = [_MISSING] * plan.nslots
+        run.failure = _Failure("<inputs>", plan.rank, str(exc), exc)
     for step in plan.steps:
         for t in step.transfers:
             run.transfer(t, vals)
