@@ -68,8 +68,11 @@ def _inputs(rank):
     return {"prompt": _prompts(rank), "actor_model": TinyActor(), "reward_model": TinyRewardModel()}
 
 
-def _split_run(rank, trace_path):
-    out = _split_flow().run(_inputs(rank), trace=trace_path)
+def _split_run(rank, trace_path, check_errors="node"):
+    inputs = _inputs(rank)
+    if rank >= 2:  # the scorer's ranks need only the scorer's inputs
+        del inputs["prompt"], inputs["actor_model"]
+    out = _split_flow().run(inputs, trace=trace_path, check_errors=check_errors)
     return {k: (v["text"] if isinstance(v, DataProto) else v) for k, v in out.items()
             if k in ("response", "reward", "mean_reward", "score_ranks")}
 
@@ -100,7 +103,7 @@ def _body(rank, world_size, trace_path):
     # One spawn for every scenario (starting 4 interpreters dominates the cost); running them one after
     # another also shows that the ranks are still in step after a failed run.
     return {"split": _split_run(rank, trace_path), "error_split": _error_run(rank, colocated=False),
-            "error_colocated": _error_run(rank, colocated=True), "after": _split_run(rank, None),
+            "error_colocated": _error_run(rank, colocated=True), "after": _split_run(rank, None, check_errors="end"),
             "gather": _gather_run(rank, world_size)}
 
 

@@ -285,3 +285,16 @@ def test_hooks_and_context():
     assert out["info"] == dict(rank=0, ranks=(0,), device="cpu", engine="rule", dp=(0, 1), leader=True,
                                name="where")
     assert seen == [("start", "where", ["x"]), ("end", "where", ["info"], True)]
+
+
+@pytest.mark.cuda
+def test_cpu_offload_brings_a_module_to_the_gpu_for_the_call():
+    model = torch.nn.Linear(4, 4)
+
+    @DataflowNode(input_keys=["model"], output_keys=["where"])
+    def forward(model, ctx):
+        return next(model.parameters()).device.type, ctx.device.type
+
+    flow = build_dataflow(nodes=[forward], configs={"forward": dict(cpu_offload=True, device_map=["cuda:0"])})
+    assert flow.run({"model": model})["where"] == ("cuda", "cuda")
+    assert next(model.parameters()).device.type == "cpu"

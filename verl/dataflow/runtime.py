@@ -259,7 +259,7 @@ def _call(step: _Step, args: list) -> tuple[tuple, int]:
                 time.sleep(cfg.retry_backoff_s * (2 ** attempt))
                 attempt += 1
     finally:
-        if moved:
+        if cfg.cpu_offload:  # also modules the node registered during this call
             _offload(moved + [m for m in ctx._offload if not any(m is x for x in moved)])
 
 
