@@ -152,7 +152,8 @@ def bench_injection(repeats: int, batch: int, seq: int, hidden: int) -> dict:
             "step_ms_base": step_s * 1e3, "step_ms_with_injected_noop": statistics.median(b) * 1e3,
             "ab_difference_ms": (statistics.median(b) - step_s) * 1e3,
             "step_ms_spread_iqr": (statistics.quantiles(a, n=4)[2] - statistics.quantiles(a, n=4)[0]) * 1e3,
-            "injected_node_us": node_s * 1e6, "injected_node_best_us": node_best_s * 1e6, "injected_fraction_of_step_pct": node_s / step_s * 100,
+            "injected_node_us": node_s * 1e6, "injected_node_best_us": node_best_s * 1e6,
+            "injected_fraction_of_step_pct": node_s / step_s * 100,
             "article_step_s": article_step_s, "article_node_ms": 0.87,
             "injected_fraction_of_article_step_pct": node_s / article_step_s * 100}
 
@@ -184,7 +185,8 @@ def plot(chains: list[dict], inj: dict, path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
     labels = [f"{r['nodes']} nodes" for r in chains]
     series = [("direct call", "direct_us_per_node"), ("Dataflow.run", "run_us_per_node"),
-              ("run + trace (writes the file)", "traced_us_per_node"), ("dict form (builds each call)", "dict_form_us_per_node")]
+              ("run + trace (writes the file)", "traced_us_per_node"),
+              ("dict form (builds each call)", "dict_form_us_per_node")]
     width = 0.2
     for i, (name, key) in enumerate(series):
         ax1.bar([x + i * width for x in range(len(chains))], [r[key] for r in chains], width, label=name)
@@ -226,21 +228,25 @@ def main() -> None:
     dist_row = None if args.no_distributed else bench_distributed(20, 10 if args.full else 5)
     result = {"benchmark": "dataflow_overhead", "mode": "full" if args.full else "quick",
               "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "chains": chains, "injection": inj, "distributed": dist_row, "target_us_per_node": 20.0, "target_injected_pct": 0.01}
+              "chains": chains, "injection": inj, "distributed": dist_row, "target_us_per_node": 20.0,
+              "target_injected_pct": 0.01}
     with open(os.path.join(args.out, "dataflow_overhead.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(chains, inj, os.path.join(args.out, "dataflow_overhead.png"))
     for r in chains:
-        print(f"chain of {r['nodes']:>3}: run {r['run_us_per_node']:.2f} µs/node, direct {r['direct_us_per_node']:.2f}, "
+        print(f"chain of {r['nodes']:>3}: run {r['run_us_per_node']:.2f} µs/node, "
+              f"direct {r['direct_us_per_node']:.2f}, "
               f"overhead {r['overhead_us_per_node']:.2f} µs/node (best {r['best_run_us_per_node']:.2f}); traced "
               f"{r['traced_us_per_node']:.1f}; dict form {r['dict_form_us_per_node']:.1f}")
     if dist_row:
         print(f"{dist_row['world_size']} gloo ranks, chain of {dist_row['nodes']}: "
               f"{dist_row['check_node_us_per_node']:.0f} µs/node with per-node error agreement, "
               f"{dist_row['check_end_us_per_node']:.1f} µs/node with check_errors='end'")
-    print(f"PPO-style step {inj['step_ms_base']:.2f} ms (A/B with injected no-op: {inj['step_ms_with_injected_noop']:.2f} ms); "
+    print(f"PPO-style step {inj['step_ms_base']:.2f} ms "
+          f"(A/B with injected no-op: {inj['step_ms_with_injected_noop']:.2f} ms); "
           f"injected node alone {inj['injected_node_us']:.2f} µs = {inj['injected_fraction_of_step_pct']:.4f}% of this "
-          f"step, {inj['injected_fraction_of_article_step_pct']:.6f}% of the article's {inj['article_step_s']:.1f} s step")
+          f"step, {inj['injected_fraction_of_article_step_pct']:.6f}% of the article's "
+          f"{inj['article_step_s']:.1f} s step")
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ def test_cycle_is_printed():
 
 
 def test_unknown_names_suggest_the_nearest():
-    with pytest.raises(VerlConfigError, match=r"names 'as_tupel', which is not in the dataflow \(did you mean 'as_tuple'"):
+    with pytest.raises(VerlConfigError,
+                       match=r"names 'as_tupel', which is not in the dataflow \(did you mean 'as_tuple'"):
         build_dataflow(nodes=[as_tuple, add], dependencies={"add": ["as_tupel"]})
     with pytest.raises(VerlConfigError, match=r"configs names node 'ad'.*did you mean 'add'"):
         build_dataflow(nodes=[as_tuple, add], configs={"ad": {}})

@@ -162,7 +162,8 @@ def _signature(fn: Callable) -> inspect.Signature:
         raise VerlConfigError(f"cannot read the signature of {fn!r} ({e}); decorate a Python function") from e
 
 
-def DataflowNode(input_keys: Sequence[str] = (), output_keys: Sequence[str] = ()) -> Callable[[Callable], Node]:  # noqa: N802
+def DataflowNode(input_keys: Sequence[str] = (),  # noqa: N802 - the SPEC's name
+                 output_keys: Sequence[str] = ()) -> Callable[[Callable], Node]:
     """Declares a function as a dataflow node reading ``input_keys`` and writing ``output_keys``.
 
     Inputs are passed by parameter name when every key is a parameter (or the function takes ``**kwargs``),

@@ -159,7 +159,8 @@ def _plan_for(df: Dataflow) -> _Plan:
     key = (rank, world, id(_dist.group.WORLD))
     plan = df._plans.get(key)
     if plan is None:
-        bad = [e.name for e in df._entries.values() if e.config.device_map is not None and e.config.device_map[-1] >= world]
+        bad = [e.name for e in df._entries.values()
+               if e.config.device_map is not None and e.config.device_map[-1] >= world]
         if bad:
             raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but runs on {world}; the "
                                   f"device_map of {bad} names ranks that do not exist here")
