@@ -149,7 +149,7 @@ def test_missing_key_names_who_needs_it_and_who_could_produce_it():
     with pytest.raises(VerlConfigError) as info:
         build_dataflow(nodes=[score, advantage], inputs=["x"])
     msg = str(info.value)
-    assert "node 'advantage' needs key 'rewards'" in msg and "did you mean 'reward'" in msg
+    assert "node 'advantage' needs key 'rewards'" in msg and "Did you mean 'reward' (output of node 'score')" in msg
     flow = build_dataflow(nodes=[score, advantage])   # without declared inputs the check happens at run time
     with pytest.raises(VerlConfigError, match="node 'advantage' needs key 'rewards'"):
         flow.run({"x": 1})
@@ -299,3 +299,17 @@ def test_cpu_offload_brings_a_module_to_the_gpu_for_the_call():
     flow = build_dataflow(nodes=[forward], configs={"forward": dict(cpu_offload=True, device_map=["cuda:0"])})
     assert flow.run({"model": model})["where"] == ("cuda", "cuda")
     assert next(model.parameters()).device.type == "cpu"
+
+
+def test_dict_form_takes_configs_and_inputs():
+    from verl.dataflow import Dataflow
+
+    @CustomNode()
+    def scale(value, factor=2.0, ctx=None):
+        return dict(scaled=value * factor, engine=ctx.engine)
+
+    flow = Dataflow.from_dict({"scale": scale, "configs": {"scale": {"factor": 5.0, "engine": "rule"}},
+                               "inputs": ["value"]})
+    assert flow.run({"value": 2.0}) == {"value": 2.0, "scaled": 10.0, "engine": "rule"}
+    with pytest.raises(VerlConfigError, match=r"node 'scale' needs key 'value'.*Did you mean 'values' \(an input\)"):
+        Dataflow.from_dict({"scale": scale, "inputs": ["values"]})
