@@ -200,7 +200,7 @@ def plot(chains: list[dict], inj: dict, path: str) -> None:
             [inj["step_ms_base"] * 1e3, inj["injected_node_us"]], color=["tab:gray", "tab:orange"])
     ax2.set_yscale("log")
     ax2.set_ylabel("µs (median)")
-    ax2.set_title(f"Injected node = {inj['injected_fraction_of_step_pct']:.3f}% of a "
+    ax2.set_title(f"Injected node = {inj['injected_fraction_of_step_pct']:.4f}% of a "
                   f"{inj['step_ms_base']:.1f} ms step", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
