@@ -8,7 +8,8 @@ point-to-point calls and collectives matched.
 
 Errors: a node failing on a rank becomes VerlRuntimeError(node, rank, cause chained). That rank stops running
 nodes but keeps walking the plan, sending error markers where data was expected; before each multi-rank node
-its ranks agree (a one-int all-reduce) that nobody has failed; at the end of the run all ranks exchange their
+its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's GPU streams are never
+synchronised for it) that nobody has failed; at the end of the run all ranks exchange their
 status, so every rank raises the same VerlRuntimeError instead of waiting for data that will never come.
 """
 
@@ -44,7 +45,7 @@ class _Transfer:
     src_ranks: tuple[int, ...]
     dst_ranks: tuple[int, ...]
     replicated: bool
-    group: Any = None
+    control: Any = None
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class _Step:
     ctx: NodeContext
     runs_here: bool
     group_size: int
+    control: Any = None
     transfers: list[_Transfer] = field(default_factory=list)
 
 
@@ -69,6 +71,7 @@ class _Plan:
     rank: int
     world_size: int
     distributed: bool
+    control: Any = None
 
 
 @dataclass(slots=True)
@@ -104,11 +107,14 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
             slots[(producer, key)] = len(slots) + len(views)
         return slots[(producer, key)]
 
+    # Groups are created collectively, so every rank creates the same ones in the same (plan) order.
+    world_control = comm.control_group(all_ranks) if distributed else None
     steps = []
     for name in df.order:
         entry = df._entries[name]
         ranks = entry.config.device_map or all_ranks
         group = comm.group_for(ranks) if distributed else None
+        control = comm.control_group(ranks) if distributed else None
         ctx = NodeContext(name=name, rank=rank, world_size=world, ranks=ranks, device=_device_for(entry, rank),
                           engine=entry.config.engine, config=entry.config, settings=entry.config.settings,
                           process_group=group)
@@ -124,7 +130,7 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
                     pcfg = df._entries[producer].config
                     transfers.append(_Transfer(s, views[vkey], key, producer, layout[s], ranks,
                                                key in pcfg.replicated_outputs,
-                                               comm.group_for(union) if distributed else None))
+                                               comm.control_group(union) if distributed else None))
                 s = views[vkey]
             arg_slots.append(s)
         outs = []
@@ -135,13 +141,13 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         node = entry.node
         steps.append(_Step(entry=entry, fn=node.fn, arg_names=node.input_keys if node.by_keyword else None,
                            arg_slots=tuple(arg_slots), out_slots=tuple(outs), ctx=ctx, runs_here=rank in ranks,
-                           group_size=len(ranks), transfers=transfers))
+                           group_size=len(ranks), control=control, transfers=transfers))
     # A rank needs only the inputs of the nodes it runs (in split placement the scorer's ranks never see
     # the prompts).
     needed = {s for st in steps if st.runs_here for s in st.arg_slots}
     external = {k: s for (p, k), s in slots.items() if p is None and s in needed}
     exports = {k: slots[(p, k)] for k, p in df._exports.items()}
-    return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed)
+    return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed, world_control)
 
 
 def _plan_for(df: Dataflow) -> _Plan:
@@ -343,7 +349,7 @@ class _Run:
             else:
                 info = ("shard", comm.shard_len(v))
         infos: list[Any] = [None] * len(union)
-        dist.all_gather_object(infos, info, group=t.group)
+        dist.all_gather_object(infos, info, group=t.control)
         by_rank = dict(zip(union, infos))
         errors = [i for i in infos if i is not None and i[0] == "error"]
         if errors:
@@ -381,11 +387,9 @@ class _Run:
     def agree(self, step: _Step) -> None:
         """The node's ranks learn whether any of them has failed (lowest failing rank wins)."""
         import torch.distributed as dist
-
-        from verl.dataflow import comm
         mine = self.failure.rank if self.failure is not None else _NO_FAILURE
-        flag = torch.tensor([mine], dtype=torch.int64, device=comm.comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.ctx.process_group)
+        flag = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.control)
         frank = int(flag.item())
         if frank != _NO_FAILURE and self.failure is None:
             self.failure = _Failure("?", frank, "(details follow at the end of the run)")
@@ -396,7 +400,7 @@ class _Run:
         f = self.failure
         mine = None if f is None else (f.node, f.rank, f.message, f.exc is not None)
         statuses: list[Any] = [None] * self.plan.world_size
-        dist.all_gather_object(statuses, mine)
+        dist.all_gather_object(statuses, mine, group=self.plan.control)
         origins = [s for s in statuses if s is not None and s[3]]
         if origins and (f is None or f.exc is None):
             node, frank, msg, _ = min(origins, key=lambda s: s[1])
@@ -408,7 +412,7 @@ class _Run:
         events = None
         if self.recorder is not None:
             gathered: list[Any] | None = [None] * self.plan.world_size if self.plan.rank == 0 else None
-            dist.gather_object(self.recorder.events, gathered, dst=0)
+            dist.gather_object(self.recorder.events, gathered, dst=0, group=self.plan.control)
             events = gathered
         return events
 
