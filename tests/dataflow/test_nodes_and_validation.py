@@ -105,6 +105,14 @@ def test_positional_inputs_when_names_differ():
 
     assert build_dataflow(nodes=[ratio]).run({"old_log_probs": 1.0, "log_probs": 3.0})["ratio"] == 2.0
 
+    @DataflowNode(input_keys=["x", "y"], output_keys=["z"])
+    def scaled(a, b, ctx, scale=2):
+        return (a + b) * scale + ctx.rank
+
+    assert build_dataflow(nodes=[scaled], configs={"scaled": {"scale": 3}}).run({"x": 1, "y": 2})["z"] == 9
+    with pytest.raises(VerlConfigError, match="context parameter 'ctx' must come after them"):
+        DataflowNode(input_keys=["x", "y"], output_keys=["z"])(lambda ctx, a, b: a)
+
 
 # ---- graph validation ----------------------------------------------------------------------------------------
 @DataflowNode(input_keys=["q"], output_keys=["p"])

@@ -186,6 +186,12 @@ def DataflowNode(input_keys: Sequence[str] = (),  # noqa: N802 - the SPEC's name
             unfilled = [n for n, p in plain.items() if n not in ins and p.default is p.empty]
         else:
             positional = [p for p in plain.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            names = list(params)
+            ctx_first = [p.name for p in params.values() if _is_context_param(p) and positional
+                         and names.index(p.name) < names.index(positional[min(len(ins), len(positional)) - 1].name)]
+            if ctx_first:
+                raise VerlConfigError(f"node '{name}' takes its inputs positionally, so its context parameter "
+                                      f"'{ctx_first[0]}' must come after them; move it to the end")
             if len(positional) < len(ins) and not has_var_pos:
                 missing = [k for k in ins if k not in plain]
                 raise VerlConfigError(
