@@ -321,3 +321,15 @@ def test_dict_form_takes_configs_and_inputs():
     assert flow.run({"value": 2.0}) == {"value": 2.0, "scaled": 10.0, "engine": "rule"}
     with pytest.raises(VerlConfigError, match=r"node 'scale' needs key 'value'.*Did you mean 'values' \(an input\)"):
         Dataflow.from_dict({"scale": scale, "inputs": ["values"]})
+
+
+def test_decorated_nodes_are_registered_by_reference():
+    from verl.dataflow import get_node, registered_nodes
+
+    ref = f"{__name__}:as_tuple"
+    assert registered_nodes()[ref] is as_tuple and get_node(ref) is as_tuple
+    assert get_node("tests.dataflow.test_spec_examples:safe_reward_filter").output_keys == ("reward", "is_safe")
+    with pytest.raises(VerlConfigError, match="has no dataflow node 'as_tupl'.*did you mean 'as_tuple'"):
+        get_node(f"{__name__}:as_tupl")
+    with pytest.raises(VerlConfigError, match="must look like 'package.module:function'"):
+        get_node("as_tuple")
