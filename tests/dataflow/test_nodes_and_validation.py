@@ -333,3 +333,13 @@ def test_decorated_nodes_are_registered_by_reference():
         get_node(f"{__name__}:as_tupl")
     with pytest.raises(VerlConfigError, match="must look like 'package.module:function'"):
         get_node("as_tuple")
+
+
+def test_a_failing_hook_fails_its_node():
+    class Bad:
+        def on_node_end(self, event):
+            raise RuntimeError("metrics sink down")
+
+    with pytest.raises(VerlRuntimeError, match="on_node_end hook: RuntimeError: metrics sink down") as info:
+        build_dataflow(nodes=[as_tuple]).run({"x": 1}, hooks=[Bad()])
+    assert info.value.node == "as_tuple"

@@ -297,27 +297,36 @@ class _Run:
 
     def run_step(self, step: _Step, vals: list) -> None:
         args = [vals[s] for s in step.arg_slots]
-        event = None
-        if self.starts or self.ends:
-            e = step.entry
-            event = NodeEvent(node=e.name, rank=self.plan.rank, ranks=step.ctx.ranks, device=str(step.ctx.device),
-                              engine=e.config.engine, inputs=dict(zip(e.node.input_keys, args)),
-                              start_s=time.perf_counter())
+        if not (self.starts or self.ends):
+            try:
+                outs, _ = _call(step, args)
+            except Exception as exc:  # noqa: BLE001 - every node failure becomes a VerlRuntimeError
+                self.fail_here(step, exc, None)
+                return
+            for s, v in zip(step.out_slots, outs):
+                vals[s] = v
+            return
+        e = step.entry
+        event = NodeEvent(node=e.name, rank=self.plan.rank, ranks=step.ctx.ranks, device=str(step.ctx.device),
+                          engine=e.config.engine, inputs=dict(zip(e.node.input_keys, args)),
+                          start_s=time.perf_counter())
+        try:
             for h in self.starts:
                 h(event)
-        try:
             outs, retries = _call(step, args)
-        except Exception as exc:  # noqa: BLE001 - every node failure becomes a VerlRuntimeError
+        except Exception as exc:  # noqa: BLE001 - a failing hook fails its node like the node itself would
             self.fail_here(step, exc, event)
             return
         for s, v in zip(step.out_slots, outs):
             vals[s] = v
-        if event is not None:
-            event.outputs = dict(zip(step.entry.node.output_keys, outs))
-            event.duration_s = time.perf_counter() - event.start_s
-            event.retries = retries
+        event.outputs = dict(zip(e.node.output_keys, outs))
+        event.duration_s = time.perf_counter() - event.start_s
+        event.retries = retries
+        try:
             for h in self.ends:
                 h(event)
+        except Exception as exc:  # noqa: BLE001
+            self.failure = _Failure(e.name, self.plan.rank, f"on_node_end hook: {type(exc).__name__}: {exc}", exc)
 
     def fail_here(self, step: _Step, exc: BaseException, event: NodeEvent | None) -> None:
         what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _OutputError) else str(exc)
@@ -326,7 +335,10 @@ class _Run:
             event.error = exc
             event.duration_s = time.perf_counter() - event.start_s
             for h in self.ends:
-                h(event)
+                try:
+                    h(event)
+                except Exception:  # noqa: BLE001 - the node's own error is the one to report
+                    pass
 
     # -- distributed pieces --
     def transfer(self, t: _Transfer, vals: list) -> None:
