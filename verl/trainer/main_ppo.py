@@ -1,7 +1,7 @@
 """PPO / GRPO post-training from a YAML config plus dotted overrides.
 
 The default config (verl/trainer/config/default.yaml) is the embedded job: a tiny Llama-architecture model
-and BPE tokenizer built locally (no download), the synthetic arithmetic task ("23+9=" → "32") with an
+and BPE tokenizer built locally (no download), the synthetic arithmetic task ("7+9=" → "16") with an
 exact-match reward, a short supervised warm start, then GRPO. Other algorithms are one override away:
 `algorithm.adv_estimator=gae` (PPO with a critic), `dr_grpo`, `rloo`, `reinforce_plus_plus`, `remax`.
 

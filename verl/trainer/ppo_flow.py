@@ -26,12 +26,12 @@ def generate(prompts, rollout):
 def generate_baseline(prompts, rollout, reward_fn):
     """ReMax: the greedy response's reward is each prompt's baseline."""
     greedy = rollout.generate(prompts, n=1, greedy=True)
-    return reward_fn.score(greedy).repeat_interleave(rollout.cfg.n)
+    return reward_fn.score(greedy).repeat_interleave(rollout.cfg.n).to(greedy.response_mask.device)
 
 
 @DataflowNode(input_keys=["batch", "reward_fn"], output_keys=["scores"])
 def reward(batch, reward_fn):
-    return reward_fn.score(batch)
+    return reward_fn.score(batch).to(batch.response_mask.device)
 
 
 @DataflowNode(input_keys=["batch", "actor", "on_policy"], output_keys=["old_log_probs"])

@@ -81,10 +81,17 @@ def broadcast_object(obj, world: World, src: int = 0):
     return box[0]
 
 
+def comm_device() -> torch.device:
+    """Where small host-side numbers must live to be all-reduced: the GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def mean_across_ranks(value: float) -> float:
     """The mean of a per-rank number over the default process group (the value itself without one)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()

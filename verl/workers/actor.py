@@ -11,6 +11,7 @@ import torch.distributed as dist
 from verl.algos import Aggregation, kl_loss
 from verl.config.ppo import ActorConfig
 from verl.trainer import algorithms as algo
+from verl.utils.distributed import comm_device
 from verl.workers.batch import RolloutBatch, micro_slices
 from verl.workers.engine import TorchEngine
 
@@ -28,7 +29,8 @@ def response_logprobs(model: torch.nn.Module, batch: RolloutBatch, temperature: 
 def step_aggregation(mode: str, mask: torch.Tensor, engine: TorchEngine, norm_len: int) -> Aggregation:
     """Aggregation over one optimizer step's tokens on all ranks, so micro-batch losses add up (and DP
     gradient averaging cancels) to exactly the loss of the whole mini-batch."""
-    counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
+    counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64,
+                          device=comm_device())
     if engine.world.distributed:
         dist.all_reduce(counts)
     return Aggregation(mode=mode, global_tokens=float(counts[0]), global_seqs=float(counts[1]),

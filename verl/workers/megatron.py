@@ -19,6 +19,7 @@ import torch.distributed as dist
 from verl.algos import Aggregation, kl_loss
 from verl.config.ppo import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
 from verl.trainer import algorithms as algo
+from verl.utils.distributed import comm_device
 from verl.workers.batch import RolloutBatch, micro_slices
 
 
@@ -52,7 +53,8 @@ class MegatronModel:
 
     def aggregation(self, mode: str, mask: torch.Tensor, norm_len: int) -> Aggregation:
         """Counts over the data-parallel group (TP / PP peers hold the same batch)."""
-        counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64)
+        counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64,
+                              device=comm_device())
         if self.pg.dp_size > 1:
             dist.all_reduce(counts, group=self.pg.dp)
         return Aggregation(mode=mode, global_tokens=float(counts[0]), global_seqs=float(counts[1]),

@@ -42,7 +42,7 @@ def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response
     return RolloutBatch(
         input_ids=torch.cat([prompt_ids, responses], dim=1), attention_mask=attention_mask,
         position_ids=position_ids, response_mask=response_mask,
-        group=torch.arange(len(rows)).repeat_interleave(n),
+        group=torch.arange(len(rows), device=responses.device).repeat_interleave(n),
         prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
         response_texts=texts)
 
