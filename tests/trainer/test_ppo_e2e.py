@@ -57,9 +57,13 @@ def test_ppo_with_critic_and_kl_in_reward(tmp_path, tiny_args):
 @pytest.mark.parametrize("estimator", ["dr_grpo", "rloo", "reinforce_plus_plus", "remax"])
 def test_critic_free_estimators_run(tmp_path, tiny_args, estimator):
     main(tiny_args(f"algorithm.adv_estimator={estimator}", "actor.use_kl_loss=true", "trainer.total_steps=1",
+                   "trainer.trace_step=1",
                    "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false", "warmup.steps=0"))
     (step,) = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
     assert "actor/kl_loss" in step and "critic/vf_loss" not in step
+    trace = json.loads((tmp_path / "run" / "trace_step_1.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert {"generate", "ref_log_prob", "update_actor"} <= {e.get("name") for e in events}
 
 
 def test_flow_is_chosen_by_config():

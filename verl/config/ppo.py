@@ -265,6 +265,8 @@ class TrainerConfig:
     """Write TensorBoard event files next to metrics.jsonl."""
     plot: bool = True
     """Write curves.png (reward, KL, entropy) at the end."""
+    trace_step: int = 0
+    """Write a Chrome trace of this step's dataflow to output_dir/trace_step_N.json (0: no trace)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -118,4 +118,12 @@ def ppo_nodes(cfg: PPOConfig) -> list:
 
 
 def build_ppo_dataflow(cfg: PPOConfig):
-    return build_dataflow(nodes=ppo_nodes(cfg))
+    """Every node runs on every rank (data parallel); the engine names show up in node contexts and traces."""
+    nodes = ppo_nodes(cfg)
+    train_engine = cfg.actor.engine
+    engines = {"generate": "torch", "generate_baseline": "torch", "sync_weights": train_engine,
+               "reward": "rule" if cfg.reward.type == "rule" else "torch", "old_log_prob": train_engine,
+               "ref_log_prob": train_engine, "values": train_engine, "update_critic": train_engine,
+               "update_actor": train_engine}
+    names = {n.name for n in nodes}
+    return build_dataflow(nodes=nodes, configs={k: {"engine": v} for k, v in engines.items() if k in names})

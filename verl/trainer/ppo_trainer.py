@@ -194,7 +194,10 @@ class PPOTrainer:
         if not cfg.needs_ref:
             inputs["ref_log_probs"] = None
         self.node_seconds.clear()
-        out = self.flow.run(inputs, hooks=[self])
+        trace = None
+        if cfg.trainer.trace_step == self.step + 1:
+            trace = str(self.out_dir / f"trace_step_{self.step + 1}.json")
+        out = self.flow.run(inputs, hooks=[self], trace=trace)
         elapsed = time.perf_counter() - t0
         return self._metrics(out, elapsed)
 
