@@ -6,8 +6,11 @@
     python benchmarks/e2e/bench_grpo_vs_trl.py --full          # more steps, and the 1/2/4-process scaling
 
 Both sides sample exactly 32 tokens per response (EOS ignored), learn with lr 1e-4, no KL term, one PPO
-epoch (on-policy: no extra old-log-prob pass on either side). tokens/s = generated tokens / step wall time;
-the first step (warm-up) is excluded. Writes benchmarks/results/e2e_grpo_vs_trl.{json,png}.
+epoch (on-policy: no extra old-log-prob pass on either side). tokens/s = generated tokens / step wall time.
+In each round the two sides run at the same time, one single-threaded process each (so on a shared
+machine they see the same outside load); s/step is the median over the steady steps of all rounds (the
+first step of every run excluded), the minimum is reported too. Writes
+benchmarks/results/e2e_grpo_vs_trl.{json,png}.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +54,7 @@ def verl_args(model_dir: Path, prompts: Path, steps: int, out: Path, per_rank_pr
             f"trainer.output_dir={out}"]
 
 
-def run_verl(model_dir, prompts, steps, out: Path, nproc: int = 1) -> dict:
+def _launch_verl(model_dir, prompts, steps, out: Path, nproc: int = 1) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if nproc == 1:
         cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *verl_args(model_dir, prompts, steps, out)]
@@ -63,31 +65,46 @@ def run_verl(model_dir, prompts, steps, out: Path, nproc: int = 1) -> dict:
         write_jsonl(make_task("arithmetic", PROMPTS * nproc, seed=0), many)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "verl.trainer.main_ppo", *verl_args(model_dir, many, steps, out, PROMPTS * nproc)]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def _verl_result(proc: subprocess.Popen, out: Path, nproc: int = 1) -> dict:
+    if proc.wait() != 0:
+        raise RuntimeError(f"verl run failed with exit code {proc.returncode}")
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step_s = [r["perf/step_time_s"] for r in recs if "perf/step_time_s" in r]
-    return {"step_s": step_s, "wall_s": wall, "nproc": nproc,
+    return {"step_s": step_s, "nproc": nproc,
             "mean_response_length": statistics.mean(r["response/length"] for r in recs if "response/length" in r)}
 
 
-def run_trl(model_dir, prompts, steps, out: Path, python: str) -> dict:
+def run_verl(model_dir, prompts, steps, out: Path, nproc: int = 1) -> dict:
+    return _verl_result(_launch_verl(model_dir, prompts, steps, out, nproc), out, nproc)
+
+
+def _launch_trl(model_dir, prompts, steps, out: Path, python: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    subprocess.run([python, str(Path(__file__).with_name("_trl_worker.py")), str(model_dir), str(prompts), str(steps),
-                    str(out), str(SAMPLES), str(NEW_TOKENS)], check=True, env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    res = json.loads(out.read_text())
-    res["wall_s"] = time.perf_counter() - t0
-    return res
+    return subprocess.Popen([python, str(Path(__file__).with_name("_trl_worker.py")), str(model_dir), str(prompts),
+                             str(steps), str(out), str(SAMPLES), str(NEW_TOKENS)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def summarise(step_s: list[float], nproc: int = 1) -> dict:
-    steady = step_s[1:] if len(step_s) > 1 else step_s
-    s = statistics.median(steady)
+def side_by_side(model_dir, prompts, steps, work: Path, tag: str, python: str) -> tuple[dict, dict]:
+    """Runs verl and TRL concurrently on the same inputs; returns (verl result, TRL result)."""
+    vp = _launch_verl(model_dir, prompts, steps, work / f"verl{tag}")
+    tp = _launch_trl(model_dir, prompts, steps, work / f"trl{tag}.json", python)
+    if tp.wait() != 0:
+        vp.kill()
+        raise RuntimeError(f"TRL run failed with exit code {tp.returncode} (is {python} the TRL venv? "
+                           f"bash benchmarks/e2e/setup_trl_env.sh)")
+    return _verl_result(vp, work / f"verl{tag}"), json.loads((work / f"trl{tag}.json").read_text())
+
+
+def summarise(runs: list[list[float]], nproc: int = 1) -> dict:
+    steady = [s for run in runs for s in (run[1:] if len(run) > 1 else run)]
+    best, median = min(steady), statistics.median(steady)
     tokens = PROMPTS * SAMPLES * NEW_TOKENS * nproc
-    return {"s_per_step": s, "tokens_per_s": tokens / s, "tokens_per_s_per_process": tokens / s / nproc,
+    return {"s_per_step": median, "s_per_step_min": best, "tokens_per_s": tokens / median,
+            "tokens_per_s_best": tokens / best, "tokens_per_s_per_process": tokens / median / nproc,
             "steps_timed": len(steady)}
 
 
@@ -99,7 +116,7 @@ def plot(result: dict, path: Path) -> None:
     names = ["verl", "TRL"]
     vals = [result["verl"]["tokens_per_s"], result["trl"]["tokens_per_s"]]
     axes[0].bar(names, vals, color=["tab:blue", "tab:gray"])
-    axes[0].set_title(f"GRPO tokens/s, 1 proc 1 thread (x{result['ratio_tokens_per_s']:.2f})")
+    axes[0].set_title(f"GRPO tokens/s, 1 proc 1 thread, median (x{result['ratio_tokens_per_s']:.2f})")
     if result.get("scaling"):
         ns = [r["nproc"] for r in result["scaling"]]
         axes[1].plot(ns, [r["tokens_per_s"] for r in result["scaling"]], marker="o", label="total")
@@ -121,27 +138,31 @@ def main() -> None:
     ap.add_argument("--trl-python", default="/root/.cache/verl-trl/bin/python")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_grpo_vs_trl"))
     args = ap.parse_args()
-    steps = 10 if args.full else 5
+    steps, rounds = (8, 3) if args.full else (5, 2)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir, prompts, n_params = build_assets(work)
-        verl = run_verl(model_dir, prompts, steps, work / "verl")
-        trl = run_trl(model_dir, prompts, steps, work / "trl.json", args.trl_python)
+        verl_runs, trl_runs = [], []
+        for r in range(rounds):
+            v, t = side_by_side(model_dir, prompts, steps, work, str(r), args.trl_python)
+            verl_runs.append(v)
+            trl_runs.append(t)
         result = {"config": {"prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS, "steps": steps,
-                             "threads": 1, "model": {**TINY, "parameters": n_params}},
-                  "verl": {**summarise(verl["step_s"]), "raw": verl},
-                  "trl": {**summarise(trl["step_s"]), "raw": trl}}
+                             "rounds": rounds, "threads": 1, "model": {**TINY, "parameters": n_params}},
+                  "verl": {**summarise([v["step_s"] for v in verl_runs]), "raw": verl_runs},
+                  "trl": {**summarise([t["step_s"] for t in trl_runs]), "raw": trl_runs}}
         result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
+        result["ratio_tokens_per_s_best"] = result["verl"]["tokens_per_s_best"] / result["trl"]["tokens_per_s_best"]
         if args.full:
             result["scaling"] = []
             for nproc in (1, 2, 4):
                 r = run_verl(model_dir, prompts, steps, work / f"scale{nproc}", nproc=nproc)
-                result["scaling"].append({"nproc": nproc, **summarise(r["step_s"], nproc)})
+                result["scaling"].append({"nproc": nproc, **summarise([r["step_s"]], nproc)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("ratio_tokens_per_s",)} |
+    print(json.dumps({k: result[k] for k in ("ratio_tokens_per_s", "ratio_tokens_per_s_best")} |
                      {s: {k: round(v, 3) for k, v in result[s].items() if k != "raw"} for s in ("verl", "trl")}))
     for r in result.get("scaling", []):
         print(f"nproc={r['nproc']}: {r['tokens_per_s']:.0f} tokens/s total, {r['s_per_step']:.2f} s/step")
