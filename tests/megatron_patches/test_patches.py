@@ -82,12 +82,16 @@ def _optimizer(pg):
     build_optimizer(_model(pg), OptimConfig(clip_grad=0.0))
 
 
-def _fp32_checks(pg):
-    from verl.models import causal_lm_loss, make_micro_batches
+def _param_type_checks(pg):
+    from verl.models import BuildOptions, build_gpt, causal_lm_loss, make_micro_batches
     from verl.models.optimizer import OptimConfig, build_optimizer, train_step
-    m = _model(pg)
-    opt = build_optimizer(m, OptimConfig(clip_grad=1e-3, use_distributed_optimizer=True))
-    train_step(m, opt, make_micro_batches(torch.randint(0, 50, (1, 6)), None, 1), causal_lm_loss(m))
+    batch = make_micro_batches(torch.randint(0, 50, (1, 6)), None, 1)
+    cfg = tiny_hf_config("llama", layers=1, hidden=32, ffn=64, vocab=50)
+    for dtype, sharded in (("float32", True), ("bfloat16", False), ("bfloat16", True)):
+        m = build_gpt(cfg, pg, BuildOptions(params_dtype=dtype))
+        opt = build_optimizer(m, OptimConfig(clip_grad=1e-3, use_distributed_optimizer=sharded))
+        stats = train_step(m, opt, batch, causal_lm_loss(m))
+        assert stats["update_applied"] and stats["grad_norm"] > 0
 
 
 def _torch_norm_sp(pg):
@@ -103,7 +107,7 @@ SCENARIOS = {
     "model_device_cpu": _model_forward,
     "pipeline_device_cpu": _pipeline,
     "optimizer_device_cpu": _optimizer,
-    "fp32_param_type_check": _fp32_checks,
+    "param_type_checks": _param_type_checks,
     "torch_norm_sequence_parallel": _torch_norm_sp,
 }
 
