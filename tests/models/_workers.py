@@ -13,13 +13,14 @@ def _tokenizer_or_none(path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def _build(path, tp, pp, sp, value_head=False):
+def _build(path, tp, pp, sp, value_head=False, recompute=False):
     from transformers import AutoConfig
 
     from verl.distributed import init_process_groups
     from verl.models import BuildOptions, build_gpt, load_hf_checkpoint
     pg = init_process_groups(tp=tp, pp=pp, sequence_parallel=sp)
-    model = build_gpt(AutoConfig.from_pretrained(str(path)), pg, BuildOptions(value_head=value_head))
+    model = build_gpt(AutoConfig.from_pretrained(str(path)), pg, BuildOptions(value_head=value_head,
+                                                                                 recompute=recompute))
     info = load_hf_checkpoint(model, path)
     return model, info
 
@@ -44,7 +45,8 @@ def _files_equal(a, b) -> bool:
     return set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) and ta[k].dtype == tb[k].dtype for k in ta)
 
 
-def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: bool, check_resume: bool = False):
+def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: bool, check_resume: bool = False,
+                recompute: bool = False):
     """Everything one layout must reproduce: logits, loss, grads (HF names), export, optimizer steps."""
     import torch.distributed as dist
 
@@ -56,7 +58,7 @@ def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: b
     ids, mask = batch
     mbs = make_micro_batches(ids, mask, 1)
     res = {}
-    model, info = _build(path, tp, pp, sp)
+    model, info = _build(path, tp, pp, sp, recompute=recompute)
     res["bytes_read"] = {dist.get_rank(): info["bytes_read"]}
     res["groups"] = {dist.get_rank(): (model.pg.tp_rank, model.pg.pp_rank, model.pg.dp_rank, model.pg.tp_size,
                                        model.pg.pp_size, model.pg.dp_size)}
@@ -88,7 +90,7 @@ def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: b
         build_optimizer(model, OptimConfig(lr=lr, clip_grad=0.0))
         check_grads(accumulate_grads(model, mbs, causal_lm_loss(model)))
         destroy_process_groups()
-        model, _ = _build(path, tp, pp, sp)
+        model, _ = _build(path, tp, pp, sp, recompute=recompute)
     opt = build_optimizer(model, OptimConfig(lr=lr, clip_grad=1.0, use_distributed_optimizer=sharded))
     losses = []
     for step in range(steps):
@@ -101,8 +103,12 @@ def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: b
     res["step_losses"] = losses
     res["dist_opt"] = sharded
     if check_resume:
+        # One more step after the saved point depends on the restored Adam moments and LR schedule, not
+        # only on the weights.
+        res["continued_loss"] = train_step(model, opt, mbs, causal_lm_loss(model))["loss"]
         load_training_state(model, opt, f"{out_dir}/state_{tag}")
         res["resumed_last_loss"] = train_step(model, opt, mbs, causal_lm_loss(model))["loss"]
+        res["resumed_continued_loss"] = train_step(model, opt, mbs, causal_lm_loss(model))["loss"]
     destroy_process_groups()
     return res
 
@@ -138,7 +144,7 @@ def matrix_body(rank, world_size, jobs):
             continue
         for tp, pp, sp in job["layouts"]:
             r = layout_case(job["path"], job["out_dir"], tp, pp, sp, job["batch"], job["ref"], job["steps"],
-                            job["lr"], dist_opt=job.get("dist_opt", False),
-                            check_resume=job.get("check_resume", False) and (tp, pp, sp) == job["layouts"][-1])
+                            job["lr"], dist_opt=job.get("dist_opt", False), recompute=job.get("recompute", False),
+                            check_resume=(tp, pp, sp) in job.get("resume_layouts", ()))
             out.append({"case": job["name"], "layout": (tp, pp, sp), **r})
     return out
