@@ -21,8 +21,7 @@ LOCAL_NAMES = [
 
 def _spec(name, tp, rank, **cfg):
     arch = arch_from_hf(tiny_hf_config("qwen2", **cfg))
-    return shard_spec(name, arch=arch, layout=parallel_layout(arch, tp), tp_rank=rank, layer_offset=0,
-                      is_first_stage=True)
+    return shard_spec(name, arch=arch, layout=parallel_layout(arch, tp), tp_rank=rank, layer_offset=0)
 
 
 def _pieces(spec):
@@ -78,7 +77,7 @@ def test_tied_output_layer_reads_the_embedding_and_is_not_exported():
 def test_pipeline_offset_gives_global_layer_names():
     arch = arch_from_hf(tiny_hf_config("llama", layers=4))
     spec = shard_spec("decoder.layers.1.mlp.linear_fc2.weight", arch=arch, layout=parallel_layout(arch, 1),
-                      tp_rank=0, layer_offset=2, is_first_stage=False)
+                      tp_rank=0, layer_offset=2)
     assert spec.name == "decoder.layers.3.mlp.linear_fc2.weight"
     assert spec.local_name == "decoder.layers.1.mlp.linear_fc2.weight"
     assert spec.hf_names == ("model.layers.3.mlp.down_proj.weight",)
@@ -91,7 +90,7 @@ def test_shards_tile_every_hf_tensor_exactly_once(tp, kv):
     covered: dict[str, list[tuple[int, int]]] = {}
     for name in LOCAL_NAMES:
         for rank in range(tp):
-            spec = shard_spec(name, arch=arch, layout=layout, tp_rank=rank, layer_offset=0, is_first_stage=True)
+            spec = shard_spec(name, arch=arch, layout=layout, tp_rank=rank, layer_offset=0)
             assert spec.kind in KINDS
             if spec.partition_dim is None and rank > 0:
                 continue          # replicated: one copy is the whole tensor

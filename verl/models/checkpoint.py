@@ -156,8 +156,7 @@ def gather_hf_state_dict(model: MegatronGPT, tensors: dict[str, torch.Tensor] | 
     if not gathering:
         return None
     objs: list = [None] * pg.pp_size
-    pp_tp0 = [r for r in pg.pp_global_ranks]
-    dist.gather_object(stage_out, objs if pg.is_first_stage else None, dst=pp_tp0[0], group=pg.pp)
+    dist.gather_object(stage_out, objs if pg.is_first_stage else None, dst=pg.pp_global_ranks[0], group=pg.pp)
     if not pg.is_first_stage:
         return None
     merged: dict[str, torch.Tensor] = {}

@@ -75,7 +75,7 @@ class MegatronGPT:
     def shard_specs(self) -> list[ShardSpec]:
         """Per local parameter: megatron name, HF names, global shape, TP partition dim, layout kind."""
         return [shard_spec(name, arch=self.arch, layout=self.layout, tp_rank=self.pg.tp_rank,
-                           layer_offset=self.layer_offset, is_first_stage=self.pg.is_first_stage)
+                           layer_offset=self.layer_offset)
                 for name, _ in self.gpt.named_parameters()]
 
 
