@@ -61,15 +61,14 @@ def _install_rng() -> None:
 
 # ------------------------------------------------------------------------------------- device placement
 
+# Only modules whose CUDA-only lines lie on verl's paths (build, forward/backward with TP/SP/PP, recompute).
+# Deliberately left out: transformer_layer (CUDA-graph static inputs), attention (inference KV cache),
+# dot_product_attention (off-by-one / learnable softmax), tensor_parallel.utils (distributed saved activations).
 _MODEL_MODULES = (
     "megatron.core.tensor_parallel.layers",          # weight allocation, SP all-gather buffers
     "megatron.core.tensor_parallel.mappings",        # gather/scatter output buffers
-    "megatron.core.tensor_parallel.utils",           # split/gather buffers
     "megatron.core.models.gpt.gpt_model",            # rotary position ids
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq placement
-    "megatron.core.transformer.attention",           # inference buffers, GQA split sizes
-    "megatron.core.transformer.dot_product_attention",  # causal mask
-    "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.utils",               # default causal mask on device="cuda"
 )
 
@@ -85,7 +84,7 @@ _OPTIMIZER_MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers on torch.cuda.current_device()
-    "megatron.core.utils",
+    "megatron.core.utils",                           # GlobalMemoryBuffer (SP gathers), grad-norm helpers
 )
 
 
