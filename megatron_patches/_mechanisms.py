@@ -85,7 +85,8 @@ def rewrite_source(path: str, replacements: list[tuple[str, str, int]], extra_gl
         found = source.count(old)
         if found != expected:
             raise RuntimeError(f"cannot patch {path}: expected {expected} occurrence(s) of {old!r} in its source, "
-                               f"found {found}; this megatron-core build differs from the one the patch was written for")
+                               f"found {found}; this megatron-core build differs from the one the patch was "
+                               f"written for")
         source = source.replace(old, new)
     # static/classmethod wrappers are re-applied below from the original attribute's type.
     lines = source.splitlines()

@@ -31,11 +31,11 @@ def hf_reference(path, ids, mask, *, steps: int, lr: float) -> dict:
     step_losses = []
     for _ in range(steps):
         opt.zero_grad()
-        _, l = _loss(model, ids, mask)
-        l.backward()
+        _, step_loss = _loss(model, ids, mask)
+        step_loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step_losses.append(float(l.detach()))
+        step_losses.append(float(step_loss.detach()))
     return {"logits": logits.detach(), "loss": float(loss.detach()), "grads": grads, "step_losses": step_losses,
             "log_probs_t07": lp, "entropy_t07": ent}
 

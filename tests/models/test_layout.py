@@ -104,7 +104,7 @@ def test_shards_tile_every_hf_tensor_exactly_once(tp, kv):
         dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
         spans.sort()
         assert spans[0][0] == 0 and spans[-1][1] == layer0[name][dim]
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (name, spans)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), (name, spans)
 
 
 def test_bad_layouts_are_refused_with_the_fix():

@@ -91,10 +91,10 @@ def matrix(tmp_path_factory):
                     slot[k] = v
     refs = {j["name"]: j["ref"] for j in jobs}
     refs["__paths__"] = {j["name"]: j["path"] for j in jobs}
-    report = [{"case": c, "tp": l[0], "pp": l[1], "sp": l[2], "max_logit_diff": r["logit_diff"],
+    report = [{"case": c, "tp": lay[0], "pp": lay[1], "sp": lay[2], "max_logit_diff": r["logit_diff"],
                "max_grad_diff": r.get("grad_diff"), "export_bit_exact": r.get("export_exact"),
                "step_losses": r["step_losses"], "hf_step_losses": refs[c]["step_losses"],
-               "distributed_optimizer": r["dist_opt"]} for (c, l), r in merged.items() if c != "critic"]
+               "distributed_optimizer": r["dist_opt"]} for (c, lay), r in merged.items() if c != "critic"]
     if os.environ.get("VERL_WRITE_RESULTS"):   # the layout table for docs/reports, only when asked
         out = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
         out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +148,7 @@ def test_optimizer_steps_match_transformers_adamw(matrix, case):
     results, refs = matrix
     got, want = results[case]["step_losses"], refs[case[0]]["step_losses"]
     assert len(got) == STEPS
-    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4, (got, want)
+    assert max(abs(a - b) for a, b in zip(got, want, strict=False)) <= 1e-4, (got, want)
 
 
 @pytest.mark.multiprocess
@@ -178,7 +178,7 @@ def test_each_rank_reads_only_its_slices(matrix):
     name = next(iter(CASES))
     path = Path(refs["__paths__"][name])
     total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    for (case, (tp, pp, sp)), r in results.items():
+    for (case, (tp, pp, _sp)), r in results.items():
         if case != name:
             continue
         assert len(r["bytes_read"]) == 4
@@ -193,7 +193,7 @@ def test_each_rank_reads_only_its_slices(matrix):
 @pytest.mark.slow
 def test_process_groups_cover_the_world(matrix):
     results, _ = matrix
-    for (case, (tp, pp, sp)), r in results.items():
+    for (_case, (tp, pp, _sp)), r in results.items():
         if "groups" not in r:
             continue
         coords = set()
@@ -251,4 +251,5 @@ def test_critic_value_head(matrix):
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
         want_losses.append(float(loss.detach()))
-    assert max(abs(a - b) for a, b in zip(r["value_losses"], want_losses)) <= 1e-4, (r["value_losses"], want_losses)
+    got = r["value_losses"]
+    assert max(abs(a - b) for a, b in zip(got, want_losses, strict=True)) <= 1e-4, (got, want_losses)

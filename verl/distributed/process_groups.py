@@ -56,7 +56,8 @@ class ProcessGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = False, seed: int = 1234) -> ProcessGroups:
+def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                        seed: int = 1234) -> ProcessGroups:
     """Initialises megatron's parallel state (TP x PP, the rest DP) and its RNG; returns the groups.
 
     Call once per process after `torch.distributed.init_process_group`. Calling it again with the same sizes
@@ -80,7 +81,8 @@ def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = F
         if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
             raise VerlConfigError(
                 f"megatron parallel state already initialised with tp={ps.get_tensor_model_parallel_world_size()}, "
-                f"pp={ps.get_pipeline_model_parallel_world_size()}; call destroy_process_groups() before tp={tp}, pp={pp}")
+                f"pp={ps.get_pipeline_model_parallel_world_size()}; call destroy_process_groups() before "
+                f"tp={tp}, pp={pp}")
     else:
         if torch.cuda.is_available():
             # One GPU per process (torchrun's LOCAL_RANK); megatron allocates on the current device.

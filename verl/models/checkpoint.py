@@ -131,7 +131,8 @@ def _split_to_hf(full: torch.Tensor, spec: ShardSpec, out: dict[str, torch.Tenso
         out[seg.hf_name].narrow(dim, seg.start, seg.length).copy_(piece)
 
 
-def gather_hf_state_dict(model: MegatronGPT, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+def gather_hf_state_dict(model: MegatronGPT,
+                         tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
     """HF-named full tensors on global rank 0 of the PP group's first stage (None elsewhere).
 
     `tensors` maps local parameter names to what to gather (default: the parameters themselves; pass the

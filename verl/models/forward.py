@@ -128,7 +128,8 @@ def forward_backward(model: MegatronGPT, micro_batches: Sequence[dict], loss_fn:
                   micro_batch_size=mbs, forward_only=forward_only)
 
 
-def _broadcast_from_last_stage(model: MegatronGPT, tensors: list[torch.Tensor] | None, shapes: list[tuple]) -> list[torch.Tensor]:
+def _broadcast_from_last_stage(model: MegatronGPT, tensors: list[torch.Tensor] | None,
+                               shapes: list[tuple]) -> list[torch.Tensor]:
     pg = model.pg
     if pg.pp_size == 1:
         return tensors

@@ -135,7 +135,7 @@ def _mean_metrics(model: MegatronGPT, outs: list[dict]) -> dict:
                         else [0.0] * len(keys), dtype=torch.float64, device=model.device)
     if pg.pp_size > 1 and keys:
         dist.broadcast(vals, src=pg.pp_global_ranks[-1], group=pg.pp)
-    return dict(zip(keys, vals.cpu().tolist()))
+    return dict(zip(keys, vals.cpu().tolist(), strict=False))
 
 
 def save_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> Path:
