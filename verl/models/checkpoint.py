@@ -60,6 +60,11 @@ class _LazyReader:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
 
 def _read_shard(reader: _LazyReader, spec: ShardSpec, like: torch.Tensor) -> torch.Tensor:
     out = torch.empty(spec.local_shape, dtype=like.dtype)
@@ -84,6 +89,15 @@ def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: b
     reader = _LazyReader(_tensor_files(path))
     params = dict(model.gpt.named_parameters())
     loaded, missing = [], []
+    try:
+        _load_specs(model, reader, params, path, strict, loaded, missing)
+    finally:
+        reader.close()
+    return {"loaded": loaded, "missing": missing, "bytes_read": reader.bytes_read}
+
+
+def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Path, strict: bool,
+                loaded: list, missing: list) -> None:
     with torch.no_grad():
         for spec in model.shard_specs():
             param = params[spec.local_name]
@@ -104,7 +118,6 @@ def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: b
                                       f"{tuple(param.shape)}")
             param.copy_(shard)
             loaded.append(spec.name)
-    return {"loaded": loaded, "missing": missing, "bytes_read": reader.bytes_read}
 
 
 # ------------------------------------------------------------------------------------------------ export
