@@ -91,3 +91,30 @@ def test_megatron_ppo_resume_equals_uninterrupted(tmp_path):
     full, part = steps(tmp_path / "full"), steps(tmp_path / "part")
     assert sorted(part) == [1, 2, 3] and part == full
     assert "critic/vf_loss" in full[3] and "actor/kl_loss" in full[3]
+
+
+def _tp2_run(rank, world_size, overrides):
+    from verl.config import PPOConfig, load_config
+    from verl.distributed import destroy_process_groups
+    from verl.trainer.ppo_trainer import PPOTrainer
+    from verl.utils.distributed import init_world
+    trainer = PPOTrainer(load_config(PPOConfig, None, overrides), init_world("cpu"))
+    history = trainer.fit()
+    rollout_params = torch.cat([p.detach().reshape(-1) for p in trainer.policy.parameters()])
+    out = {"dp": (trainer.dp_rank, trainer.dp_size), "rollout": rollout_params, "reward": history[-1]["reward/mean"],
+           "grad_norm": history[-1]["actor/grad_norm"]}
+    destroy_process_groups()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_megatron_tensor_parallel_two_ranks(tmp_path):
+    """TP=2 over two gloo ranks: one data-parallel replica, identical rollout weights after the HF sync."""
+    from verl.testing import run_distributed
+    args = [*TINY, "actor.engine=megatron", "actor.megatron.tp=2", "reward.name=tests.trainer.test_multiprocess:length_reward",
+            "actor.optim.lr=1e-2", "trainer.export_hf=false", "trainer.plot=false", "trainer.save_final=false",
+            f"trainer.output_dir={tmp_path}"]
+    r0, r1 = run_distributed(_tp2_run, 2, args=(args,), timeout=300)
+    assert r0["dp"] == r1["dp"] == (0, 1)
+    assert torch.equal(r0["rollout"], r1["rollout"]) and r0["reward"] == r1["reward"]
+    assert r0["grad_norm"] > 0

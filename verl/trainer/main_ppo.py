@@ -8,6 +8,7 @@ exact-match reward, a short supervised warm start, then GRPO. Other algorithms a
     python -m verl.trainer.main_ppo                                   # the default job, one process
     python -m verl.trainer.main_ppo verl/trainer/config/default.yaml actor.optim.lr=1e-6 rollout.n=4
     torchrun --nproc_per_node=2 -m verl.trainer.main_ppo CONFIG.yaml trainer.output_dir=outputs/run2
+    torchrun --nproc_per_node=8 -m verl.trainer.main_ppo CONFIG.yaml actor.engine=megatron actor.megatron.tp=2
     python -m verl.trainer.main_ppo CONFIG.yaml trainer.resume=auto   # continue the newest checkpoint
     python -m verl.trainer.main_ppo --help                            # every config key, documented
 
