@@ -50,10 +50,14 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str) ->
     return agg_loss(loss, mask, agg)
 
 
+# Below this vocabulary the [tokens, vocab] logits are small and one GEMM beats the chunked fused LM head.
+FUSED_LM_HEAD_MIN_VOCAB = 4096
+
+
 def response_logprob_entropy(hidden: torch.Tensor, lm_head: torch.nn.Linear, targets: torch.Tensor,
                              temperature: float):
-    """log p(target) and entropy [B, R] straight from hidden states and the LM head weight: the fused
+    """log p(target) and entropy [B, R] from hidden states and the LM head. For real vocabularies the fused
     kernel computes the logits chunk by chunk, so [tokens, vocab] logits are never stored whole."""
-    if lm_head.bias is not None:  # the fused op has no bias term
+    if lm_head.bias is not None or lm_head.weight.shape[0] < FUSED_LM_HEAD_MIN_VOCAB:
         return verl.ops.logprob_entropy(lm_head(hidden), targets, temperature)
     return verl.ops.linear_logprob_entropy(hidden, lm_head.weight, targets, temperature)
