@@ -33,10 +33,10 @@ class StepTimer(TrainerCallback):
         self.starts, self.ends = [], []
 
     def on_step_begin(self, args, state, control, **kw):
-        self.starts.append(time.perf_counter())
+        self.starts.append(time.time())
 
     def on_step_end(self, args, state, control, **kw):
-        self.ends.append(time.perf_counter())
+        self.ends.append(time.time())
 
 
 def main(model_dir: str, prompts_path: str, steps: int, out_path: str, n: int, new_tokens: int) -> None:
@@ -55,7 +55,7 @@ def main(model_dir: str, prompts_path: str, steps: int, out_path: str, n: int, n
     trainer.train()
     step_s = [e - s for s, e in zip(timer.starts, timer.ends)]
     lengths = [h.get("completions/mean_length") for h in trainer.state.log_history if "completions/mean_length" in h]
-    json.dump({"step_s": step_s, "mean_completion_length": lengths}, open(out_path, "w"))
+    json.dump({"step_s": step_s, "step_end": timer.ends, "mean_completion_length": lengths}, open(out_path, "w"))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@
 
 Both sides sample exactly 32 tokens per response (EOS ignored), learn with lr 1e-4, no KL term, one PPO
 epoch (on-policy: no extra old-log-prob pass on either side). tokens/s = generated tokens / step wall time.
-In each round the two sides run at the same time, one single-threaded process each (so on a shared
-machine they see the same outside load); s/step is the median over the steady steps of all rounds (the
-first step of every run excluded), the minimum is reported too. Writes
+In each round the two sides run at the same time, one single-threaded process each, so on a shared
+machine they see the same outside load; only steps that end inside the window where both are training
+count (verl runs more steps so that it covers TRL's whole run despite starting faster). s/step is the
+median over those steps of all rounds (the first step of every run excluded), the minimum is reported too. Writes
 benchmarks/results/e2e_grpo_vs_trl.{json,png}.
 """
 
@@ -73,7 +74,7 @@ def _verl_result(proc: subprocess.Popen, out: Path, nproc: int = 1) -> dict:
         raise RuntimeError(f"verl run failed with exit code {proc.returncode}")
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step_s = [r["perf/step_time_s"] for r in recs if "perf/step_time_s" in r]
-    return {"step_s": step_s, "nproc": nproc,
+    return {"step_s": step_s, "step_end": [r["perf/wall_time"] for r in recs if "perf/wall_time" in r], "nproc": nproc,
             "mean_response_length": statistics.mean(r["response/length"] for r in recs if "response/length" in r)}
 
 
@@ -90,17 +91,25 @@ def _launch_trl(model_dir, prompts, steps, out: Path, python: str) -> subprocess
 
 def side_by_side(model_dir, prompts, steps, work: Path, tag: str, python: str) -> tuple[dict, dict]:
     """Runs verl and TRL concurrently on the same inputs; returns (verl result, TRL result)."""
-    vp = _launch_verl(model_dir, prompts, steps, work / f"verl{tag}")
+    vp = _launch_verl(model_dir, prompts, 3 * steps, work / f"verl{tag}")
     tp = _launch_trl(model_dir, prompts, steps, work / f"trl{tag}.json", python)
     if tp.wait() != 0:
         vp.kill()
         raise RuntimeError(f"TRL run failed with exit code {tp.returncode} (is {python} the TRL venv? "
                            f"bash benchmarks/e2e/setup_trl_env.sh)")
-    return _verl_result(vp, work / f"verl{tag}"), json.loads((work / f"trl{tag}.json").read_text())
+    verl, trl = _verl_result(vp, work / f"verl{tag}"), json.loads((work / f"trl{tag}.json").read_text())
+    # keep the steady steps (not a run's first) that both started and ended while the other side was training
+    lo = max(verl["step_end"][0], trl["step_end"][0])
+    hi = min(verl["step_end"][-1], trl["step_end"][-1])
+    for side in (verl, trl):
+        side["overlap_step_s"] = [s for s, e in list(zip(side["step_s"], side["step_end"]))[1:] if lo <= e - s and e <= hi]
+    return verl, trl
 
 
-def summarise(runs: list[list[float]], nproc: int = 1) -> dict:
-    steady = [s for run in runs for s in (run[1:] if len(run) > 1 else run)]
+def summarise(runs: list[list[float]], nproc: int = 1, skip_first: bool = True) -> dict:
+    steady = [s for run in runs for s in (run[1:] if skip_first and len(run) > 1 else run)]
+    if not steady:
+        raise RuntimeError("no steady steps to time (the two sides never trained at the same time); use --full")
     best, median = min(steady), statistics.median(steady)
     tokens = PROMPTS * SAMPLES * NEW_TOKENS * nproc
     return {"s_per_step": median, "s_per_step_min": best, "tokens_per_s": tokens / median,
@@ -149,8 +158,8 @@ def main() -> None:
             trl_runs.append(t)
         result = {"config": {"prompts": PROMPTS, "samples": SAMPLES, "new_tokens": NEW_TOKENS, "steps": steps,
                              "rounds": rounds, "threads": 1, "model": {**TINY, "parameters": n_params}},
-                  "verl": {**summarise([v["step_s"] for v in verl_runs]), "raw": verl_runs},
-                  "trl": {**summarise([t["step_s"] for t in trl_runs]), "raw": trl_runs}}
+                  "verl": {**summarise([v["overlap_step_s"] for v in verl_runs], skip_first=False), "raw": verl_runs},
+                  "trl": {**summarise([t["overlap_step_s"] for t in trl_runs], skip_first=False), "raw": trl_runs}}
         result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         result["ratio_tokens_per_s_best"] = result["verl"]["tokens_per_s_best"] / result["trl"]["tokens_per_s_best"]
         if args.full:

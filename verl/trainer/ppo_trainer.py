@@ -222,6 +222,7 @@ class PPOTrainer:
             torch.distributed.all_reduce(local)
         m = dict(zip(keys, vec.tolist()))
         m["perf/step_time_s"] = elapsed
+        m["perf/wall_time"] = time.time()  # when the step ended (aligns runs that share a machine)
         m["perf/tokens_per_s"] = float(local[0]) / elapsed
         m["perf/response_tokens_per_s"] = float(local[1]) / elapsed
         for name, seconds in self.node_seconds.items():
