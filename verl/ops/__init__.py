@@ -8,6 +8,16 @@ fused kernels and references with `set_backend("auto" | "fused" | "reference")` 
 from __future__ import annotations
 
 from verl.ops._backend import BACKENDS, backend, get_backend, set_backend, use_fused
+from verl.ops.logprob import (
+    DEFAULT_CHUNK_N,
+    DEFAULT_CHUNK_V,
+    linear_logprob_entropy,
+    linear_logprob_entropy_ref,
+    logprob_entropy,
+    logprob_entropy_ref,
+    vocab_parallel_linear_logprob_entropy,
+    vocab_parallel_logprob_entropy,
+)
 from verl.ops.masked import (
     masked_mean,
     masked_mean_ref,
@@ -56,4 +66,8 @@ __all__ = [
     "kl_penalty", "kl_penalty_ref", "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus",
     "AGG_MODES", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput", "ValueLossOutput", "agg_loss", "agg_loss_ref",
     "kl_loss", "kl_loss_ref", "policy_loss", "policy_loss_ref", "value_loss", "value_loss_ref",
+    # log-prob / entropy (verl/ops/logprob.py)
+    "logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
+    "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
+    "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V",
 ]
