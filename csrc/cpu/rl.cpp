@@ -5,6 +5,13 @@
 // Work is split over rows (sequences) with at::parallel_for: every op here is a per-row pass followed by
 // O(B) work, so one row stays in cache while its running sums, counts and clip statistics are formed,
 // and each [B, T] input is read once. Sums are accumulated in double per row.
+// FP operations here never rely on floating-point exception flags; telling GCC so (-fno-trapping-math for
+// this file only) is what lets it turn the per-token selects into SIMD blends. Measured: the vanilla PPO
+// token loop runs ~4x faster vectorised than as branchy scalar code.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -273,8 +280,8 @@ at::Tensor kl_penalty_backward_cpu(const at::Tensor& grad, const at::Tensor& log
 
 // ------------------------------------------------------------------------------------------ losses
 //
-// Forward: per row, chunks of kChunk tokens are reduced in the op's math type with `omp simd` (every choice is
-// a select, so NaN/garbage under the mask never enters a sum) and the chunk sums are added in double.
+// Forward: per row, chunks of kChunk tokens: the token math is mapped into buffers, then summed over the mask
+// in the op's math type (selects, so NaN/garbage under the mask never enters a sum); chunk sums add in double.
 // Backward: one vectorised elementwise pass per row, scaled by grad * row_weight[b].
 
 constexpr int64_t kChunk = 256;
@@ -286,19 +293,28 @@ struct Tok4 {
 
 template <typename acc_t, typename F>
 RowAcc row_reduce(const bool* mp, int64_t o, int64_t T, const F& tok) {
+  // Two loops per chunk: a pure map of the token math into small buffers (vectorises), then masked sums.
   RowAcc a;
+  acc_t l[kChunk], x0[kChunk], x1[kChunk], x2[kChunk];
   for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
-    const int64_t t1 = std::min<int64_t>(T, t0 + kChunk);
+    const int64_t n = std::min<int64_t>(T - t0, kChunk);
+    const int64_t base = o + t0;
+    for (int64_t j = 0; j < n; ++j) {
+      const Tok4<acc_t> k = tok(base + j);
+      l[j] = k.loss;
+      x0[j] = k.s0;
+      x1[j] = k.s1;
+      x2[j] = k.s2;
+    }
     acc_t sum = 0, cnt = 0, s0 = 0, s1 = 0, s2 = 0;
 #pragma omp simd reduction(+ : sum, cnt, s0, s1, s2)
-    for (int64_t i = o + t0; i < o + t1; ++i) {
-      const Tok4<acc_t> k = tok(i);
-      const bool keep = mp[i];
-      sum += keep ? k.loss : acc_t(0);
+    for (int64_t j = 0; j < n; ++j) {
+      const bool keep = mp[base + j];
+      sum += keep ? l[j] : acc_t(0);
       cnt += keep ? acc_t(1) : acc_t(0);
-      s0 += keep ? k.s0 : acc_t(0);
-      s1 += keep ? k.s1 : acc_t(0);
-      s2 += keep ? k.s2 : acc_t(0);
+      s0 += keep ? x0[j] : acc_t(0);
+      s1 += keep ? x1[j] : acc_t(0);
+      s2 += keep ? x2[j] : acc_t(0);
     }
     a.sum += static_cast<double>(sum);
     a.count += static_cast<double>(cnt);
@@ -338,8 +354,12 @@ void backward_rows(const at::Tensor& grad, const at::Tensor& row_weight, const b
         continue;
       }
       const auto dloss = grad_of_row(b);
-#pragma omp simd
-      for (int64_t i = o; i < o + T; ++i) out[i] = mp[i] ? static_cast<scalar_t>(s * dloss(i)) : scalar_t(0);
+      acc_t buf[kChunk];
+      for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+        const int64_t n = std::min<int64_t>(T - t0, kChunk), base = o + t0;
+        for (int64_t j = 0; j < n; ++j) buf[j] = s * dloss(base + j);
+        for (int64_t j = 0; j < n; ++j) out[base + j] = mp[base + j] ? static_cast<scalar_t>(buf[j]) : scalar_t(0);
+      }
     }
   });
 }
