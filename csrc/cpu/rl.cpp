@@ -513,8 +513,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_lo
           const PgToken<acc_t> k =
               pg_token_t<kType, acc_t>(kType == Pg::Gspo ? seq_lr : d, static_cast<acc_t>(app[i]), pg);
           // ppo_kl = mean(old - logp), with the same +-20 clamp as the ratio.
-          return Tok4<acc_t>{k.loss, k.clipped ? acc_t(1) : acc_t(0), k.lower ? acc_t(1) : acc_t(0),
-                             -clampv(d, acc_t(-20), acc_t(20))};
+          return Tok4<acc_t>{k.loss, k.clipped, k.lower, -clampv(d, acc_t(-20), acc_t(20))};
         };
       });
     });
@@ -575,7 +574,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
       return [=](int64_t i) {
         const VfToken<acc_t> k =
             vf_token<acc_t>(static_cast<acc_t>(vp[i]), static_cast<acc_t>(ovp[i]), static_cast<acc_t>(rp[i]), c);
-        return Tok4<acc_t>{k.loss, k.clipped ? acc_t(1) : acc_t(0), 0, 0};
+        return Tok4<acc_t>{k.loss, k.clipped, 0, 0};
       };
     });
   });

@@ -309,7 +309,7 @@ struct PgTok {
     using acc_t = at::opmath_type<scalar_t>;
     const PgToken<acc_t> k = eval(i, b);
     const acc_t d = ld(lp, i) - ld(olp, i);
-    return {static_cast<double>(k.loss), k.clipped ? 1.0 : 0.0, k.lower ? 1.0 : 0.0,
+    return {static_cast<double>(k.loss), static_cast<double>(k.clipped), static_cast<double>(k.lower),
             -static_cast<double>(clampv(d, acc_t(-20), acc_t(20)))};
   }
   __device__ at::opmath_type<scalar_t> grad(int64_t i, int64_t b) const { return eval(i, b).grad; }
@@ -325,7 +325,7 @@ struct VfTok {
   }
   __device__ TokStats operator()(int64_t i, int64_t) const {
     const auto k = eval(i);
-    return {static_cast<double>(k.loss), k.clipped ? 1.0 : 0.0, 0, 0};
+    return {static_cast<double>(k.loss), static_cast<double>(k.clipped), 0, 0};
   }
   __device__ at::opmath_type<scalar_t> grad(int64_t i, int64_t) const { return eval(i).grad; }
 };

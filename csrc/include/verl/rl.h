@@ -242,36 +242,36 @@ struct PgParams {
 
 template <typename T>
 struct PgToken {
-  T loss, grad;        // grad = d loss / d logprob
-  bool clipped, lower;  // pg_clipfrac and pg_clipfrac_lower indicators
+  T loss, grad;     // grad = d loss / d logprob
+  T clipped, lower;  // pg_clipfrac and pg_clipfrac_lower indicators, 0 or 1 (numbers, not bools: they vectorise)
 };
 
 // One token of the PPO-family losses. `log_ratio` is logp - old_logp (per token) or, for GSPO, the
 // stop-gradient sequence log-ratio; either way d ratio / d logp = ratio when the clamp is not active.
-// The loss type is a template parameter and every choice a select, so CPU loops over tokens vectorise.
+//
+// With r the ratio, max(-A r, -A clip(r, lo, hi)) and the dual clip min(., -A c) for A < 0 reduce to one clamp:
+//   loss = -A * clamp(r, lo_eff, hi_eff),  lo_eff = A < 0 ? lo : 0,  hi_eff = A < 0 ? c : hi
+// (GSPO: c = inf, no dual clip; r > 0 so the lower bound 0 is inert). The gradient flows where r is inside
+// [lo_eff, hi_eff] (a tie at a bound is the unclipped branch, whose gradient equals the clipped one's limit).
+// Everything is min/max and 0/1 arithmetic, with no data-dependent branch, so CPU token loops vectorise.
 template <Pg kType, typename T>
 VERL_HD PgToken<T> pg_token_t(T log_ratio, T adv, const PgParams& p) {
   const T lr = clampv(log_ratio, T(-20), T(20));
   const T ratio = expv(lr);
-  const T dratio = lr == log_ratio ? ratio : T(0);
-  const T pg1 = -adv * ratio;
+  const T live = lr == log_ratio ? T(1) : T(0);
   if constexpr (kType == Pg::Reinforce) {
-    return {pg1, -adv * dratio, false, false};
+    return {-adv * ratio, -adv * ratio * live, T(0), T(0)};
   } else {
-    const T rc = clampv(ratio, T(1) - T(p.clip_low), T(1) + T(p.clip_high));
-    const T pg2 = -adv * rc;
-    const bool clipped = pg2 > pg1;
-    // max(pg1, pg2): on a tie the ratio is inside the clip range and both branches have the same gradient.
-    const T clip1 = clipped ? pg2 : pg1;
-    const T clip1_grad = clipped ? T(0) : -adv * dratio;
-    if constexpr (kType == Pg::Gspo) {
-      return {clip1, clip1_grad, clipped, false};
-    } else {
-      // Dual clip: the loss of a negative advantage is bounded by -adv * c.
-      const T pg3 = -adv * T(p.clip_c);
-      const bool lower = (adv < T(0)) & (clip1 > pg3);
-      return {lower ? pg3 : clip1, lower ? T(0) : clip1_grad, clipped, lower};
-    }
+    const T lo = T(1) - T(p.clip_low), hi = T(1) + T(p.clip_high);
+    // A finite stand-in for c = inf keeps neg * (c - hi) free of 0 * inf.
+    const T c = kType == Pg::Gspo ? T(1e30) : (p.clip_c < 1e30 ? T(p.clip_c) : T(1e30));
+    const T neg = adv < T(0) ? T(1) : T(0), pos = adv > T(0) ? T(1) : T(0);
+    const T lo_eff = neg * lo, hi_eff = hi + neg * (c - hi);
+    const T q = clampv(ratio, lo_eff, hi_eff);
+    const T inside = (ratio >= lo_eff ? T(1) : T(0)) * (ratio <= hi_eff ? T(1) : T(0));
+    const T clipped = pos * (ratio > hi ? T(1) : T(0)) + neg * (ratio < lo ? T(1) : T(0));
+    const T lower = kType == Pg::Gspo ? T(0) : neg * ((ratio < lo ? lo : ratio) > c ? T(1) : T(0));
+    return {-adv * q, -adv * ratio * inside * live, clipped, lower};
   }
 }
 
@@ -290,7 +290,7 @@ VERL_HD PgToken<T> pg_token(T log_ratio, T adv, const PgParams& p) {
 template <typename T>
 struct VfToken {
   T loss, grad;  // loss = 0.5 * max(l1, l2); grad = d loss / d values
-  bool clipped;
+  T clipped;     // vf_clipfrac indicator, 0 or 1
 };
 
 template <typename T>
@@ -301,7 +301,7 @@ VERL_HD VfToken<T> vf_token(T v, T old, T ret, T clip) {
   const T l1 = e1 * e1, l2 = e2 * e2;
   const bool clipped = l2 > l1;
   const bool inside = (v >= lo) & (v <= hi);
-  return {T(0.5) * (clipped ? l2 : l1), clipped ? (inside ? e2 : T(0)) : e1, clipped};
+  return {T(0.5) * (clipped ? l2 : l1), clipped ? (inside ? e2 : T(0)) : e1, clipped ? T(1) : T(0)};
 }
 
 // ------------------------------------------------------------------------------------------ argument checks
