@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -109,7 +108,7 @@ def bench_shape(B: int, T: int, dtype: torch.dtype, compile_ref: bool) -> list[d
             fns["eager"] = lambda f=ref_fn: f(inp["rewards"])
             if compile_ref:
                 c = torch.compile(ref_fn)
-                fns["compiled"] = lambda: c(inp["rewards"])
+                fns["compiled"] = lambda c=c: c(inp["rewards"])
         else:
             fns["eager"] = fwd_bwd(ref_fn, x)
             if compile_ref:
