@@ -205,9 +205,10 @@ VERL_HD ValGrad<T> kl_token_t(T logp, T ref) {
     if constexpr (kKind == Kl::K3Plus) {
       return {val, d};
     } else {
-      // d/dlogp of exp(dr) - dr - 1 is 1 - exp(dr); zero where either clamp is active.
-      const bool live = (dc == dr) & (raw <= T(10));
-      return {val, live ? T(1) - e : T(0)};
+      // d/dlogp of exp(dr) - dr - 1 is 1 - exp(dr); zero where either clamp is active (0/1 arithmetic so
+      // that the CPU loops vectorise).
+      const T live = (dc == dr ? T(1) : T(0)) * (raw <= T(10) ? T(1) : T(0));
+      return {val, live * (T(1) - e)};
     }
   }
 }
