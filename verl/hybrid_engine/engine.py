@@ -90,6 +90,7 @@ class HybridEngine:
     def sync(self, local_params: Mapping[str, torch.Tensor], rollout) -> ExecutorStats:
         """Pushes this rank's generation weights into `rollout` (anything with `update_weights(iterable)`)."""
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        self._check_names(rollout, rank)
         stream = _Tracked(self.stream(local_params))
         error: BaseException | None = None
         try:
@@ -112,3 +113,17 @@ class HybridEngine:
             raise VerlRuntimeError("another rank's rollout engine failed while receiving weights (see its error); "
                                    "this rank's engine may hold a partial update", rank=rank)
         return self.last_stats
+
+    def _check_names(self, rollout, rank: int) -> None:
+        """Fails on every rank, before any byte moves, when an engine does not know a name it would receive."""
+        known = rollout.weight_names() if hasattr(rollout, "weight_names") else None
+        unknown = []
+        if known is not None:
+            unknown = sorted({t.target.name for t in self.plan.targets_of(rank)} - set(known))
+        if not agree(not unknown, self.group):
+            if unknown:
+                raise VerlRuntimeError(f"the rollout engine has no weight named {unknown[0]!r} ({len(unknown)} unknown "
+                                       f"names); check HybridEngineConfig.weight_format (hf / vllm) and that the "
+                                       f"engine's model matches the actor", rank=rank)
+            raise VerlRuntimeError("another rank's rollout engine does not know some weight names (see its error); "
+                                   "nothing was moved", rank=rank)
