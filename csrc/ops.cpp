@@ -36,6 +36,66 @@ TORCH_LIBRARY(verl, m) {
   m.def("reshard_pack(Tensor[] tensors) -> Tensor");
   m.def("reshard_unpack(Tensor flat, int[] shapes, int[] ndims) -> Tensor[]");
   m.def("reshard_gather(Tensor[] sources, Tensor plan, int dim, int[] out_shape) -> Tensor");
+
+  // ---- RL losses and advantages (verl/ops/rl.py, csrc/cpu/rl.cpp, csrc/cuda/rl.cu) ------------------
+  // Shapes: B sequences x T response tokens; every [B, T] tensor comes with `mask` (nonzero = valid).
+  // `num_nonfinite` outputs count valid positions whose rewards (or values) are NaN/inf, so callers can
+  // raise instead of training on NaN. Loss ops take one aggregation (`mode`, see csrc/include/verl/rl.h)
+  // and return `row_weight` [B] (float64): loss = sum_b row_weight_b * sum_t mask_bt * loss_bt, which is
+  // what their backward ops consume.
+  m.def("gae(Tensor rewards, Tensor? values, Tensor mask, float gamma, float lam) -> "
+        "(Tensor advantages, Tensor returns, Tensor num_nonfinite)");
+  m.def("outcome_advantage(Tensor rewards, Tensor mask, Tensor index, str estimator, float eps, bool norm_by_std, "
+        "Tensor? baseline) -> (Tensor advantages, Tensor num_nonfinite)");
+  m.def("kl_penalty(Tensor logprob, Tensor ref_logprob, str kind) -> Tensor");
+  m.def("kl_penalty_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, str kind) -> Tensor");
+  m.def("agg_loss(Tensor loss, Tensor mask, str mode, float? global_tokens, float? global_seqs, int dp_size, "
+        "float? norm_len) -> (Tensor out, Tensor row_weight)");
+  m.def("agg_loss_backward(Tensor grad, Tensor mask, Tensor row_weight) -> Tensor");
+  m.def("kl_loss(Tensor logprob, Tensor ref_logprob, Tensor mask, str kind, str mode, float? global_tokens, "
+        "float? global_seqs, int dp_size, float? norm_len) -> (Tensor loss, Tensor row_weight)");
+  m.def("kl_loss_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, Tensor mask, Tensor row_weight, "
+        "str kind) -> Tensor");
+  m.def("policy_loss(Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, str loss_type, "
+        "float clip_low, float clip_high, float clip_c, str mode, float? global_tokens, float? global_seqs, "
+        "int dp_size, float? norm_len) -> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor ppo_kl, "
+        "Tensor row_weight)");
+  m.def("policy_loss_backward(Tensor grad, Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, "
+        "Tensor row_weight, str loss_type, float clip_low, float clip_high, float clip_c) -> Tensor");
+  m.def("value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, str mode, "
+        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len) -> "
+        "(Tensor loss, Tensor clipfrac, Tensor row_weight)");
+  m.def("value_loss_backward(Tensor grad, Tensor values, Tensor old_values, Tensor returns, Tensor mask, "
+        "Tensor row_weight, float clip) -> Tensor");
+
+  // ---- log-prob and entropy (verl/ops/logprob.py) ---------------------------------------------
+  // logits [N, V] (any float dtype; rows may be strided), labels [N] int64/int32, z = logits / temperature.
+  // Returns float32 (float64 for float64 inputs) [N] each: logprob = log softmax(z)[label],
+  // entropy = -sum softmax(z) log softmax(z), lse = logsumexp(z). Rows with label == ignore_index give
+  // 0 in all three and no gradient. One streaming pass over V; softmax is never stored.
+  m.def("logprob_entropy(Tensor logits, Tensor labels, float temperature=1.0, int ignore_index=-100) "
+        "-> (Tensor logprob, Tensor entropy, Tensor lse)");
+  // The same over a vocab shard logits[:, j] = full[:, vocab_start + j] of a vocabulary of vocab_size:
+  // (target logit z[label] if this shard owns the label else 0, shard lse, shard entropy), for callers that
+  // all-reduce them across tensor-parallel ranks.
+  m.def("logprob_entropy_shard(Tensor logits, Tensor labels, float temperature, int vocab_start, int vocab_size, "
+        "int ignore_index=-100) -> (Tensor target_logit, Tensor lse, Tensor entropy)");
+  // d loss / d logits (logits' dtype) from the grads of (logprob, entropy, lse) (None = 0) and the full
+  // vocabulary's lse and entropy; vocab_start says which slice `logits` is (0 for the whole vocabulary).
+  m.def("logprob_entropy_backward(Tensor? grad_logprob, Tensor? grad_entropy, Tensor? grad_lse, Tensor logits, "
+        "Tensor labels, Tensor lse, Tensor entropy, float temperature, int vocab_start=0, int ignore_index=-100) "
+        "-> Tensor");
+  // Fused with the LM head: logits = hidden [N, H] @ weight [V, H]^T computed chunk_n x chunk_v at a time
+  // (at::mm: BLAS / cuBLAS), never [N, V] whole; outputs as logprob_entropy. hidden and weight share a dtype.
+  m.def("linear_logprob_entropy(Tensor hidden, Tensor weight, Tensor labels, float temperature=1.0, "
+        "int ignore_index=-100, int chunk_n=1024, int chunk_v=4096) -> (Tensor logprob, Tensor entropy, Tensor lse)");
+  m.def("linear_logprob_entropy_shard(Tensor hidden, Tensor weight, Tensor labels, float temperature, "
+        "int vocab_start, int vocab_size, int ignore_index=-100, int chunk_n=1024, int chunk_v=4096) "
+        "-> (Tensor target_logit, Tensor lse, Tensor entropy)");
+  // Recomputes the chunk logits; returns (grad_hidden [N, H], grad_weight [V, H]) in the inputs' dtype.
+  m.def("linear_logprob_entropy_backward(Tensor? grad_logprob, Tensor? grad_entropy, Tensor? grad_lse, "
+        "Tensor hidden, Tensor weight, Tensor labels, Tensor lse, Tensor entropy, float temperature, "
+        "int vocab_start=0, int ignore_index=-100, int chunk_n=1024, int chunk_v=4096) -> (Tensor, Tensor)");
 }
 
 static struct PyModuleDef verl_c_module = {PyModuleDef_HEAD_INIT, "_C",

@@ -8,6 +8,16 @@ fused kernels and references with `set_backend("auto" | "fused" | "reference")` 
 from __future__ import annotations
 
 from verl.ops._backend import BACKENDS, backend, get_backend, set_backend, use_fused
+from verl.ops.logprob import (
+    DEFAULT_CHUNK_N,
+    DEFAULT_CHUNK_V,
+    linear_logprob_entropy,
+    linear_logprob_entropy_ref,
+    logprob_entropy,
+    logprob_entropy_ref,
+    vocab_parallel_linear_logprob_entropy,
+    vocab_parallel_logprob_entropy,
+)
 from verl.ops.masked import (
     masked_mean,
     masked_mean_ref,
@@ -26,6 +36,34 @@ from verl.ops.reshard import (  # hybrid engine: bucket pack/unpack, Megatron â†
     reshard_unpack,
     reshard_unpack_ref,
 )
+from verl.ops.rl import (  # RL advantages and KL penalties (kernels-rl)
+    KL_KINDS,
+    OUTCOME_ESTIMATORS,
+    AdvantageResult,
+    as_group_index,
+    compute_gae,
+    compute_gae_ref,
+    kl_penalty,
+    kl_penalty_ref,
+    outcome_advantage,
+    outcome_advantage_ref,
+    reinforce_plus_plus,
+)
+from verl.ops.losses import (  # fused RL losses with masked aggregation (kernels-rl)
+    AGG_MODES,
+    POLICY_LOSSES,
+    Aggregation,
+    PolicyLossOutput,
+    ValueLossOutput,
+    agg_loss,
+    agg_loss_ref,
+    kl_loss,
+    kl_loss_ref,
+    policy_loss,
+    policy_loss_ref,
+    value_loss,
+    value_loss_ref,
+)
 
 __all__ = [
     "BACKENDS", "backend", "get_backend", "set_backend", "use_fused",
@@ -33,4 +71,13 @@ __all__ = [
     "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref",
     "reshard_pack", "reshard_unpack", "reshard_gather",
     "reshard_pack_ref", "reshard_unpack_ref", "reshard_gather_ref",
+    # RL (kernels-rl)
+    "KL_KINDS", "OUTCOME_ESTIMATORS", "AdvantageResult", "as_group_index", "compute_gae", "compute_gae_ref",
+    "kl_penalty", "kl_penalty_ref", "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus",
+    "AGG_MODES", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput", "ValueLossOutput", "agg_loss", "agg_loss_ref",
+    "kl_loss", "kl_loss_ref", "policy_loss", "policy_loss_ref", "value_loss", "value_loss_ref",
+    # log-prob / entropy (verl/ops/logprob.py)
+    "logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
+    "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
+    "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V",
 ]
