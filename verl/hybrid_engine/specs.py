@@ -73,6 +73,10 @@ class ParamSpec:
     """qkv only: size of one head along `dim`."""
     padded_rows: int = 0
     """vocab only: Megatron's padded vocabulary size (>= the HF vocabulary)."""
+    global_segments: tuple[Segment, ...] = ()
+    """When given (verl.models' ShardSpec), the whole Megatron tensor along `dim` as segments; TP rank r
+    holds its r-th contiguous chunk. This also covers megatron-core's split of QKV groups when TP exceeds
+    the KV heads. Empty: the segments are derived from `layout`."""
 
     @property
     def element_size(self) -> int:
@@ -116,8 +120,23 @@ def _check_qkv(spec: ParamSpec, tp: int) -> None:
                               f"{[d for d in range(1, spec.num_kv_heads + 1) if spec.num_kv_heads % d == 0]}")
 
 
+def _chunk(segments: tuple[Segment, ...], tp: int, tp_rank: int, what: str) -> list[Segment]:
+    total = sum(s.length for s in segments)
+    lo, n = _even(total, tp, tp_rank, what)
+    out, pos = [], 0
+    for seg in segments:
+        a, b = max(lo, pos), min(lo + n, pos + seg.length)
+        if a < b:
+            out.append(Segment(seg.hf_name, seg.start + (a - pos), b - a))
+        pos += seg.length
+    return out
+
+
 def training_segments(spec: ParamSpec, tp: int, tp_rank: int) -> list[Segment]:
     """The rows of HF tensors held (in order, along spec.dim) by Megatron TP rank `tp_rank` of `tp`."""
+    if spec.global_segments:
+        return list(spec.global_segments) if spec.layout == "replicated" else \
+            _chunk(spec.global_segments, tp, tp_rank, spec.name)
     if spec.layout == "replicated":
         return [Segment(spec.hf_names[0], 0, spec.hf_shapes[0][spec.dim])]
     if spec.layout in ("column", "row"):
