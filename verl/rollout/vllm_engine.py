@@ -183,25 +183,36 @@ class VLLMRollout(RolloutEngine):
             self._known = _checkpoint_names(names)
         return self._known
 
-    def _checked(self, named_tensors: Iterable[tuple[str, torch.Tensor]], counter: list[int]) -> Iterator:
+    def _checked(self, named_tensors: Iterable[tuple[str, torch.Tensor]], state: dict) -> Iterator:
+        """The stream as vLLM consumes it. A bad name (or a failing upstream stream) ENDS the iteration instead
+        of raising inside vLLM: an exception thrown into reload_weights would leave its layer-wise reload
+        half done (weights on the meta device); ended early, vLLM puts back the weights it did not receive."""
         known = self.weight_names()
-        for name, t in named_tensors:
-            if name not in known:
-                raise VerlRuntimeError(f"the vLLM model has no weight named {name!r}; the weight stream and the "
-                                       f"engine disagree on names (the engine takes Hugging Face checkpoint names)")
-            counter[0] += 1
-            yield name, t.detach().to("cpu") if self.on_cpu else t.detach()
+        try:
+            for name, t in named_tensors:
+                if name not in known:
+                    state["error"] = VerlRuntimeError(
+                        f"the vLLM model has no weight named {name!r}; the weight stream and the engine disagree on "
+                        f"names (the engine takes Hugging Face checkpoint names); {state['count']} tensors were "
+                        f"loaded before it, the others keep their previous values")
+                    return
+                state["count"] += 1
+                yield name, t.detach().to("cpu") if self.on_cpu else t.detach()
+        except Exception as e:  # noqa: BLE001 - re-raised by _update_weights once vLLM has finished
+            state["error"] = e
 
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        counter = [0]
-        stream = self._checked(named_tensors, counter)
+        state = {"count": 0, "error": None}
+        stream = self._checked(named_tensors, state)
         if self.config.in_process:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True))
         else:
             self._push_blobs(stream)
         # Cached prefixes hold keys/values of the old weights.
         self.llm.reset_prefix_cache()
-        return counter[0]
+        if state["error"] is not None:
+            raise state["error"]
+        return state["count"]
 
     def _push_blobs(self, stream: Iterator) -> None:
         from safetensors.torch import save
