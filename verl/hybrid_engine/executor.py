@@ -8,7 +8,9 @@ layout permutation happens in that copy). Buffers are dropped before the next bu
 memory a rank holds is one bucket's targets plus its in-flight messages (`ExecutorStats.peak_bytes`).
 
 Training weights are only read (narrow views): the training layout is intact afterwards, also when the
-consumer of the stream fails.
+consumer of the stream fails. A target that is exactly one contiguous block of a local shard is yielded as
+a read-only view of it (no copy at all when TP_g = TP); consumers copy what they receive and must not write
+to it.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class ReshardExecutor:
         for tp in bucket.targets:
             if tp.rank == me:
                 out = self._assemble(tp, views)
-                held += out.nbytes
+                held += 0 if out._base is not None else out.nbytes  # a view of a local shard costs nothing
                 outputs.append((tp.target.name, out))
         self.stats.peak_bytes = max(self.stats.peak_bytes, held)
         del views, recv_bufs
@@ -167,6 +169,13 @@ class ReshardExecutor:
         return views
 
     def _assemble(self, tp: TargetPlan, views) -> torch.Tensor:
+        if len(tp.pieces) == 1 and tp.pieces[0].src_rank == self.rank:
+            # The target is one contiguous block of a local shard (TP_g = TP for plain layouts): hand out a
+            # view instead of a copy. Engines copy what they receive, and nothing writes to the view.
+            pc = tp.pieces[0]
+            view = self.params[tp.param].narrow(tp.target.dim, pc.src_offset, pc.length)
+            if view.is_contiguous():
+                return view
         sources, rows = [], []
         for i, pc in enumerate(tp.pieces):
             if pc.src_rank == self.rank:
