@@ -117,3 +117,34 @@ def test_mismatched_shard_is_reported_before_any_transfer():
     out = run_distributed(_bad_shard_body, 2, timeout=120)
     assert "decoder.layers.1.mlp.linear_fc2.weight" in out[0] and "shape" in out[0]
     assert "another rank" in out[1]
+
+
+class _NamedEngine(_FailingEngine):
+    def __init__(self, names):
+        super().__init__(False)
+        self.names = names
+
+    def weight_names(self):
+        return self.names
+
+
+def _unknown_name_body(rank, world):
+    cfg = tiny_config()
+    layout = TrainingLayout(tp=2)
+    shards = megatron_shards(random_hf_state_dict(cfg), cfg, layout, rank, VOCAB_MULTIPLE)
+    he = HybridEngine(llama_param_specs(cfg, tp=2, make_vocab_size_divisible_by=VOCAB_MULTIPLE), layout)
+    names = {t.target.name for t in he.plan.targets_of(rank)}
+    engine = _NamedEngine(names - {"model.layers.2.mlp.up_proj.weight"} if rank == 0 else names)
+    try:
+        he.sync(shards, engine)
+        return "no error", engine.seen
+    except VerlRuntimeError as e:
+        return str(e), engine.seen
+
+
+@pytest.mark.multiprocess
+def test_a_name_the_engine_does_not_know_fails_before_anything_moves():
+    out = run_distributed(_unknown_name_body, 2, timeout=120)
+    assert "no weight named 'model.layers.2.mlp.up_proj.weight'" in out[0][0]
+    assert "another rank's rollout engine does not know" in out[1][0]
+    assert out[0][1] == 0 and out[1][1] == 0, "no tensor may reach an engine"
