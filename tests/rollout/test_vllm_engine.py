@@ -112,3 +112,16 @@ def test_sleep_mode_on_cpu_is_refused_with_the_reason(vllm_engine, model_dir):
     from verl.rollout.vllm_engine import VLLMRollout, VLLMRolloutConfig
     with pytest.raises(VerlConfigError, match="sleep mode is not available"):
         VLLMRollout(VLLMRolloutConfig(model_path=model_dir, enable_sleep_mode=True))
+
+
+@pytest.mark.slow
+def test_multiprocess_engine_receives_weights_as_safetensors_blobs(model_dir, torch_engine):
+    """vLLM in its own process: weights travel as safetensors blobs to verl's worker extension."""
+    from verl.rollout.toy import toy_llama
+    eng = build_rollout(RolloutConfig(engine="vllm", model_path=model_dir, dtype="float32", in_process=False,
+                                      kv_cache_memory_bytes=64 << 20))
+    new = toy_llama(len(eng.tokenizer.hf), seed=9).state_dict()
+    assert eng.update_weights(iter(new.items())) == len(new)
+    want = TorchRollout(toy_llama(len(eng.tokenizer.hf), seed=9), eng.tokenizer)
+    sp = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == [o.token_ids for o in want.generate(PROMPTS, sp)]

@@ -179,7 +179,9 @@ class VLLMRollout(RolloutEngine):
     def weight_names(self) -> set[str]:
         """Every HF checkpoint name this engine accepts."""
         if self._known is None:
-            names = self.llm.collective_rpc(_model_param_names)[0]
+            # Across processes a callable cannot travel (vLLM serialises RPCs): ask the worker extension.
+            method = _model_param_names if self.config.in_process else "verl_param_names"
+            names = self.llm.collective_rpc(method)[0]
             self._known = _checkpoint_names(names)
         return self._known
 

@@ -13,3 +13,6 @@ class VerlWorkerExtension:
         tensors = load(blob)
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)
+
+    def verl_param_names(self) -> list[str]:
+        return [n for n, _ in self.model_runner.model.named_parameters()]
