@@ -152,8 +152,8 @@ def test_configuration_errors_name_the_bad_value():
     with pytest.raises(VerlConfigError, match="PP=3"):
         llama_param_specs(cfg, pp=3)
     with pytest.raises(VerlConfigError, match="not a multiple"):
-        plan_reshard(llama_param_specs(tiny_config(heads=6, kv_heads=2, hidden=24), tp=1, make_vocab_size_divisible_by=8),
-                     TrainingLayout(dp=3), 3)
+        specs6 = llama_param_specs(tiny_config(heads=6, kv_heads=2, hidden=24), tp=1, make_vocab_size_divisible_by=8)
+        plan_reshard(specs6, TrainingLayout(dp=3), 3)
 
 
 def test_kv_heads_are_replicated_when_generation_tp_exceeds_them():

@@ -191,7 +191,7 @@ def test_engine_failures_are_verl_runtime_errors(tok):
         def forward(self, **kw):
             raise ValueError("kernel exploded")
 
-    with pytest.raises(VerlRuntimeError, match="torch rollout engine failed in generate: ValueError: kernel exploded") as e:
+    with pytest.raises(VerlRuntimeError, match="torch rollout engine failed in generate: ValueError: kernel") as e:
         TorchRollout(Broken(), tok).generate(["one"], SamplingParams(max_new_tokens=2))
     assert isinstance(e.value.__cause__, ValueError)
 

@@ -13,7 +13,8 @@ from verl.hybrid_engine.planner import (
     generation_coords,
     plan_reshard,
 )
-from verl.hybrid_engine.specs import ParamSpec, Segment, Target, generation_targets, llama_param_specs, training_segments
+from verl.hybrid_engine.specs import (ParamSpec, Segment, Target, generation_targets, llama_param_specs,
+                                      training_segments)
 
 __all__ = ["HybridEngine", "HybridEngineConfig", "ExecutorStats", "ReshardExecutor", "Bucket", "Piece",
            "ReshardPlan", "TargetPlan", "TrainingLayout", "generation_coords", "plan_reshard", "ParamSpec",

@@ -84,7 +84,8 @@ class ReshardExecutor:
                 return (f"rank {self.rank}: parameter {name!r} has shape {tuple(t.shape)} but the plan expects the "
                         f"local shard shape {shape}; check TP/PP sizes and the vocabulary padding")
             if t.dtype != self.plan.specs[name].dtype:
-                return f"rank {self.rank}: parameter {name!r} is {t.dtype} but its spec says {self.plan.specs[name].dtype}"
+                return (f"rank {self.rank}: parameter {name!r} is {t.dtype} but its spec says "
+                        f"{self.plan.specs[name].dtype}")
         return None
 
     # ------------------------------------------------------------------------------------------- stream
@@ -110,7 +111,8 @@ class ReshardExecutor:
             spec = self.plan.specs[tp.param]
             for i, pc in enumerate(tp.pieces):
                 if pc.src_rank == me and tp.rank != me:
-                    sends[(tp.rank, spec.dtype)].append(self.params[tp.param].narrow(spec.dim, pc.src_offset, pc.length))
+                    block = self.params[tp.param].narrow(spec.dim, pc.src_offset, pc.length)
+                    sends[(tp.rank, spec.dtype)].append(block)
                 elif tp.rank == me and pc.src_rank != me:
                     recvs[(pc.src_rank, spec.dtype)].append((tp, i))
         held = 0

