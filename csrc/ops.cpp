@@ -27,6 +27,37 @@ TORCH_LIBRARY(verl, m) {
   m.def("masked_var_backward(Tensor grad, Tensor values, Tensor mask, bool unbiased) -> Tensor");
   m.def("masked_whiten_backward(Tensor grad, Tensor values, Tensor mask, bool shift_mean, float eps) -> Tensor");
 
+  // ---- RL losses and advantages (verl/ops/rl.py, csrc/cpu/rl.cpp, csrc/cuda/rl.cu) ------------------
+  // Shapes: B sequences x T response tokens; every [B, T] tensor comes with `mask` (nonzero = valid).
+  // `num_nonfinite` outputs count valid positions whose rewards (or values) are NaN/inf, so callers can
+  // raise instead of training on NaN. Loss ops take one aggregation (`mode`, see csrc/include/verl/rl.h)
+  // and return `row_weight` [B] (float64): loss = sum_b row_weight_b * sum_t mask_bt * loss_bt, which is
+  // what their backward ops consume.
+  m.def("gae(Tensor rewards, Tensor? values, Tensor mask, float gamma, float lam) -> "
+        "(Tensor advantages, Tensor returns, Tensor num_nonfinite)");
+  m.def("outcome_advantage(Tensor rewards, Tensor mask, Tensor index, str estimator, float eps, bool norm_by_std, "
+        "Tensor? baseline) -> (Tensor advantages, Tensor num_nonfinite)");
+  m.def("kl_penalty(Tensor logprob, Tensor ref_logprob, str kind) -> Tensor");
+  m.def("kl_penalty_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, str kind) -> Tensor");
+  m.def("agg_loss(Tensor loss, Tensor mask, str mode, float? global_tokens, float? global_seqs, int dp_size, "
+        "float? norm_len) -> (Tensor out, Tensor row_weight)");
+  m.def("agg_loss_backward(Tensor grad, Tensor mask, Tensor row_weight) -> Tensor");
+  m.def("kl_loss(Tensor logprob, Tensor ref_logprob, Tensor mask, str kind, str mode, float? global_tokens, "
+        "float? global_seqs, int dp_size, float? norm_len) -> (Tensor loss, Tensor row_weight)");
+  m.def("kl_loss_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, Tensor mask, Tensor row_weight, "
+        "str kind) -> Tensor");
+  m.def("policy_loss(Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, str loss_type, "
+        "float clip_low, float clip_high, float clip_c, str mode, float? global_tokens, float? global_seqs, "
+        "int dp_size, float? norm_len) -> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor ppo_kl, "
+        "Tensor row_weight)");
+  m.def("policy_loss_backward(Tensor grad, Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, "
+        "Tensor row_weight, str loss_type, float clip_low, float clip_high, float clip_c) -> Tensor");
+  m.def("value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, str mode, "
+        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len) -> "
+        "(Tensor loss, Tensor clipfrac, Tensor row_weight)");
+  m.def("value_loss_backward(Tensor grad, Tensor values, Tensor old_values, Tensor returns, Tensor mask, "
+        "Tensor row_weight, float clip) -> Tensor");
+
   // ---- log-prob and entropy (verl/ops/logprob.py) ---------------------------------------------
   // logits [N, V] (any float dtype; rows may be strided), labels [N] int64/int32, z = logits / temperature.
   // Returns float32 (float64 for float64 inputs) [N] each: logprob = log softmax(z)[label],

@@ -36,17 +36,22 @@ else
   echo "[setup_env] reusing $venv" >&2
 fi
 cd "$root"
-if [ "$kind" = cuda ]; then
-  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(sed -n 's/^exec \([^ ]*\).*/\1/p' "$(command -v nvcc)" 2>/dev/null || command -v nvcc)")")")}
-  export VERL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-  builddir=build/cuda
-else
-  export VERL_BUILD_CUDA=0
-  builddir=build/cpu
-fi
 export MAX_JOBS=${MAX_JOBS:-2}
-echo "[setup_env] building verl._C ($kind)" >&2
-"$venv/bin/python" setup.py -q build_ext --inplace --build-temp "$builddir/temp" --build-lib "$builddir/lib" >&2
-# The package itself (console script `verl`), editable, without building the extension a second time.
-VERL_SKIP_EXT=1 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2
+if [ "$kind" = cuda ]; then
+  # The CUDA build goes to build/cuda/lib (not in place): the in-place verl/_C*.so belongs to the dev env's torch.
+  if [ -z "${CUDA_HOME:-}" ]; then
+    nvcc_path=$(command -v nvcc || true)
+    [ -n "$nvcc_path" ] || { echo "setup_env: nvcc not found; install the CUDA toolkit or set CUDA_HOME" >&2; exit 2; }
+    real=$(sed -n 's/^exec \([^ ]*nvcc\).*/\1/p' "$nvcc_path" 2>/dev/null | head -n1)
+    CUDA_HOME=$(dirname "$(dirname "$(readlink -f "${real:-$nvcc_path}")")")
+  fi
+  export CUDA_HOME VERL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+  echo "[setup_env] building verl._C with CUDA (CUDA_HOME=$CUDA_HOME, archs $TORCH_CUDA_ARCH_LIST)" >&2
+  "$venv/bin/python" setup.py -q build_ext --build-temp build/cuda/temp --build-lib build/cuda/lib >&2
+else
+  echo "[setup_env] building verl._C (CPU)" >&2
+  VERL_BUILD_CUDA=0 "$venv/bin/python" setup.py -q build_ext --inplace --build-temp build/cpu/temp >&2
+  # The package itself (console script `verl`), editable, without building the extension a second time.
+  VERL_SKIP_EXT=1 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2
+fi
 echo "$venv"

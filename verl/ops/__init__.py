@@ -28,11 +28,44 @@ from verl.ops.masked import (
     masked_whiten,
     masked_whiten_ref,
 )
+from verl.ops.rl import (  # RL advantages and KL penalties (kernels-rl)
+    KL_KINDS,
+    OUTCOME_ESTIMATORS,
+    AdvantageResult,
+    as_group_index,
+    compute_gae,
+    compute_gae_ref,
+    kl_penalty,
+    kl_penalty_ref,
+    outcome_advantage,
+    outcome_advantage_ref,
+    reinforce_plus_plus,
+)
+from verl.ops.losses import (  # fused RL losses with masked aggregation (kernels-rl)
+    AGG_MODES,
+    POLICY_LOSSES,
+    Aggregation,
+    PolicyLossOutput,
+    ValueLossOutput,
+    agg_loss,
+    agg_loss_ref,
+    kl_loss,
+    kl_loss_ref,
+    policy_loss,
+    policy_loss_ref,
+    value_loss,
+    value_loss_ref,
+)
 
 __all__ = [
     "BACKENDS", "backend", "get_backend", "set_backend", "use_fused",
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref",
+    # RL (kernels-rl)
+    "KL_KINDS", "OUTCOME_ESTIMATORS", "AdvantageResult", "as_group_index", "compute_gae", "compute_gae_ref",
+    "kl_penalty", "kl_penalty_ref", "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus",
+    "AGG_MODES", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput", "ValueLossOutput", "agg_loss", "agg_loss_ref",
+    "kl_loss", "kl_loss_ref", "policy_loss", "policy_loss_ref", "value_loss", "value_loss_ref",
     # log-prob / entropy (verl/ops/logprob.py)
     "logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
     "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",

@@ -1,0 +1,108 @@
+"""Advantage estimators, selected by name: `get_advantage("grpo")(token_level_rewards, response_mask, index=uid)`.
+
+Every estimator has one calling convention (so the trainer needs no per-algorithm branches):
+
+    fn(token_level_rewards [B, T], response_mask [B, T], *, values=None [B, T], index=None [B],
+       baseline=None [B], gamma=1.0, lam=1.0, eps=1e-6, norm_by_std=True, check_finite=True)
+       -> AdvantageResult(advantages [B, T], returns [B, T], num_nonfinite int64 0-d)
+
+Arguments an estimator does not use are ignored; a missing one it needs raises VerlConfigError. `index` is the
+prompt id of each sequence (int tensor, or numpy array / list of ints or strings such as uids). Outcome
+estimators score a sequence by the sum of its valid token rewards. NaN/inf inputs raise unless check_finite=False.
+Add one with:
+
+    @register_advantage("my_estimator")
+    def my_estimator(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0,
+                     lam=1.0, eps=1e-6, norm_by_std=True, check_finite=True): ...
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl.algos.registry import Registry
+from verl.errors import VerlConfigError
+from verl.ops.rl import AdvantageResult, compute_gae, outcome_advantage, reinforce_plus_plus
+
+__all__ = ["ADVANTAGES", "register_advantage", "get_advantage"]
+
+ADVANTAGES: Registry = Registry("advantage estimator", required=(
+    "token_level_rewards", "response_mask", "values", "index", "baseline", "gamma", "lam", "eps", "norm_by_std",
+    "check_finite"))
+
+
+def register_advantage(name: str, *aliases: str):
+    """Decorator registering an advantage estimator under `name` (and aliases)."""
+    return ADVANTAGES.register(name, *aliases)
+
+
+def get_advantage(name: str):
+    """The estimator registered as `name`; unknown names list the known ones."""
+    return ADVANTAGES.get(name)
+
+
+def _need(value, what: str, estimator: str):
+    if value is None:
+        raise VerlConfigError(f"advantage estimator {estimator!r} needs `{what}`")
+    return value
+
+
+@register_advantage("gae")
+def gae(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, values=None, index=None, baseline=None,
+        gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True,
+        check_finite: bool = True) -> AdvantageResult:
+    """PPO's GAE with a critic (`values` [B, T] required); advantages whitened over the mask, returns raw."""
+    return compute_gae(token_level_rewards, _need(values, "values", "gae"), response_mask, gamma, lam,
+                       check_finite=check_finite)
+
+
+def _outcome(estimator: str, norm_by_std: bool, token_level_rewards, response_mask, index, baseline, eps,
+             check_finite, name: str) -> AdvantageResult:
+    if estimator == "remax":
+        _need(baseline, "baseline", name)
+        index = torch.arange(token_level_rewards.shape[0], device=token_level_rewards.device)
+    return outcome_advantage(token_level_rewards, response_mask, _need(index, "index", name), estimator, eps=eps,
+                             norm_by_std=norm_by_std, baseline=baseline, check_finite=check_finite)
+
+
+@register_advantage("grpo")
+def grpo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+         eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """GRPO: (score - group mean) / (group std + eps); norm_by_std=False is Dr.GRPO. Needs `index` [B]."""
+    return _outcome("grpo", norm_by_std, token_level_rewards, response_mask, index, None, eps, check_finite, "grpo")
+
+
+@register_advantage("dr_grpo")
+def dr_grpo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+            eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """Dr.GRPO: score - group mean (never divided by the std, whatever norm_by_std says). Needs `index` [B]."""
+    return _outcome("grpo", False, token_level_rewards, response_mask, index, None, eps, check_finite, "dr_grpo")
+
+
+@register_advantage("rloo")
+def rloo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+         eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """RLOO: score - mean score of the group's other samples. Needs `index` [B]."""
+    return _outcome("rloo", True, token_level_rewards, response_mask, index, None, eps, check_finite, "rloo")
+
+
+@register_advantage("remax")
+def remax(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+          eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """ReMax: score - `baseline` [B] (the reward of the prompt's greedy response)."""
+    return _outcome("remax", True, token_level_rewards, response_mask, None, baseline, eps, check_finite, "remax")
+
+
+@register_advantage("reinforce_plus_plus", "reinforce++")
+def reinforce_pp(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+                 eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """REINFORCE++: discounted token returns (gamma), whitened over the batch's valid tokens."""
+    return reinforce_plus_plus(token_level_rewards, response_mask, gamma, check_finite=check_finite)
+
+
+@register_advantage("reinforce_plus_plus_baseline", "reinforce++-baseline")
+def reinforce_pp_baseline(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0,
+                          lam=1.0, eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """REINFORCE++-baseline: score - group mean, whitened over the batch's valid tokens. Needs `index` [B]."""
+    return _outcome("reinforce_plus_plus_baseline", True, token_level_rewards, response_mask, index, None, eps,
+                    check_finite, "reinforce_plus_plus_baseline")

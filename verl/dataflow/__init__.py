@@ -1,0 +1,43 @@
+"""verl's programming model: an RL algorithm is a small graph of plain Python functions.
+
+    from verl import DataflowNode, CustomNode, build_dataflow, inject_node
+
+    @DataflowNode(input_keys=["prompt", "actor_model"], output_keys=["response"])
+    def generate(prompt, actor_model):
+        return actor_model.generate(prompt, max_new_tokens=64)
+
+    @DataflowNode(input_keys=["response", "reward_model"], output_keys=["reward"])
+    def score(response, reward_model, ctx=None):         # ctx: this node's NodeContext (rank, device, engine...)
+        return reward_model.score(response)
+
+    flow = build_dataflow(nodes=[generate, score],
+                          configs={"generate": dict(engine="vllm", device_map=[0, 1]),
+                                   "score": dict(device_map=[2, 3])})
+    out = flow.run({"prompt": prompts, "actor_model": actor, "reward_model": rm})
+
+Modules: `node` (decorators, NodeContext), `config` (NodeConfig), `graph` (building, validation,
+injection), `runtime` (execution), `comm` (redistribution between rank sets), `trace` (Chrome traces, hooks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from verl.dataflow.config import ENGINES, NodeConfig
+from verl.dataflow.graph import Dataflow, NodeEntry, build_dataflow, inject_node
+from verl.dataflow.node import CustomNode, DataflowNode, Node, NodeContext, TransientError, mark_transient
+from verl.dataflow.trace import NodeEvent, TraceRecorder, summarize
+
+
+def run(dataflow: Dataflow | Mapping[str, Any], inputs: Mapping[str, Any], *, trace: str | None = None,
+        hooks: Sequence[Any] = (), check_errors: str = "node") -> dict[str, Any]:
+    """Runs a dataflow (built, or in dict form) with ``inputs``; see `Dataflow.run`."""
+    return Dataflow.from_dict(dataflow).run(inputs, trace=trace, hooks=hooks, check_errors=check_errors)
+
+
+__all__ = [
+    "CustomNode", "Dataflow", "DataflowNode", "ENGINES", "Node", "NodeConfig", "NodeContext", "NodeEntry",
+    "NodeEvent", "TraceRecorder", "TransientError", "build_dataflow", "inject_node", "mark_transient", "run",
+    "summarize",
+]

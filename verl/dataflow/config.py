@@ -1,0 +1,158 @@
+"""Per-node configuration: placement, engine, offload, retries and setting overrides.
+
+    build_dataflow(nodes=[generate, score], configs={
+        "generate": dict(engine="vllm", device_map=["cuda:0", "cuda:1"]),
+        "score": dict(engine="torch", device_map=[2, 3], cpu_offload=True, retries=2),
+        "safe_reward_filter": dict(threshold=0.7),        # a node setting (a defaulted parameter)
+    })
+
+A device map lists the ranks that run the node: ints, or ``"cuda:i"`` / ``"cpu:i"`` meaning rank ``i`` (one
+process per device, as torchrun launches). No device map means every rank.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from verl.errors import VerlConfigError
+
+ENGINES = ("torch", "vllm", "sglang", "megatron", "fsdp", "rule")
+
+
+def nearest(name: str, candidates, what: str = "") -> str:
+    """' (did you mean 'x'?)' for the closest candidate, or the list of valid names when none is close."""
+    cands = sorted({str(c) for c in candidates})
+    close = difflib.get_close_matches(str(name), cands, n=1, cutoff=0.5)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    if not cands:
+        return f" (there are no {what or 'names'})"
+    shown = cands if len(cands) <= 12 else cands[:12] + ["..."]
+    return f" ({what or 'valid names'}: {', '.join(shown)})"
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    """How and where one node runs. Changing it never changes the node's code."""
+
+    device_map: tuple[int, ...] | None = None
+    """Global ranks that run the node, sorted; None = every rank (colocated, the default)."""
+    device_types: tuple[str, ...] | None = None
+    """Per entry of ``device_map``: 'cuda', 'cpu' or '' (an int rank: cuda when available, else cpu)."""
+    engine: str = "torch"
+    """Engine name handed to the node's context: one of ENGINES."""
+    cpu_offload: bool = False
+    """Keep the node's modules on CPU between calls; move them to the device just before the node runs."""
+    retries: int = 0
+    """Extra attempts after a transient error (TransientError, mark_transient, or a type in ``retry_on``)."""
+    retry_backoff_s: float = 0.05
+    """Sleep before the first retry; doubles on each further retry."""
+    retry_on: tuple[type, ...] = ()
+    """Exception types treated as transient for this node besides TransientError."""
+    replicated_outputs: tuple[str, ...] = ()
+    """Outputs every rank of the node holds whole (metrics, a scalar): when another rank set needs them they are
+    copied from the node's first rank instead of being split/gathered as data-parallel shards."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the node's settings (its defaulted parameters)."""
+
+
+_FIELDS = tuple(f.name for f in fields(NodeConfig) if f.name != "device_types")
+
+
+def parse_device_map(node: str, device_map: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    if device_map is None:
+        return None
+    if isinstance(device_map, (str, int)):
+        device_map = [device_map]
+    if not isinstance(device_map, Sequence) or len(device_map) == 0:
+        raise VerlConfigError(f"node '{node}': device_map must be a non-empty list of ranks or 'cuda:i'/'cpu:i' "
+                              f"strings, got {device_map!r}; omit it to run on every rank")
+    entries: dict[int, str] = {}
+    for d in device_map:
+        if isinstance(d, bool):
+            raise VerlConfigError(f"node '{node}': device_map entry {d!r} is a bool; use an int rank")
+        if isinstance(d, int):
+            rank, kind = d, ""
+        elif isinstance(d, str) and ":" in d and d.split(":", 1)[0] in ("cuda", "cpu") \
+                and d.split(":", 1)[1].isdigit():
+            kind, idx = d.split(":", 1)
+            rank = int(idx)
+        else:
+            raise VerlConfigError(f"node '{node}': device_map entry {d!r} is not an int rank or 'cuda:i'/'cpu:i'; "
+                                  f"write e.g. 'cuda:0' or 0")
+        if rank < 0:
+            raise VerlConfigError(f"node '{node}': device_map entry {d!r} names a negative rank")
+        if rank in entries:
+            raise VerlConfigError(f"node '{node}': device_map names rank {rank} twice ({list(device_map)})")
+        entries[rank] = kind
+    ranks = tuple(sorted(entries))
+    return ranks, tuple(entries[r] for r in ranks)
+
+
+def make_config(node_name: str, raw: Any, settings: Mapping[str, Any]) -> NodeConfig:
+    """A NodeConfig from a dict (or a NodeConfig), checking every key against the fields and node settings."""
+    if raw is None:
+        return NodeConfig(settings=dict(settings))
+    if isinstance(raw, NodeConfig):
+        as_dict = {f: getattr(raw, f) for f in _FIELDS}
+        if raw.device_map is not None and raw.device_types is not None:
+            as_dict["device_map"] = [f"{t}:{r}" if t else r for r, t in zip(raw.device_map, raw.device_types)]
+        raw = as_dict
+    if not isinstance(raw, Mapping):
+        raise VerlConfigError(f"config of node '{node_name}' must be a dict or NodeConfig, got {type(raw).__name__}")
+    kwargs: dict[str, Any] = {}
+    merged = dict(settings)
+    for key, value in raw.items():
+        if key == "settings":
+            if not isinstance(value, Mapping):
+                raise VerlConfigError(f"node '{node_name}': settings must be a dict, got {type(value).__name__}")
+            for s, v in value.items():
+                _set_setting(node_name, s, v, settings, merged)
+        elif key in _FIELDS:
+            kwargs[key] = value
+        elif key in settings:
+            merged[key] = value
+        else:
+            raise VerlConfigError(f"node '{node_name}': unknown config key '{key}'"
+                                  f"{nearest(key, list(_FIELDS) + list(settings), 'config keys and node settings')}")
+    engine = kwargs.get("engine", "torch")
+    if engine not in ENGINES:
+        raise VerlConfigError(f"node '{node_name}': unknown engine {engine!r}{nearest(engine, ENGINES, 'engines')}")
+    retries = kwargs.get("retries", 0)
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise VerlConfigError(f"node '{node_name}': retries must be an int >= 0, got {retries!r}")
+    backoff = kwargs.get("retry_backoff_s", 0.05)
+    if not isinstance(backoff, (int, float)) or backoff < 0:
+        raise VerlConfigError(f"node '{node_name}': retry_backoff_s must be a number >= 0, got {backoff!r}")
+    retry_on = kwargs.get("retry_on", ())
+    retry_on = (retry_on,) if isinstance(retry_on, type) else tuple(retry_on)
+    if not all(isinstance(t, type) and issubclass(t, BaseException) for t in retry_on):
+        raise VerlConfigError(f"node '{node_name}': retry_on must list exception types, got {retry_on!r}")
+    parsed = parse_device_map(node_name, kwargs.get("device_map"))
+    replicated = kwargs.get("replicated_outputs", ())
+    replicated = (replicated,) if isinstance(replicated, str) else tuple(replicated)
+    return NodeConfig(device_map=parsed[0] if parsed else None, device_types=parsed[1] if parsed else None,
+                      engine=engine, cpu_offload=bool(kwargs.get("cpu_offload", False)), retries=retries,
+                      retry_backoff_s=float(backoff), retry_on=retry_on, replicated_outputs=replicated,
+                      settings=merged)
+
+
+def _set_setting(node_name, key, value, settings, merged):
+    if key not in settings:
+        raise VerlConfigError(f"node '{node_name}': unknown setting '{key}'{nearest(key, settings, 'settings')}")
+    merged[key] = value
+
+
+def world_size_now() -> int:
+    """The job's world size: torch.distributed's when initialised, else WORLD_SIZE (torchrun), else 1."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1

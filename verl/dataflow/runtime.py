@@ -1,0 +1,460 @@
+"""Running a dataflow on one rank: the compiled plan, the node call, redistribution and error agreement.
+
+A plan is compiled once per dataflow and process: every node input becomes an index into a flat value list,
+so a colocated run is a loop of ``fn(**{param: values[i]})`` calls plus an output check. Under
+torch.distributed every rank walks the same plan in the same order: a rank outside a node's device map skips
+the node but still takes part in moving that node's inputs and outputs, which is what keeps the ranks'
+point-to-point calls and collectives matched.
+
+Errors: a node failing on a rank becomes VerlRuntimeError(node, rank, cause chained). That rank stops running
+nodes but keeps walking the plan, sending error markers where data was expected; before each multi-rank node
+its ranks agree (a one-int all-reduce) that nobody has failed; at the end of the run all ranks exchange their
+status, so every rank raises the same VerlRuntimeError instead of waiting for data that will never come.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as _dist
+
+from verl.dataflow.graph import Dataflow, NodeEntry
+from verl.dataflow.node import NodeContext, TransientError
+from verl.dataflow.trace import NodeEvent, TraceRecorder, write_trace
+from verl.errors import VerlConfigError, VerlRuntimeError
+
+_MISSING = object()
+_NO_FAILURE = 1 << 30
+_LOCAL_KEY = ("local",)
+
+
+@dataclass(slots=True)
+class _Transfer:
+    """Move value ``src_slot`` (held by ``src_ranks``) into ``dst_slot`` laid out over ``dst_ranks``."""
+
+    src_slot: int
+    dst_slot: int
+    key: str
+    producer: str
+    src_ranks: tuple[int, ...]
+    dst_ranks: tuple[int, ...]
+    replicated: bool
+    group: Any = None
+
+
+@dataclass(slots=True)
+class _Step:
+    entry: NodeEntry
+    fn: Any
+    arg_names: tuple[str, ...] | None
+    arg_slots: tuple[int, ...]
+    out_slots: tuple[int, ...]
+    ctx: NodeContext
+    runs_here: bool
+    group_size: int
+    transfers: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Plan:
+    steps: list[_Step]
+    external: dict[str, int]
+    exports: dict[str, int]
+    nslots: int
+    rank: int
+    world_size: int
+    distributed: bool
+
+
+@dataclass(slots=True)
+class _Failure:
+    node: str
+    rank: int
+    message: str
+    exc: BaseException | None = None
+
+
+# ---- plan --------------------------------------------------------------------------------------------------
+def _device_for(entry: NodeEntry, rank: int) -> torch.device:
+    kind = ""
+    cfg = entry.config
+    if cfg.device_map is not None and rank in cfg.device_map:
+        kind = cfg.device_types[cfg.device_map.index(rank)]
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda" or (kind == "" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
+    from verl.dataflow import comm
+    slots: dict[tuple[str | None, str], int] = {}
+    views: dict[tuple[int, tuple[int, ...]], int] = {}
+    layout: dict[int, tuple[int, ...] | None] = {}  # slot -> ranks holding it (None: every rank, as inputs)
+    all_ranks = tuple(range(world))
+
+    def slot(producer, key):
+        if (producer, key) not in slots:
+            slots[(producer, key)] = len(slots) + len(views)
+        return slots[(producer, key)]
+
+    steps = []
+    for name in df.order:
+        entry = df._entries[name]
+        ranks = entry.config.device_map or all_ranks
+        group = comm.group_for(ranks) if distributed else None
+        ctx = NodeContext(name=name, rank=rank, world_size=world, ranks=ranks, device=_device_for(entry, rank),
+                          engine=entry.config.engine, config=entry.config, settings=entry.config.settings,
+                          process_group=group)
+        arg_slots, transfers = [], []
+        for key in entry.node.input_keys:
+            producer = df._bindings[name][key]
+            s = slot(producer, key)
+            if producer is not None and layout[s] != ranks:
+                vkey = (s, ranks)
+                if vkey not in views:
+                    views[vkey] = len(slots) + len(views)
+                    union = tuple(sorted(set(layout[s]) | set(ranks)))
+                    pcfg = df._entries[producer].config
+                    transfers.append(_Transfer(s, views[vkey], key, producer, layout[s], ranks,
+                                               key in pcfg.replicated_outputs,
+                                               comm.group_for(union) if distributed else None))
+                s = views[vkey]
+            arg_slots.append(s)
+        outs = []
+        for key in entry.node.output_keys:
+            s = slot(name, key)
+            layout[s] = ranks
+            outs.append(s)
+        node = entry.node
+        steps.append(_Step(entry=entry, fn=node.fn, arg_names=node.input_keys if node.by_keyword else None,
+                           arg_slots=tuple(arg_slots), out_slots=tuple(outs), ctx=ctx, runs_here=rank in ranks,
+                           group_size=len(ranks), transfers=transfers))
+    external = {k: s for (p, k), s in slots.items() if p is None}
+    exports = {k: slots[(p, k)] for k, p in df._exports.items()}
+    return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed)
+
+
+def _plan_for(df: Dataflow) -> _Plan:
+    distributed = _dist.is_available() and _dist.is_initialized() and _dist.get_world_size() > 1
+    if not distributed:
+        plan = df._plans.get(_LOCAL_KEY)
+        if plan is not None:
+            return plan
+        if df.world_size > 1:
+            raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but torch.distributed is not "
+                                  f"initialised; launch with torchrun and call init_process_group first")
+        plan = df._plans[_LOCAL_KEY] = _compile(df, 0, 1, False)
+        return plan
+    rank, world = _dist.get_rank(), _dist.get_world_size()
+    key = (rank, world, id(_dist.group.WORLD))
+    plan = df._plans.get(key)
+    if plan is None:
+        bad = [e.name for e in df._entries.values() if e.config.device_map is not None and e.config.device_map[-1] >= world]
+        if bad:
+            raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but runs on {world}; the "
+                                  f"device_map of {bad} names ranks that do not exist here")
+        plan = df._plans[key] = _compile(df, rank, world, True)
+    return plan
+
+
+# ---- node call ---------------------------------------------------------------------------------------------
+def _normalize(entry: NodeEntry, out: Any) -> tuple:
+    node = entry.node
+    keys = node.output_keys
+    if node.returns_dict:
+        if (type(out) is dict or isinstance(out, Mapping)) and len(out) == len(keys):
+            try:
+                return tuple([out[k] for k in keys])
+            except KeyError:
+                pass
+        got = sorted(out) if isinstance(out, Mapping) else type(out).__name__
+        raise _OutputError(f"returned {got} but its outputs are {list(keys)} (read from its return statement); "
+                           f"return a dict with exactly these keys, or declare @CustomNode(output_keys=[...])")
+    n = len(keys)
+    if n == 1:
+        return (out,)
+    if n == 0:
+        if out is None or (isinstance(out, Mapping) and not out):
+            return ()
+        raise _OutputError(f"declares no output_keys but returned {type(out).__name__}; return None or declare "
+                           f"the outputs")
+    if isinstance(out, Mapping):
+        if len(out) == n and all(k in out for k in keys):
+            return tuple(out[k] for k in keys)
+        raise _OutputError(f"returned a dict with keys {sorted(map(str, out))} but declares output_keys "
+                           f"{list(keys)}; return exactly these keys")
+    if isinstance(out, (tuple, list)) and len(out) == n:
+        return tuple(out)
+    got = f"a {type(out).__name__} of length {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
+    raise _OutputError(f"returned {got} but declares {n} output_keys {list(keys)}; return a tuple in that order "
+                       f"or a dict keyed by them")
+
+
+class _OutputError(Exception):
+    """A node returned other outputs than it declared (never retried)."""
+
+
+def _is_transient(e: BaseException, retry_on: tuple) -> bool:
+    return isinstance(e, TransientError) or getattr(e, "transient", False) is True or \
+        (bool(retry_on) and isinstance(e, retry_on))
+
+
+def _movable(v: Any) -> bool:
+    return isinstance(v, torch.nn.Module) or callable(getattr(v, "onload", None))
+
+
+def _onload(objs: list, device: torch.device) -> None:
+    for m in objs:
+        if callable(getattr(m, "onload", None)):
+            m.onload(device)
+        else:
+            m.to(device)
+
+
+def _offload(objs: list) -> None:
+    for m in objs:
+        if callable(getattr(m, "offload", None)):
+            m.offload()
+        else:
+            m.to("cpu")
+
+
+def _call(step: _Step, args: list) -> tuple[tuple, int]:
+    """Runs the node (with offload and retries); returns its outputs in declared order and the retry count."""
+    cfg = step.entry.config
+    ctx = step.ctx
+    kwargs = dict(zip(step.arg_names, args)) if step.arg_names is not None else None
+    moved = []
+    if cfg.cpu_offload:
+        moved = [a for a in args if _movable(a)] + list(ctx._offload)
+        _onload(moved, ctx.device)
+    try:
+        attempt = 0
+        while True:
+            ctx.attempt = attempt
+            try:
+                if kwargs is not None:
+                    if step.entry.node.wants_context:
+                        kwargs["ctx"] = ctx
+                    out = step.fn(**kwargs, **cfg.settings) if cfg.settings else step.fn(**kwargs)
+                else:
+                    extra = {"ctx": ctx} if step.entry.node.wants_context else {}
+                    out = step.fn(*args, **extra, **cfg.settings)
+                return _normalize(step.entry, out), attempt
+            except _OutputError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classified below, re-raised when not transient
+                if attempt >= cfg.retries or not _is_transient(e, cfg.retry_on):
+                    raise
+                time.sleep(cfg.retry_backoff_s * (2 ** attempt))
+                attempt += 1
+    finally:
+        if moved:
+            _offload(moved + [m for m in ctx._offload if not any(m is x for x in moved)])
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+class _Run:
+    def __init__(self, df: Dataflow, plan: _Plan, hooks: Sequence[Any], recorder: TraceRecorder | None,
+                 check_errors: str):
+        self.df, self.plan = df, plan
+        self.hooks = list(hooks) + ([recorder] if recorder is not None else [])
+        self.starts = [h.on_node_start for h in self.hooks if callable(getattr(h, "on_node_start", None))]
+        self.ends = [h.on_node_end for h in self.hooks if callable(getattr(h, "on_node_end", None))]
+        self.recorder = recorder
+        self.check_each = check_errors == "node"
+        self.failure: _Failure | None = None
+
+    def fill_inputs(self, inputs: Mapping[str, Any]) -> list:
+        vals = [_MISSING] * self.plan.nslots
+        try:
+            for k, s in self.plan.external.items():
+                vals[s] = inputs[k]
+        except KeyError:
+            self.df.check_inputs(inputs.keys())
+            raise
+        return vals
+
+    def run_step(self, step: _Step, vals: list) -> None:
+        args = [vals[s] for s in step.arg_slots]
+        event = None
+        if self.starts or self.ends:
+            e = step.entry
+            event = NodeEvent(node=e.name, rank=self.plan.rank, ranks=step.ctx.ranks, device=str(step.ctx.device),
+                              engine=e.config.engine, inputs=dict(zip(e.node.input_keys, args)),
+                              start_s=time.perf_counter())
+            for h in self.starts:
+                h(event)
+        try:
+            outs, retries = _call(step, args)
+        except Exception as exc:  # noqa: BLE001 - every node failure becomes a VerlRuntimeError
+            self.fail_here(step, exc, event)
+            return
+        for s, v in zip(step.out_slots, outs):
+            vals[s] = v
+        if event is not None:
+            event.outputs = dict(zip(step.entry.node.output_keys, outs))
+            event.duration_s = time.perf_counter() - event.start_s
+            event.retries = retries
+            for h in self.ends:
+                h(event)
+
+    def fail_here(self, step: _Step, exc: BaseException, event: NodeEvent | None) -> None:
+        what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _OutputError) else str(exc)
+        self.failure = _Failure(step.entry.name, self.plan.rank, what, exc)
+        if event is not None:
+            event.error = exc
+            event.duration_s = time.perf_counter() - event.start_s
+            for h in self.ends:
+                h(event)
+
+    # -- distributed pieces --
+    def transfer(self, t: _Transfer, vals: list) -> None:
+        import torch.distributed as dist
+
+        from verl.dataflow import comm
+        rank = self.plan.rank
+        union = sorted(set(t.src_ranks) | set(t.dst_ranks))
+        if rank not in union:
+            return
+        start = time.perf_counter()
+        info: Any = None
+        if rank in t.src_ranks:
+            v = vals[t.src_slot]
+            if v is _MISSING or self.failure is not None:
+                f = self.failure or _Failure(t.producer, rank, "the value was not produced")
+                info = ("error", f.node, f.rank, f.message)
+            elif t.replicated or not comm.is_shardable(v):
+                info = ("whole", 0)
+            else:
+                info = ("shard", comm.shard_len(v))
+        infos: list[Any] = [None] * len(union)
+        dist.all_gather_object(infos, info, group=t.group)
+        by_rank = dict(zip(union, infos))
+        errors = [i for i in infos if i is not None and i[0] == "error"]
+        if errors:
+            if self.failure is None:
+                _, node, frank, msg = errors[0]
+                self.failure = _Failure(node, frank, msg)
+            return
+        if by_rank[t.src_ranks[0]][0] == "whole":
+            src = t.src_ranks[0]
+            for d in t.dst_ranks:
+                if d in t.src_ranks:
+                    if d == rank:
+                        vals[t.dst_slot] = vals[t.src_slot]
+                elif rank == src:
+                    comm.send_value(vals[t.src_slot], d)
+                elif rank == d:
+                    vals[t.dst_slot] = comm.recv_value(src)
+        else:
+            pieces = comm.plan_pieces([by_rank[s][1] for s in t.src_ranks], t.src_ranks, t.dst_ranks)
+            mine = []
+            for s, d, lo, hi in pieces:
+                if s == rank and d == rank:
+                    mine.append(vals[t.src_slot][lo:hi])
+                elif s == rank:
+                    comm.send_value(vals[t.src_slot][lo:hi], d)
+                elif d == rank:
+                    mine.append(comm.recv_value(s))
+            if mine:
+                vals[t.dst_slot] = comm.concat(mine)
+        if self.recorder is not None:
+            self.recorder.on_transfer(f"{t.key}: {t.producer} {list(t.src_ranks)} -> {list(t.dst_ranks)}", rank,
+                                      start, time.perf_counter(),
+                                      {"key": t.key, "from": list(t.src_ranks), "to": list(t.dst_ranks)})
+
+    def agree(self, step: _Step) -> None:
+        """The node's ranks learn whether any of them has failed (lowest failing rank wins)."""
+        import torch.distributed as dist
+
+        from verl.dataflow import comm
+        mine = self.failure.rank if self.failure is not None else _NO_FAILURE
+        flag = torch.tensor([mine], dtype=torch.int64, device=comm.comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.ctx.process_group)
+        frank = int(flag.item())
+        if frank != _NO_FAILURE and self.failure is None:
+            self.failure = _Failure("?", frank, "(details follow at the end of the run)")
+
+    def finish_distributed(self) -> list[list[dict]] | None:
+        """All ranks exchange status (and trace events); returns events per rank on rank 0 when tracing."""
+        import torch.distributed as dist
+        f = self.failure
+        mine = None if f is None else (f.node, f.rank, f.message, f.exc is not None)
+        statuses: list[Any] = [None] * self.plan.world_size
+        dist.all_gather_object(statuses, mine)
+        origins = [s for s in statuses if s is not None and s[3]]
+        if origins and (f is None or f.exc is None):
+            node, frank, msg, _ = min(origins, key=lambda s: s[1])
+            self.failure = _Failure(node, frank, msg, None)
+        elif origins and f is not None and f.exc is not None:
+            first = min(origins, key=lambda s: s[1])
+            if first[1] != f.rank:  # another rank failed first: report that one, everywhere alike
+                self.failure = _Failure(first[0], first[1], first[2], None)
+        events = None
+        if self.recorder is not None:
+            gathered: list[Any] | None = [None] * self.plan.world_size if self.plan.rank == 0 else None
+            dist.gather_object(self.recorder.events, gathered, dst=0)
+            events = gathered
+        return events
+
+    def raise_failure(self) -> None:
+        f = self.failure
+        if f is None:
+            return
+        here = f.rank == self.plan.rank and f.exc is not None
+        msg = f"failed: {f.message}" if here else \
+            f"failed on rank {f.rank}: {f.message} (rank {self.plan.rank} stopped its run)"
+        err = VerlRuntimeError(msg, node=f.node, rank=f.rank, cause=f.exc)
+        raise err from f.exc
+
+
+def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None, hooks: Sequence[Any] = (),
+            check_errors: str = "node") -> dict[str, Any]:
+    if check_errors not in ("node", "end"):
+        raise VerlConfigError(f"check_errors must be 'node' or 'end', got {check_errors!r}")
+    if type(inputs) is not dict and not isinstance(inputs, Mapping):
+        raise VerlConfigError(f"run() takes a dict of inputs, got {type(inputs).__name__}")
+    plan = _plan_for(df)
+    recorder = TraceRecorder() if trace is not None else None
+    run = _Run(df, plan, hooks, recorder, check_errors)
+    vals = run.fill_inputs(inputs)
+    if not plan.distributed:
+        try:
+            for step in plan.steps:
+                run.run_step(step, vals)
+                if run.failure is not None:
+                    break
+        finally:
+            if recorder is not None:
+                write_trace(trace, [recorder.events], {"dataflow": list(df.order), "world_size": 1})
+        run.raise_failure()
+        return _result(plan, inputs, vals)
+    for step in plan.steps:
+        for t in step.transfers:
+            run.transfer(t, vals)
+        if run.check_each and step.runs_here and step.group_size > 1:
+            run.agree(step)
+        if step.runs_here and run.failure is None:
+            run.run_step(step, vals)
+    events = run.finish_distributed()
+    if recorder is not None and plan.rank == 0:
+        write_trace(trace, events, {"dataflow": list(df.order), "world_size": plan.world_size})
+    run.raise_failure()
+    return _result(plan, inputs, vals)
+
+
+def _result(plan: _Plan, inputs: Mapping[str, Any], vals: list) -> dict[str, Any]:
+    out = dict(inputs)
+    for k, s in plan.exports.items():
+        v = vals[s]
+        if v is not _MISSING:
+            out[k] = v
+    return out

@@ -1,0 +1,228 @@
+"""Hugging Face safetensors checkpoints <-> a TP x PP-sharded megatron GPT.
+
+Loading: every rank opens the checkpoint lazily (`safe_open`) and reads, through `get_slice`, only the rows
+or columns its own shards need — no rank materialises the whole model.
+
+Export: each parameter is all-gathered over TP (along its partition dim), pipeline stages send their
+tensors to global rank 0 of the PP group (first DP replica, TP rank 0), which cuts them back into HF
+tensors along the ShardSpec segments and writes safetensors + config (+ tokenizer). Bit-exact: only
+concatenation and slicing, no arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.models.gpt import MegatronGPT
+from verl.models.layout import ShardSpec, hf_tensor_shapes
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (sharded index or single file)."""
+    if (path / _INDEX).exists():
+        index = json.loads((path / _INDEX).read_text())
+        return {name: path / fname for name, fname in index["weight_map"].items()}
+    if (path / _SINGLE).exists():
+        with safe_open(str(path / _SINGLE), framework="pt") as f:
+            return {name: path / _SINGLE for name in f.keys()}
+    raise VerlConfigError(f"{path} has neither {_INDEX} nor {_SINGLE}; pass a Hugging Face checkpoint directory "
+                          f"saved with safetensors (save_pretrained(..., safe_serialization=True))")
+
+
+class _LazyReader:
+    """Opens each safetensors file at most once and reads slices on demand."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
+
+    def slice(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        if name not in self.files:
+            raise KeyError(name)
+        fpath = self.files[name]
+        if fpath not in self._handles:
+            self._handles[fpath] = safe_open(str(fpath), framework="pt")
+        sl = self._handles[fpath].get_slice(name)
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        t = sl[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def _read_shard(reader: _LazyReader, spec: ShardSpec, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(spec.local_shape, dtype=like.dtype)
+    dim = spec.partition_dim if spec.partition_dim is not None else 0
+    for seg, offset in spec.local_segments():
+        dst = out.narrow(dim, offset, seg.length)
+        if seg.hf_name is None:
+            dst.zero_()
+        else:
+            dst.copy_(reader.slice(seg.hf_name, dim, seg.start, seg.length))
+    return out
+
+
+def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: bool = True) -> dict:
+    """Loads this rank's shards from an HF checkpoint directory into `model` in place.
+
+    Returns {'loaded': [megatron names], 'missing': [megatron names whose HF tensors are absent],
+    'bytes_read': int}. With strict=True a missing tensor raises, except the value head of a critic
+    initialised from a causal-LM checkpoint (it keeps its fresh init).
+    """
+    path = Path(path)
+    reader = _LazyReader(_tensor_files(path))
+    params = dict(model.gpt.named_parameters())
+    loaded, missing = [], []
+    with torch.no_grad():
+        for spec in model.shard_specs():
+            param = params[spec.local_name]
+            absent = [n for n in spec.hf_names if n not in reader.files]
+            if absent:
+                if strict and spec.kind != "value-head":
+                    raise VerlConfigError(f"checkpoint {path} lacks {absent} needed for megatron parameter "
+                                          f"{spec.name}; is it a {model.arch.model_type} checkpoint of the same size?")
+                missing.append(spec.name)
+                continue
+            try:
+                shard = _read_shard(reader, spec, param)
+            except Exception as e:
+                raise VerlRuntimeError(f"reading {spec.hf_names} for {spec.name} from {path} failed: {e}",
+                                       rank=dist.get_rank() if dist.is_initialized() else None, cause=e) from e
+            if tuple(shard.shape) != tuple(param.shape):
+                raise VerlConfigError(f"{spec.name}: checkpoint gives shape {tuple(shard.shape)}, the model has "
+                                      f"{tuple(param.shape)}")
+            param.copy_(shard)
+            loaded.append(spec.name)
+    return {"loaded": loaded, "missing": missing, "bytes_read": reader.bytes_read}
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+def _gather_tp(t: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+    if spec.partition_dim is None or spec.tp_size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(spec.tp_size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=spec.partition_dim)
+
+
+def _split_to_hf(full: torch.Tensor, spec: ShardSpec, out: dict[str, torch.Tensor],
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+    dim = spec.partition_dim if spec.partition_dim is not None else 0
+    pos = 0
+    for seg in spec.segments:
+        piece = full.narrow(dim, pos, seg.length)
+        pos += seg.length
+        if seg.hf_name is None:
+            continue
+        if seg.hf_name not in out:
+            out[seg.hf_name] = torch.empty(shapes[seg.hf_name], dtype=full.dtype)
+        out[seg.hf_name].narrow(dim, seg.start, seg.length).copy_(piece)
+
+
+def gather_hf_state_dict(model: MegatronGPT, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    """HF-named full tensors on global rank 0 of the PP group's first stage (None elsewhere).
+
+    `tensors` maps local parameter names to what to gather (default: the parameters themselves; pass the
+    grads to map gradients back to HF names). Collective over TP and PP.
+    """
+    pg = model.pg
+    params = dict(model.gpt.named_parameters())
+    shapes = hf_tensor_shapes(model.arch, value_head=model.options.value_head)
+    stage_out: dict[str, torch.Tensor] = {}
+    gathering = pg.tp_rank == 0
+    for spec in model.shard_specs():
+        if not spec.exported:
+            continue
+        local = (tensors[spec.local_name] if tensors is not None else params[spec.local_name]).detach()
+        full = _gather_tp(local, spec, pg.tp)
+        if gathering:
+            _split_to_hf(full, spec, stage_out, shapes)
+    if pg.pp_size == 1:
+        return stage_out if gathering else None
+    # Stages' TP-rank-0 ranks send their HF tensors to stage 0 (object lists keep it simple; the checkpoint
+    # goes to disk anyway).
+    if not gathering:
+        return None
+    objs: list = [None] * pg.pp_size
+    pp_tp0 = [r for r in pg.pp_global_ranks]
+    dist.gather_object(stage_out, objs if pg.is_first_stage else None, dst=pp_tp0[0], group=pg.pp)
+    if not pg.is_first_stage:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in objs:
+        merged.update(part)
+    return merged
+
+
+def export_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, tokenizer=None,
+                         max_shard_bytes: int = 2 << 30) -> Path | None:
+    """Writes `model` as a Hugging Face checkpoint directory transformers can load (collective).
+
+    Rank 0 of the first DP replica writes safetensors (sharded with an index above `max_shard_bytes`),
+    config.json and, when given, the tokenizer. Returns the path on the writing rank, None elsewhere.
+    """
+    hf = gather_hf_state_dict(model)
+    writer = hf is not None and model.pg.dp_rank == 0
+    if writer:
+        expected = hf_tensor_shapes(model.arch, value_head=model.options.value_head)
+        if set(hf) != set(expected):
+            raise VerlRuntimeError(f"export produced {sorted(set(hf) ^ set(expected))} unexpectedly")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        _write_safetensors(hf, path, max_shard_bytes)
+        config = model.hf_config
+        if model.options.value_head:
+            config = _token_classification_config(config)
+        config.save_pretrained(str(path))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(path) if writer else None
+
+
+def _token_classification_config(config):
+    import copy
+    arch_name = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
+                 "mistral": "MistralForTokenClassification"}[config.model_type]
+    c = copy.deepcopy(config)
+    c.architectures = [arch_name]
+    c.num_labels = 1
+    return c
+
+
+def _write_safetensors(hf: dict[str, torch.Tensor], path: Path, max_shard_bytes: int) -> None:
+    names = sorted(hf)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nbytes = hf[n].numel() * hf[n].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file({n: hf[n].contiguous() for n in shards[0]}, str(path / _SINGLE), metadata=meta)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: hf[n].contiguous() for n in shard}, str(path / fname), metadata=meta)
+        for n in shard:
+            weight_map[n] = fname
+            total += hf[n].numel() * hf[n].element_size()
+    (path / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

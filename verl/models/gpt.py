@@ -1,0 +1,155 @@
+"""Build a megatron-core GPTModel (Llama / Qwen2 / Mistral) from a Hugging Face config, TP/SP/PP-sharded."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from verl.distributed import ProcessGroups
+from verl.errors import VerlConfigError
+from verl.models.config import ArchSpec, ParallelLayout, arch_from_hf, dtype_from_name, parallel_layout
+from verl.models.layout import ShardSpec, shard_spec
+
+
+@dataclass(kw_only=True, slots=True)
+class BuildOptions:
+    """How to build the megatron model (architecture comes from the HF config)."""
+
+    params_dtype: str = "float32"
+    """Parameter dtype: float32 | bfloat16 | float16."""
+    value_head: bool = False
+    """Critic / reward model: the output layer is a scalar head per token instead of the vocabulary."""
+    vocab_multiple: int = 1
+    """Pad the vocabulary to a multiple of tp * vocab_multiple (e.g. 64 for GPU-friendly shapes)."""
+    spec: str = "auto"
+    """Layer implementation: 'local' (megatron-core modules, CPU and GPU), 'te' (Transformer Engine), or
+    'auto' (TE when importable with CUDA, else local)."""
+    init_method_std: float = 0.02
+    """Std of the random init (weights loaded from a checkpoint overwrite it)."""
+    recompute: bool = False
+    """Full activation recomputation of every layer (memory for compute)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MegatronGPT:
+    """A built model and everything needed to map it back to Hugging Face."""
+
+    module: torch.nn.Module
+    """This rank's GPTModel stage (wrapped in megatron DDP once `build_optimizer` ran)."""
+    arch: ArchSpec
+    """The architecture (from the HF config)."""
+    layout: ParallelLayout
+    """Vocab padding and GQA split for this TP size."""
+    pg: ProcessGroups
+    """The process groups it was built for."""
+    hf_config: object
+    """The transformers config it was built from (written back on export)."""
+    options: BuildOptions
+    """Build options."""
+
+    @property
+    def gpt(self) -> torch.nn.Module:
+        """The bare GPTModel (inside any DDP wrapper)."""
+        m = self.module
+        while hasattr(m, "module") and not hasattr(m, "decoder"):
+            m = m.module
+        return m
+
+    @property
+    def layer_offset(self) -> int:
+        """Global index of this stage's first layer."""
+        layers = self.gpt.decoder.layers
+        return layers[0].layer_number - 1 if len(layers) else 0
+
+    def shard_specs(self) -> list[ShardSpec]:
+        """Per local parameter: megatron name, HF names, global shape, TP partition dim, layout kind."""
+        return [shard_spec(name, arch=self.arch, layout=self.layout, tp_rank=self.pg.tp_rank,
+                           layer_offset=self.layer_offset, is_first_stage=self.pg.is_first_stage)
+                for name, _ in self.gpt.named_parameters()]
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar per token, replacing GPTModel's output layer (same call signature: returns (out, bias))."""
+
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool, dtype: torch.dtype, std: float):
+        super().__init__()
+        self.value_head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        torch.nn.init.normal_(self.value_head.weight, std=std)
+        torch.nn.init.zeros_(self.value_head.bias)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+            # Every TP rank computes the same values from the full sequence, so the backward must split the
+            # grad (not sum it over TP as for a vocab-parallel output).
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return self.value_head(hidden_states), None
+
+
+def _use_te(spec: str) -> bool:
+    te_ok = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    if spec == "te" and not te_ok:
+        raise VerlConfigError("spec='te' needs transformer_engine and a CUDA GPU; use spec='local' or 'auto'")
+    if spec not in ("auto", "te", "local"):
+        raise VerlConfigError(f"spec={spec!r} is not one of auto / te / local")
+    return spec == "te" or (spec == "auto" and te_ok)
+
+
+def transformer_config(arch: ArchSpec, layout: ParallelLayout, pg: ProcessGroups, options: BuildOptions):
+    """The megatron TransformerConfig equivalent to the HF architecture."""
+    from megatron.core.transformer import TransformerConfig
+    if arch.num_layers % pg.pp_size:
+        raise VerlConfigError(f"num_hidden_layers={arch.num_layers} is not divisible by pp={pg.pp_size}")
+    dtype = dtype_from_name(options.params_dtype)
+    extra = {}
+    if options.recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        tensor_model_parallel_size=pg.tp_size, pipeline_model_parallel_size=pg.pp_size,
+        sequence_parallel=pg.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        attention_dropout=0.0, hidden_dropout=0.0, init_method_std=options.init_method_std,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fusions need CUDA/apex/TE; the unfused paths are what we compare against transformers.
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        **extra)
+    # Micro-batches may differ in padded length; set after __post_init__, whose check of this flag only
+    # concerns MoE token dispatchers (there are none here).
+    config.variable_seq_lengths = True
+    return config
+
+
+def build_gpt(hf_config, pg: ProcessGroups, options: BuildOptions | None = None) -> MegatronGPT:
+    """This rank's stage of a megatron GPTModel equivalent to `hf_config` (random init; load weights after)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    options = options or BuildOptions()
+    arch = arch_from_hf(hf_config)
+    layout = parallel_layout(arch, pg.tp_size, options.vocab_multiple)
+    config = transformer_config(arch, layout, pg, options)
+    spec = (get_gpt_layer_with_transformer_engine_spec() if _use_te(options.spec)
+            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    tie = arch.tie_word_embeddings and not options.value_head
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=layout.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings, pre_process=pg.is_first_stage,
+        post_process=pg.is_last_stage, parallel_output=True, share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope", rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_llama3_factor is not None, rope_scaling_factor=arch.rope_llama3_factor or 8.0,
+        seq_len_interpolation_factor=arch.rope_linear_factor)
+    if options.value_head and pg.is_last_stage:
+        model.output_layer = ValueHead(arch.hidden_size, sequence_parallel=pg.sequence_parallel,
+                                       dtype=config.params_dtype, std=options.init_method_std)
+    built_options = dataclasses.replace(options)
+    return MegatronGPT(module=model, arch=arch, layout=layout, pg=pg, hf_config=hf_config, options=built_options)

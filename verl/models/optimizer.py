@@ -1,0 +1,203 @@
+"""megatron-core's optimizer (optionally the distributed one) with grad clipping and an LR schedule.
+
+    opt = build_optimizer(model, OptimConfig(lr=1e-5, clip_grad=1.0, use_distributed_optimizer=True))
+    stats = train_step(model, opt, micro_batches, causal_lm_loss(model))   # {'loss':..., 'grad_norm':..., 'lr':...}
+    save_training_state(model, opt, dir); load_training_state(model, opt, dir)
+
+`build_optimizer` wraps `model.module` in megatron's DistributedDataParallel (contiguous grad buffers,
+DP all-reduce or reduce-scatter, SP layer-norm and tied-embedding grad sync in `finalize_model_grads`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from verl.errors import VerlConfigError
+from verl.models.forward import LossFn, forward_backward
+from verl.models.gpt import MegatronGPT
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """Adam + clipping + LR schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip (0 disables)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to `lr`."""
+    total_steps: int = 1000
+    """Steps of the whole schedule (warm-up included)."""
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state (and fp32 master params) over data-parallel ranks (ZeRO-1)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce grads in fp32 (matters for bf16 params)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Optimizer:
+    """The megatron optimizer and its LR scheduler."""
+
+    optimizer: object
+    """megatron.core.optimizer.MegatronOptimizer."""
+    scheduler: object
+    """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
+    config: OptimConfig
+    """What it was built from."""
+
+
+def build_optimizer(model: MegatronGPT, config: OptimConfig | None = None) -> Optimizer:
+    """Wraps the model in megatron DDP (once) and builds Adam + scheduler over its parameters."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    config = config or OptimConfig()
+    if config.lr_decay_style not in ("constant", "linear", "cosine"):
+        raise VerlConfigError(f"lr_decay_style={config.lr_decay_style!r} is not one of constant / linear / cosine")
+    if config.warmup_steps >= config.total_steps and config.total_steps > 0:
+        raise VerlConfigError(f"warmup_steps={config.warmup_steps} must be < total_steps={config.total_steps}")
+    gpt = model.gpt
+    tcfg = gpt.config
+    if not isinstance(model.module, DistributedDataParallel):
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+                                                overlap_grad_reduce=False,
+                                                use_distributed_optimizer=config.use_distributed_optimizer)
+        model.module = DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=gpt)
+        # The schedule calls these hooks: DP/SP/embedding grad sync after the last micro-batch.
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        tcfg.no_sync_func = model.module.no_sync
+    ocfg = OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+                           adam_beta1=config.betas[0], adam_beta2=config.betas[1], adam_eps=config.eps,
+                           clip_grad=config.clip_grad, bf16=tcfg.bf16, fp16=tcfg.fp16,
+                           params_dtype=tcfg.params_dtype,
+                           use_distributed_optimizer=config.use_distributed_optimizer)
+    opt = get_megatron_optimizer(ocfg, [model.module])
+    decay = max(1, config.total_steps - config.warmup_steps)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
+                                    min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,
+                                    lr_decay_steps=decay + config.warmup_steps, lr_decay_style=config.lr_decay_style,
+                                    start_wd=config.weight_decay, end_wd=config.weight_decay,
+                                    wd_incr_steps=decay, wd_incr_style="constant")
+    return Optimizer(optimizer=opt, scheduler=sched, config=config)
+
+
+def accumulate_grads(model: MegatronGPT, micro_batches, loss_fn: LossFn) -> list[dict]:
+    """Zeroes the grad buffers and runs forward/backward over the micro-batches (grads synced over DP/SP/PP
+    tied embeddings by megatron at the end). Returns the last stage's per-micro-batch metrics."""
+    model.module.zero_grad_buffer()
+    return forward_backward(model, micro_batches, loss_fn, forward_only=False)
+
+
+def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict]) -> dict:
+    """Clips, steps the optimizer, advances the LR schedule; returns mean metrics + grad_norm, lr, update_applied.
+
+    Metrics are averaged over micro-batches on the last stage and broadcast over PP, so every rank gets them.
+    """
+    ok, grad_norm, _ = opt.optimizer.step()
+    lr = opt.optimizer.param_groups[0]["lr"]
+    if ok:
+        opt.scheduler.step(increment=1)
+    opt.optimizer.zero_grad()
+    metrics = _mean_metrics(model, outs)
+    metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=float(lr),
+                   update_applied=bool(ok))
+    return metrics
+
+
+def train_step(model: MegatronGPT, opt: Optimizer, micro_batches, loss_fn: LossFn) -> dict:
+    """One optimizer step over the micro-batches: `accumulate_grads` then `apply_update`."""
+    return apply_update(model, opt, accumulate_grads(model, micro_batches, loss_fn))
+
+
+def _mean_metrics(model: MegatronGPT, outs: list[dict]) -> dict:
+    pg = model.pg
+    keys = sorted(k for k in (outs[0] if outs else {}) if torch.is_tensor(outs[0][k]) and outs[0][k].numel() == 1)
+    names: list = [keys]
+    if pg.pp_size > 1:
+        dist.broadcast_object_list(names, src=pg.pp_global_ranks[-1], group=pg.pp)
+    keys = names[0]
+    vals = torch.tensor([sum(float(o[k]) for o in outs) / len(outs) for k in keys] if pg.is_last_stage
+                        else [0.0] * len(keys), dtype=torch.float64)
+    if pg.pp_size > 1 and keys:
+        dist.broadcast(vals, src=pg.pp_global_ranks[-1], group=pg.pp)
+    return dict(zip(keys, vals.tolist()))
+
+
+def save_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> Path:
+    """Saves this rank's model shard, optimizer state (incl. the distributed optimizer's DP shard) and the
+    LR schedule to `directory/rank_XXXXX.pt` (collective; resume with the same TP/PP/DP layout)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    opt_state = opt.optimizer.state_dict()
+    if opt.config.use_distributed_optimizer:
+        # The distributed optimizer keeps Adam moments in DP-sharded buffers outside state_dict().
+        opt_state = {"base": opt_state, "param_state": _dist_opt_param_state(opt)}
+    state = {"model": {k: v.detach().clone() for k, v in model.gpt.state_dict().items() if torch.is_tensor(v)},
+             "optimizer": opt_state, "scheduler": opt.scheduler.state_dict(),
+             "layout": (model.pg.tp_size, model.pg.pp_size, model.pg.dp_size)}
+    path = directory / f"rank_{dist.get_rank() if dist.is_initialized() else 0:05d}.pt"
+    torch.save(state, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def load_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> None:
+    """Restores what `save_training_state` wrote (same layout required)."""
+    path = Path(directory) / f"rank_{dist.get_rank() if dist.is_initialized() else 0:05d}.pt"
+    if not path.exists():
+        raise VerlConfigError(f"no training state for this rank at {path}")
+    state = torch.load(path, weights_only=False)
+    layout = (model.pg.tp_size, model.pg.pp_size, model.pg.dp_size)
+    if tuple(state["layout"]) != layout:
+        raise VerlConfigError(f"training state in {directory} was saved with (tp, pp, dp)={tuple(state['layout'])}, "
+                              f"this run has {layout}; resume with the same layout or export/load HF weights")
+    missing, unexpected = model.gpt.load_state_dict(state["model"], strict=False)
+    real_missing = [k for k in missing if not k.endswith("_extra_state")]
+    if real_missing or unexpected:
+        raise VerlConfigError(f"training state does not fit the model: missing {real_missing}, unexpected {unexpected}")
+    if opt.config.use_distributed_optimizer:
+        opt.optimizer.load_state_dict(state["optimizer"]["base"])
+        _load_dist_opt_param_state(opt, state["optimizer"]["param_state"])
+    else:
+        opt.optimizer.load_state_dict(state["optimizer"])
+    # Master params (fp32 copies) must follow the restored model weights.
+    opt.optimizer.reload_model_params()
+    opt.scheduler.load_state_dict(state["scheduler"])
+
+
+def _dist_opt_param_state(opt: Optimizer) -> dict:
+    inner = opt.optimizer
+    out = {}
+    for gi, group in enumerate(inner.optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            st = inner.optimizer.state.get(p, {})
+            out[(gi, pi)] = {"param": p.detach().clone(),
+                             **{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()}}
+    return out
+
+
+def _load_dist_opt_param_state(opt: Optimizer, saved: dict) -> None:
+    inner = opt.optimizer
+    with torch.no_grad():
+        for gi, group in enumerate(inner.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                entry = saved[(gi, pi)]
+                p.copy_(entry["param"])
+                inner.optimizer.state[p] = {k: v.clone() if torch.is_tensor(v) else v
+                                            for k, v in entry.items() if k != "param"}

@@ -1,0 +1,307 @@
+"""RL advantages and KL penalties: GAE, outcome (group) advantages, per-token KL estimators.
+
+Kernels: csrc/cpu/rl.cpp and csrc/cuda/rl.cu (schemas in csrc/ops.cpp, shared per-token math in
+csrc/include/verl/rl.h). The fused losses (policy, value, KL, aggregation) live in verl/ops/losses.py.
+
+Shapes: B sequences x T response tokens. `response_mask` [B, T] marks valid tokens (bool or any real dtype,
+nonzero = valid). Outputs are 0 at masked positions.
+
+- GAE skips masked positions: the recurrence carries the last valid next-value and the running advantage
+  across them, so right-padding, left-padding or holes give identical results at the valid positions.
+- Outcome estimators score each sequence by the sum of its valid token rewards and broadcast one advantage
+  per sequence over its valid tokens. Groups come from `index` (prompt id per sequence: int tensor, or a numpy
+  array / list of ints or strings). A group of size 1 gets advantage 0 under grpo, rloo and
+  reinforce_plus_plus_baseline (no baseline exists without its own reward; never NaN).
+- NaN/inf rewards (or values) at valid positions are counted (`num_nonfinite`); with `check_finite=True`
+  (default) the wrappers raise `VerlRuntimeError` naming the count. That check reads one number back to the
+  host, so inside `torch.compile(fullgraph=True)` pass `check_finite=False` and inspect `num_nonfinite`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from verl import _extension
+from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.ops._backend import use_fused
+from verl.ops.masked import masked_sum_ref, masked_whiten
+
+__all__ = ["AdvantageResult", "KL_KINDS", "OUTCOME_ESTIMATORS", "compute_gae", "compute_gae_ref",
+           "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus", "kl_penalty", "kl_penalty_ref",
+           "as_group_index", "check_name"]
+
+# Canonical names first; aliases map to them (same spelling as csrc/include/verl/rl.h).
+KL_KINDS = {"kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse", "k2": "mse", "low_var_kl": "low_var_kl",
+            "k3": "low_var_kl", "k1+": "k1+", "kl+": "k1+", "k3+": "k3+", "low_var_kl+": "k3+"}
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "remax", "reinforce_plus_plus_baseline")
+
+
+class AdvantageResult(NamedTuple):
+    """advantages, returns: [B, T] (0 where masked); num_nonfinite: int64 0-d count of NaN/inf inputs."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    num_nonfinite: torch.Tensor
+
+
+def check_name(name: str, known, what: str) -> str:
+    """Returns `name` if known, else raises VerlConfigError listing the known names (and the nearest one)."""
+    if name in known:
+        return name
+    import difflib
+    near = difflib.get_close_matches(str(name), list(known), n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    raise VerlConfigError(f"unknown {what} {name!r}{hint}; known: {', '.join(known)}")
+
+
+def _check_bt(x: torch.Tensor, mask: torch.Tensor, op: str, name: str) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{op}: `{name}` must be a floating-point tensor, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: `{name}` must be 2-D [B, T], got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{op}: `{name}` is empty (shape {tuple(x.shape)}); an empty batch has nothing to compute")
+    if mask.shape != x.shape:
+        raise ValueError(f"{op}: `mask` must have the shape of `{name}` {tuple(x.shape)}, got {tuple(mask.shape)}")
+    if mask.is_complex():
+        raise TypeError(f"{op}: `mask` must be bool or a real dtype (nonzero = valid), got {mask.dtype}")
+
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask.ne(0)
+
+
+def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (~torch.isfinite(x) & _valid(mask)).sum()
+
+
+def _raise_if_nonfinite(num: torch.Tensor, what: str) -> None:
+    n = int(num)
+    if n:
+        raise VerlRuntimeError(f"{n} NaN/inf value(s) in {what} at valid (mask != 0) positions; fix the reward "
+                               f"function or critic, or pass check_finite=False and handle `num_nonfinite` yourself")
+
+
+# ---------------------------------------------------------------------------------------------- GAE
+
+def compute_gae_ref(rewards: torch.Tensor, values: torch.Tensor | None, mask: torch.Tensor, gamma: float,
+                    lam: float) -> AdvantageResult:
+    """Per-timestep loop over T (vectorised over B): the way most RL frameworks write GAE. Not whitened."""
+    _check_bt(rewards, mask, "gae", "rewards")
+    valid = _valid(mask)
+    v = values if values is not None else torch.zeros_like(rewards)
+    B, T = rewards.shape
+    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    next_v = torch.zeros(B, dtype=acc, device=rewards.device)
+    run = torch.zeros(B, dtype=acc, device=rewards.device)
+    adv = torch.zeros(B, T, dtype=acc, device=rewards.device)
+    for t in range(T - 1, -1, -1):
+        ok = valid[:, t]
+        vt = v[:, t].to(acc)
+        new = rewards[:, t].to(acc) + gamma * next_v - vt + gamma * lam * run
+        run = torch.where(ok, new, run)
+        next_v = torch.where(ok, vt, next_v)
+        adv[:, t] = torch.where(ok, new, 0.0)
+    ret = torch.where(valid, adv + v.to(acc), 0.0)
+    bad = _nonfinite(rewards, mask) if values is None else (
+        (~(torch.isfinite(rewards) & torch.isfinite(v)) & valid).sum())
+    return AdvantageResult(adv.to(rewards.dtype), ret.to(rewards.dtype), bad)
+
+
+def compute_gae(token_level_rewards: torch.Tensor, values: torch.Tensor | None, response_mask: torch.Tensor,
+                gamma: float = 1.0, lam: float = 1.0, *, whiten: bool = True,
+                check_finite: bool = True) -> AdvantageResult:
+    """Generalised advantage estimation over the valid tokens.
+
+    token_level_rewards, values, response_mask: [B, T]. values=None means a zero critic (then, with lam=1,
+    advantages are the discounted returns). returns = raw advantages + values; `advantages` are whitened over
+    the mask (masked_whiten: mean 0, unbiased variance 1) when `whiten`.
+    """
+    args = (token_level_rewards.detach(), None if values is None else values.detach(), response_mask)
+    if use_fused("gae", token_level_rewards):
+        out = AdvantageResult(*torch.ops.verl.gae(*args, float(gamma), float(lam)))
+    else:
+        out = compute_gae_ref(*args, gamma, lam)
+    if check_finite:
+        _raise_if_nonfinite(out.num_nonfinite, "token_level_rewards or values (GAE)")
+    if whiten:
+        out = out._replace(advantages=masked_whiten(out.advantages, response_mask))
+    return out
+
+
+def reinforce_plus_plus(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, *,
+                        check_finite: bool = True) -> AdvantageResult:
+    """REINFORCE++: discounted token returns, whitened over the batch's valid tokens. [B, T] -> [B, T].
+
+    This is GAE with no critic and lam = 1 (same padding-skipping scan); `returns` are the raw returns.
+    """
+    return compute_gae(token_level_rewards, None, response_mask, gamma, 1.0, whiten=True, check_finite=check_finite)
+
+
+# ---------------------------------------------------------------------------------------------- outcome
+
+def as_group_index(index, batch_size: int, device: torch.device | str) -> torch.Tensor:
+    """Prompt-group ids as an int64 [B] tensor on `device`: accepts an integer tensor, or a numpy array / list
+    of integers or of any hashable ids (e.g. uuid strings, mapped to dense ints)."""
+    if isinstance(index, torch.Tensor):
+        if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+            raise TypeError(f"`index` must hold integer prompt ids, got a {index.dtype} tensor")
+        out = index.to(device=device, dtype=torch.int64)
+    else:
+        arr = np.asarray(index)
+        if arr.dtype.kind not in "iu":
+            if arr.dtype.kind == "f":
+                raise TypeError(f"`index` must hold integer or string prompt ids, got a {arr.dtype} array")
+            arr = np.unique(arr, return_inverse=True)[1].reshape(arr.shape)
+        out = torch.as_tensor(arr.astype(np.int64), device=device)
+    if out.dim() != 1 or out.numel() != batch_size:
+        raise ValueError(f"`index` must have one prompt id per sequence (B={batch_size}), got shape {tuple(out.shape)}")
+    return out
+
+
+def outcome_advantage_ref(rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, estimator: str,
+                          eps: float = 1e-6, norm_by_std: bool = True,
+                          baseline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch outcome advantages: (advantages [B, T], num_nonfinite int64 0-d)."""
+    check_name(estimator, OUTCOME_ESTIMATORS, "outcome estimator")
+    _check_bt(rewards, mask, "outcome_advantage", "rewards")
+    valid = _valid(mask)
+    scores = masked_sum_ref(rewards.double(), mask, -1)
+    bad = _nonfinite(rewards, mask)
+    if estimator == "remax":
+        if baseline is None:
+            raise ValueError("estimator 'remax' needs `baseline` [B] (the reward of each prompt's greedy response)")
+        bad = bad + (~torch.isfinite(baseline)).sum()
+        adv = scores - baseline.double()
+    else:
+        _, gid = torch.unique(index, return_inverse=True)
+        G = int(gid.max()) + 1
+        cnt = torch.zeros(G, dtype=torch.float64, device=rewards.device).index_add_(0, gid, torch.ones_like(scores))
+        total = torch.zeros_like(cnt).index_add_(0, gid, scores)
+        mean = (total / cnt)[gid]
+        n = cnt[gid]
+        sq = torch.zeros_like(cnt).index_add_(0, gid, (scores - mean) ** 2)[gid]
+        if estimator == "grpo":
+            adv = scores - mean
+            if norm_by_std:
+                adv = adv / (torch.sqrt(sq / (n - 1).clamp(min=1)) + eps)
+        elif estimator == "rloo":
+            adv = scores - (total[gid] - scores) / (n - 1).clamp(min=1)
+        else:
+            adv = scores - mean
+        adv = torch.where(n >= 2, adv, 0.0)
+    out = torch.where(valid, adv.unsqueeze(-1), 0.0).to(rewards.dtype)
+    return out, bad
+
+
+def outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                      estimator: str = "grpo", *, eps: float = 1e-6, norm_by_std: bool = True,
+                      baseline: torch.Tensor | None = None, check_finite: bool = True) -> AdvantageResult:
+    """Outcome advantages from per-sequence scores (sum of valid token rewards), broadcast over valid tokens.
+
+    token_level_rewards, response_mask: [B, T]; index: [B] prompt ids; baseline: [B] (remax only).
+    grpo: (s - group mean) / (group unbiased std + eps), or s - mean with norm_by_std=False (Dr.GRPO);
+    rloo: s - mean of the other samples of the group; remax: s - baseline;
+    reinforce_plus_plus_baseline: s - group mean, then whitened over the batch's valid tokens.
+    `returns` equals `advantages` (no critic).
+    """
+    check_name(estimator, OUTCOME_ESTIMATORS, "outcome estimator")
+    r = token_level_rewards.detach()
+    idx = as_group_index(index, r.shape[0] if r.dim() else -1, r.device)
+    base = None if baseline is None else baseline.detach().to(r.device)
+    if use_fused("outcome_advantage", r):
+        adv, bad = torch.ops.verl.outcome_advantage(r, response_mask, idx, estimator, float(eps), bool(norm_by_std),
+                                                    base)
+    else:
+        adv, bad = outcome_advantage_ref(r, response_mask, idx, estimator, eps, norm_by_std, base)
+    if check_finite:
+        _raise_if_nonfinite(bad, f"token_level_rewards{' or baseline' if base is not None else ''} ({estimator})")
+    if estimator == "reinforce_plus_plus_baseline":
+        adv = masked_whiten(adv, response_mask)
+    return AdvantageResult(adv, adv, bad)
+
+
+# ---------------------------------------------------------------------------------------------- KL penalty
+
+def kl_penalty_ref(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of KL(pi || ref). Same shape as the inputs."""
+    kind = KL_KINDS[check_name(kind, KL_KINDS, "KL kind")]
+    d = logprob - ref_logprob
+    if kind == "kl":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "mse":
+        return 0.5 * d.square()
+    k2 = 0.5 * d.square()
+    if kind == "k1+":
+        return d.detach() + (k2 - k2.detach())
+    dr = torch.clamp(ref_logprob - logprob, -20, 20)
+    k3 = torch.clamp(torch.exp(dr) - dr - 1, -10, 10)
+    if kind == "low_var_kl":
+        return k3
+    return k3.detach() + (k2 - k2.detach())
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL penalty, [...] -> [...]: kl/k1 (logp - ref), abs, mse/k2 (0.5 d^2), low_var_kl/k3
+    (exp(ref - logp) - (ref - logp) - 1, argument clamped to +-20, result to +-10), and straight-through k1+ / k3+
+    (value of k1 / k3, gradient of k2). Differentiable in both inputs."""
+    check_name(kind, KL_KINDS, "KL kind")
+    if use_fused("kl_penalty", logprob, ref_logprob):
+        return torch.ops.verl.kl_penalty(logprob, ref_logprob, kind)
+    return kl_penalty_ref(logprob, ref_logprob, kind)
+
+
+# ------------------------------------------------------------------------- fake implementations + autograd
+
+def _register() -> None:
+    lib = "verl::"
+
+    def _fake_bt(x, mask):
+        torch._check(x.dim() == 2, lambda: f"expected a 2-D [B, T] tensor, got {tuple(x.shape)}")
+        torch._check(x.shape == mask.shape, lambda: f"`mask` must have shape {tuple(x.shape)}, got {tuple(mask.shape)}")
+
+    @torch.library.register_fake(lib + "gae")
+    def _(rewards, values, mask, gamma, lam):
+        _fake_bt(rewards, mask)
+        if values is not None:
+            torch._check(values.shape == rewards.shape, lambda: "`values` must have the shape of `rewards`")
+        new = torch.empty_like(rewards, memory_format=torch.contiguous_format)
+        return new, torch.empty_like(new), rewards.new_empty((), dtype=torch.int64)
+
+    @torch.library.register_fake(lib + "outcome_advantage")
+    def _(rewards, mask, index, estimator, eps, norm_by_std, baseline):
+        _fake_bt(rewards, mask)
+        torch._check(index.shape == rewards.shape[:1], lambda: "`index` must have shape [B]")
+        return (torch.empty_like(rewards, memory_format=torch.contiguous_format),
+                rewards.new_empty((), dtype=torch.int64))
+
+    @torch.library.register_fake(lib + "kl_penalty")
+    def _(logprob, ref_logprob, kind):
+        torch._check(logprob.shape == ref_logprob.shape, lambda: "`ref_logprob` must have the shape of `logprob`")
+        return torch.empty_like(logprob, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(lib + "kl_penalty_backward")
+    def _(grad, logprob, ref_logprob, kind):
+        return torch.empty_like(logprob, memory_format=torch.contiguous_format)
+
+    def _setup_kl(ctx, inputs, output):
+        logprob, ref_logprob, kind = inputs
+        ctx.save_for_backward(logprob, ref_logprob)
+        ctx.kind = kind
+
+    def _kl_backward(ctx, grad):
+        logprob, ref_logprob = ctx.saved_tensors
+        g = torch.ops.verl.kl_penalty_backward(grad, logprob, ref_logprob, ctx.kind)
+        # Every estimator is a function of logprob - ref_logprob, so the reference gets the negated gradient.
+        return g, (-g if ctx.needs_input_grad[1] else None), None
+
+    torch.library.register_autograd(lib + "kl_penalty", _kl_backward, setup_context=_setup_kl)
+
+
+if _extension.available():
+    _register()
