@@ -54,9 +54,10 @@ def _check_versions(patches: tuple[Patch, ...]) -> None:
     if bad:
         raise MegatronPatchError(
             f"megatron_patches were verified on megatron-core {', '.join(VERIFIED_MEGATRON)} with torch "
-            f"{', '.join(VERIFIED_TORCH)}.x, but this environment has megatron-core {mc} and torch {torch.__version__}. "
+            f"{', '.join(VERIFIED_TORCH)}.x, but this environment has megatron-core {mc} and torch "
+            f"{torch.__version__}. "
             f"Patches {bad} replace megatron-core internals that may have moved, so they are not applied. "
-            f"Fix: install megatron-core=={VERIFIED_MEGATRON[-1]} (pip install megatron-core=={VERIFIED_MEGATRON[-1]}), "
+            f"Fix: pip install megatron-core=={VERIFIED_MEGATRON[-1]}, "
             f"or run on a CUDA machine (no patch is needed there), or pass force=True / set "
             f"VERL_MEGATRON_PATCHES=force to try them anyway (each still refuses if its exact target text is missing).")
 

@@ -85,12 +85,16 @@ def rewrite_source(path: str, replacements: list[tuple[str, str, int]], extra_gl
         found = source.count(old)
         if found != expected:
             raise RuntimeError(f"cannot patch {path}: expected {expected} occurrence(s) of {old!r} in its source, "
-                               f"found {found}; this megatron-core build differs from the one the patch was written for")
+                               f"found {found}; this megatron-core build differs from the one the patch was "
+                               f"written for")
         source = source.replace(old, new)
-    # Drop decorators: the patched function is re-wrapped by the caller if it needs them.
+    # static/classmethod wrappers are re-applied below from the original attribute's type.
     lines = source.splitlines()
     while lines and lines[0].lstrip().startswith("@"):
-        lines.pop(0)
+        decorator = lines.pop(0).strip()
+        if decorator not in ("@staticmethod", "@classmethod"):
+            # Re-applying an arbitrary decorator is not something a text rewrite can do faithfully.
+            raise RuntimeError(f"cannot patch {path}: it is decorated with {decorator}")
     body = "\n".join(lines)
     namespace: dict = {}
     glb = dict(func.__globals__) if extra_globals else func.__globals__

@@ -61,15 +61,14 @@ def _install_rng() -> None:
 
 # ------------------------------------------------------------------------------------- device placement
 
+# Only modules whose CUDA-only lines lie on verl's paths (build, forward/backward with TP/SP/PP, recompute).
+# Deliberately left out: transformer_layer (CUDA-graph static inputs), attention (inference KV cache),
+# dot_product_attention (off-by-one / learnable softmax), tensor_parallel.utils (distributed saved activations).
 _MODEL_MODULES = (
     "megatron.core.tensor_parallel.layers",          # weight allocation, SP all-gather buffers
     "megatron.core.tensor_parallel.mappings",        # gather/scatter output buffers
-    "megatron.core.tensor_parallel.utils",           # split/gather buffers
     "megatron.core.models.gpt.gpt_model",            # rotary position ids
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq placement
-    "megatron.core.transformer.attention",           # inference buffers, GQA split sizes
-    "megatron.core.transformer.dot_product_attention",  # causal mask
-    "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.utils",               # default causal mask on device="cuda"
 )
 
@@ -85,7 +84,7 @@ _OPTIMIZER_MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers on torch.cuda.current_device()
-    "megatron.core.utils",
+    "megatron.core.utils",                           # GlobalMemoryBuffer (SP gathers), grad-norm helpers
 )
 
 
@@ -98,12 +97,25 @@ def _installer(modules: tuple[str, ...]) -> Callable[[], None]:
 
 # ------------------------------------------------------------------------------------- type checks
 
-def _install_fp32_type_checks() -> None:
-    # The fp32 branch tests the legacy type string, which is 'torch.FloatTensor' on the CPU; what it means
-    # is "an fp32 parameter", so compare the dtype.
+_HALF_TYPES = "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']"
+
+
+def _install_param_type_checks() -> None:
+    # The optimizers classify parameters by legacy CUDA type strings ('torch.cuda.FloatTensor' /
+    # 'torch.cuda.BFloat16Tensor'), which read 'torch.FloatTensor' / 'torch.BFloat16Tensor' on the CPU; what
+    # they mean is "an fp32 / a 16-bit parameter", so compare the dtype.
+    half = "{}.dtype in (torch.float16, torch.bfloat16)"
     mech.rewrite_source(
         "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
-        [("model_param.type() == 'torch.cuda.FloatTensor'", "model_param.dtype == torch.float32", 1)])
+        [("model_param.type() == 'torch.cuda.FloatTensor'", "model_param.dtype == torch.float32", 1),
+         (f"model_param.type() in {_HALF_TYPES}", half.format("model_param"), 1)])
+    mech.rewrite_source(
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+        [(f"param.type() in {_HALF_TYPES}", half.format("param"), 1)])
+    mech.rewrite_source(
+        "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+        [(f"param.type() in {_HALF_TYPES}", half.format("param"), 1),
+         ("param.type() == 'torch.cuda.FloatTensor'", "param.dtype == torch.float32", 1)])
     mech.rewrite_source(
         "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
         [("assert param.grad.type() == 'torch.cuda.FloatTensor'", "assert param.grad.dtype == torch.float32", 1)],
@@ -162,12 +174,15 @@ PATCHES: tuple[Patch, ...] = (
           why="DDP grad buffers, the distributed optimizer, grad clipping and the grad scaler allocate on "
               "torch.cuda.current_device() / device='cuda'.",
           targets=_OPTIMIZER_MODULES, install=_installer(_OPTIMIZER_MODULES)),
-    Patch(name="fp32_param_type_check", mechanism="rewrite",
-          why="the distributed optimizer and grad clipping accept fp32 params only when "
-              "param.type() == 'torch.cuda.FloatTensor', which is 'torch.FloatTensor' on CPU.",
+    Patch(name="param_type_checks", mechanism="rewrite",
+          why="the distributed optimizer, the bf16/fp16 optimizer and grad clipping classify params by "
+              "param.type() == 'torch.cuda.FloatTensor' / in ['torch.cuda.HalfTensor', "
+              "'torch.cuda.BFloat16Tensor'], which never match CPU tensors.",
           targets=("optimizer.distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups",
+                   "optimizer.distrib_optimizer.DistributedOptimizer.__init__",
+                   "optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
                    "optimizer.clip_grads.clip_grad_by_total_norm_fp32"),
-          install=_install_fp32_type_checks),
+          install=_install_param_type_checks),
     Patch(name="tied_embedding_no_cuda_copy", mechanism="rewrite",
           why="with tied embeddings LanguageModule.setup_embeddings_and_output_layer moves the shared weight "
               "with .cuda() before all-reducing it over the embedding group.",

@@ -152,19 +152,41 @@ def bench_injection(repeats: int, batch: int, seq: int, hidden: int) -> dict:
             "step_ms_base": step_s * 1e3, "step_ms_with_injected_noop": statistics.median(b) * 1e3,
             "ab_difference_ms": (statistics.median(b) - step_s) * 1e3,
             "step_ms_spread_iqr": (statistics.quantiles(a, n=4)[2] - statistics.quantiles(a, n=4)[0]) * 1e3,
-            "injected_node_us": node_s * 1e6, "injected_node_best_us": node_best_s * 1e6, "injected_fraction_of_step_pct": node_s / step_s * 100,
+            "injected_node_us": node_s * 1e6, "injected_node_best_us": node_best_s * 1e6,
+            "injected_fraction_of_step_pct": node_s / step_s * 100,
             "article_step_s": article_step_s, "article_node_ms": 0.87,
             "injected_fraction_of_article_step_pct": node_s / article_step_s * 100}
+
+
+def _dist_body(rank, world_size, n, repeats):
+    nodes, _ = _empty_chain(n)
+    flow = build_dataflow(nodes=nodes)
+    out = {}
+    for mode in ("node", "end"):
+        t, best = _timings(lambda: flow.run({"x": 0}, check_errors=mode), repeats, 5)
+        out[mode] = (t / n * 1e6, best / n * 1e6)
+    return out
+
+
+def bench_distributed(n: int, repeats: int, world: int = 4) -> dict:
+    """Per-node cost of a colocated chain on ``world`` gloo CPU ranks: with the per-node error agreement (one
+    int all-reduce) and with errors checked once per run."""
+    from verl.testing import run_distributed
+    res = run_distributed(_dist_body, world_size=world, args=(n, repeats), timeout=300)
+    return {"world_size": world, "nodes": n,
+            "check_node_us_per_node": statistics.median(r["node"][0] for r in res),
+            "check_end_us_per_node": statistics.median(r["end"][0] for r in res)}
 
 
 def plot(chains: list[dict], inj: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
     labels = [f"{r['nodes']} nodes" for r in chains]
     series = [("direct call", "direct_us_per_node"), ("Dataflow.run", "run_us_per_node"),
-              ("run + trace", "traced_us_per_node"), ("dict form (builds each call)", "dict_form_us_per_node")]
+              ("run + trace (writes the file)", "traced_us_per_node"),
+              ("dict form (builds each call)", "dict_form_us_per_node")]
     width = 0.2
     for i, (name, key) in enumerate(series):
         ax1.bar([x + i * width for x in range(len(chains))], [r[key] for r in chains], width, label=name)
@@ -173,12 +195,12 @@ def plot(chains: list[dict], inj: dict, path: str) -> None:
     ax1.set_ylabel("µs per node (median)")
     ax1.set_yscale("log")
     ax1.set_title("Scheduling cost per empty node, colocated")
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     ax2.bar(["PPO-style step\n(fwd+bwd+AdamW)", "injected no-op\nnode"],
             [inj["step_ms_base"] * 1e3, inj["injected_node_us"]], color=["tab:gray", "tab:orange"])
     ax2.set_yscale("log")
     ax2.set_ylabel("µs (median)")
-    ax2.set_title(f"Injected node = {inj['injected_fraction_of_step_pct']:.3f}% of a "
+    ax2.set_title(f"Injected node = {inj['injected_fraction_of_step_pct']:.4f}% of a "
                   f"{inj['step_ms_base']:.1f} ms step", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -190,6 +212,7 @@ def main() -> None:
     mode.add_argument("--quick", action="store_true", help="small repeat counts (default)")
     mode.add_argument("--full", action="store_true", help="more repeats and a bigger step")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--no-distributed", action="store_true", help="skip the 4-rank gloo measurement")
     args = ap.parse_args()
     torch.set_num_threads(1 if not args.full else max(1, min(4, os.cpu_count() or 1)))
     repeats = 40 if args.full else 15
@@ -202,19 +225,28 @@ def main() -> None:
     os.rmdir(trace_dir)
     inj = bench_injection(repeats=30 if args.full else 12, batch=32 if args.full else 16, seq=128 if args.full else 64,
                           hidden=512 if args.full else 256)
+    dist_row = None if args.no_distributed else bench_distributed(20, 10 if args.full else 5)
     result = {"benchmark": "dataflow_overhead", "mode": "full" if args.full else "quick",
               "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "chains": chains, "injection": inj, "target_us_per_node": 20.0, "target_injected_pct": 0.01}
+              "chains": chains, "injection": inj, "distributed": dist_row, "target_us_per_node": 20.0,
+              "target_injected_pct": 0.01}
     with open(os.path.join(args.out, "dataflow_overhead.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(chains, inj, os.path.join(args.out, "dataflow_overhead.png"))
     for r in chains:
-        print(f"chain of {r['nodes']:>3}: run {r['run_us_per_node']:.2f} µs/node, direct {r['direct_us_per_node']:.2f}, "
+        print(f"chain of {r['nodes']:>3}: run {r['run_us_per_node']:.2f} µs/node, "
+              f"direct {r['direct_us_per_node']:.2f}, "
               f"overhead {r['overhead_us_per_node']:.2f} µs/node (best {r['best_run_us_per_node']:.2f}); traced "
               f"{r['traced_us_per_node']:.1f}; dict form {r['dict_form_us_per_node']:.1f}")
-    print(f"PPO-style step {inj['step_ms_base']:.2f} ms (A/B with injected no-op: {inj['step_ms_with_injected_noop']:.2f} ms); "
+    if dist_row:
+        print(f"{dist_row['world_size']} gloo ranks, chain of {dist_row['nodes']}: "
+              f"{dist_row['check_node_us_per_node']:.0f} µs/node with per-node error agreement, "
+              f"{dist_row['check_end_us_per_node']:.1f} µs/node with check_errors='end'")
+    print(f"PPO-style step {inj['step_ms_base']:.2f} ms "
+          f"(A/B with injected no-op: {inj['step_ms_with_injected_noop']:.2f} ms); "
           f"injected node alone {inj['injected_node_us']:.2f} µs = {inj['injected_fraction_of_step_pct']:.4f}% of this "
-          f"step, {inj['injected_fraction_of_article_step_pct']:.6f}% of the article's {inj['article_step_s']:.1f} s step")
+          f"step, {inj['injected_fraction_of_article_step_pct']:.6f}% of the article's "
+          f"{inj['article_step_s']:.1f} s step")
 
 
 if __name__ == "__main__":

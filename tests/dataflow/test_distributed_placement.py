@@ -68,8 +68,11 @@ def _inputs(rank):
     return {"prompt": _prompts(rank), "actor_model": TinyActor(), "reward_model": TinyRewardModel()}
 
 
-def _split_run(rank, trace_path):
-    out = _split_flow().run(_inputs(rank), trace=trace_path)
+def _split_run(rank, trace_path, check_errors="node"):
+    inputs = _inputs(rank)
+    if rank >= 2:  # the scorer's ranks need only the scorer's inputs
+        del inputs["prompt"], inputs["actor_model"]
+    out = _split_flow().run(inputs, trace=trace_path, check_errors=check_errors)
     return {k: (v["text"] if isinstance(v, DataProto) else v) for k, v in out.items()
             if k in ("response", "reward", "mean_reward", "score_ranks")}
 
@@ -96,12 +99,23 @@ def _gather_run(rank, world_size):
     return {"prompt": back["prompt"], "reward": back["reward"], "shard": len(mine)}
 
 
+def _missing_input_run(rank):
+    inputs = _inputs(rank)
+    if rank == 1:
+        del inputs["prompt"]
+    try:
+        _split_flow().run(inputs)
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return {"type": type(e).__name__, "msg": str(e)}
+    return None
+
+
 def _body(rank, world_size, trace_path):
     # One spawn for every scenario (starting 4 interpreters dominates the cost); running them one after
     # another also shows that the ranks are still in step after a failed run.
     return {"split": _split_run(rank, trace_path), "error_split": _error_run(rank, colocated=False),
-            "error_colocated": _error_run(rank, colocated=True), "after": _split_run(rank, None),
-            "gather": _gather_run(rank, world_size)}
+            "error_colocated": _error_run(rank, colocated=True), "after": _split_run(rank, None, check_errors="end"),
+            "gather": _gather_run(rank, world_size), "missing": _missing_input_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +178,11 @@ def test_dataproto_split_across_dp_ranks_and_gather_back(results):
     for r in per_rank:
         assert r["gather"]["prompt"] == full["prompt"]
         torch.testing.assert_close(r["gather"]["reward"], full["input_ids"].float().sum(-1))
+
+
+def test_missing_input_on_one_rank_stops_all_ranks(results):
+    per_rank, _ = results
+    res = [r["missing"] for r in per_rank]
+    assert res[1]["type"] == "VerlConfigError" and "node 'generate' needs key 'prompt'" in res[1]["msg"]
+    for r in (0, 2, 3):
+        assert res[r]["type"] == "VerlRuntimeError" and "rank 1" in res[r]["msg"], res[r]

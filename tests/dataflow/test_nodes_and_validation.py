@@ -105,6 +105,14 @@ def test_positional_inputs_when_names_differ():
 
     assert build_dataflow(nodes=[ratio]).run({"old_log_probs": 1.0, "log_probs": 3.0})["ratio"] == 2.0
 
+    @DataflowNode(input_keys=["x", "y"], output_keys=["z"])
+    def scaled(a, b, ctx, scale=2):
+        return (a + b) * scale + ctx.rank
+
+    assert build_dataflow(nodes=[scaled], configs={"scaled": {"scale": 3}}).run({"x": 1, "y": 2})["z"] == 9
+    with pytest.raises(VerlConfigError, match="context parameter 'ctx' must come after them"):
+        DataflowNode(input_keys=["x", "y"], output_keys=["z"])(lambda ctx, a, b: a)
+
 
 # ---- graph validation ----------------------------------------------------------------------------------------
 @DataflowNode(input_keys=["q"], output_keys=["p"])
@@ -125,7 +133,8 @@ def test_cycle_is_printed():
 
 
 def test_unknown_names_suggest_the_nearest():
-    with pytest.raises(VerlConfigError, match=r"names 'as_tupel', which is not in the dataflow \(did you mean 'as_tuple'"):
+    with pytest.raises(VerlConfigError,
+                       match=r"names 'as_tupel', which is not in the dataflow \(did you mean 'as_tuple'"):
         build_dataflow(nodes=[as_tuple, add], dependencies={"add": ["as_tupel"]})
     with pytest.raises(VerlConfigError, match=r"configs names node 'ad'.*did you mean 'add'"):
         build_dataflow(nodes=[as_tuple, add], configs={"ad": {}})
@@ -148,7 +157,7 @@ def test_missing_key_names_who_needs_it_and_who_could_produce_it():
     with pytest.raises(VerlConfigError) as info:
         build_dataflow(nodes=[score, advantage], inputs=["x"])
     msg = str(info.value)
-    assert "node 'advantage' needs key 'rewards'" in msg and "did you mean 'reward'" in msg
+    assert "node 'advantage' needs key 'rewards'" in msg and "Did you mean 'reward' (output of node 'score')" in msg
     flow = build_dataflow(nodes=[score, advantage])   # without declared inputs the check happens at run time
     with pytest.raises(VerlConfigError, match="node 'advantage' needs key 'rewards'"):
         flow.run({"x": 1})
@@ -285,3 +294,52 @@ def test_hooks_and_context():
     assert out["info"] == dict(rank=0, ranks=(0,), device="cpu", engine="rule", dp=(0, 1), leader=True,
                                name="where")
     assert seen == [("start", "where", ["x"]), ("end", "where", ["info"], True)]
+
+
+@pytest.mark.cuda
+def test_cpu_offload_brings_a_module_to_the_gpu_for_the_call():
+    model = torch.nn.Linear(4, 4)
+
+    @DataflowNode(input_keys=["model"], output_keys=["where"])
+    def forward(model, ctx):
+        return next(model.parameters()).device.type, ctx.device.type
+
+    flow = build_dataflow(nodes=[forward], configs={"forward": dict(cpu_offload=True, device_map=["cuda:0"])})
+    assert flow.run({"model": model})["where"] == ("cuda", "cuda")
+    assert next(model.parameters()).device.type == "cpu"
+
+
+def test_dict_form_takes_configs_and_inputs():
+    from verl.dataflow import Dataflow
+
+    @CustomNode()
+    def scale(value, factor=2.0, ctx=None):
+        return dict(scaled=value * factor, engine=ctx.engine)
+
+    flow = Dataflow.from_dict({"scale": scale, "configs": {"scale": {"factor": 5.0, "engine": "rule"}},
+                               "inputs": ["value"]})
+    assert flow.run({"value": 2.0}) == {"value": 2.0, "scaled": 10.0, "engine": "rule"}
+    with pytest.raises(VerlConfigError, match=r"node 'scale' needs key 'value'.*Did you mean 'values' \(an input\)"):
+        Dataflow.from_dict({"scale": scale, "inputs": ["values"]})
+
+
+def test_decorated_nodes_are_registered_by_reference():
+    from verl.dataflow import get_node, registered_nodes
+
+    ref = f"{__name__}:as_tuple"
+    assert registered_nodes()[ref] is as_tuple and get_node(ref) is as_tuple
+    assert get_node("tests.dataflow.test_spec_examples:safe_reward_filter").output_keys == ("reward", "is_safe")
+    with pytest.raises(VerlConfigError, match="has no dataflow node 'as_tupl'.*did you mean 'as_tuple'"):
+        get_node(f"{__name__}:as_tupl")
+    with pytest.raises(VerlConfigError, match="must look like 'package.module:function'"):
+        get_node("as_tuple")
+
+
+def test_a_failing_hook_fails_its_node():
+    class Bad:
+        def on_node_end(self, event):
+            raise RuntimeError("metrics sink down")
+
+    with pytest.raises(VerlRuntimeError, match="on_node_end hook: RuntimeError: metrics sink down") as info:
+        build_dataflow(nodes=[as_tuple]).run({"x": 1}, hooks=[Bad()])
+    assert info.value.node == "as_tuple"

@@ -22,6 +22,7 @@ def hf_reference(path, ids, mask, *, steps: int, lr: float) -> dict:
     model = hf_model(path)
     logits, loss = _loss(model, ids, mask)
     loss.backward()
+    lp, ent = _logprob_entropy(logits.detach(), ids, mask, 0.7)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
@@ -30,9 +31,18 @@ def hf_reference(path, ids, mask, *, steps: int, lr: float) -> dict:
     step_losses = []
     for _ in range(steps):
         opt.zero_grad()
-        _, l = _loss(model, ids, mask)
-        l.backward()
+        _, step_loss = _loss(model, ids, mask)
+        step_loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step_losses.append(float(l.detach()))
-    return {"logits": logits.detach(), "loss": float(loss), "grads": grads, "step_losses": step_losses}
+        step_losses.append(float(step_loss.detach()))
+    return {"logits": logits.detach(), "loss": float(loss.detach()), "grads": grads, "step_losses": step_losses,
+            "log_probs_t07": lp, "entropy_t07": ent}
+
+
+def _logprob_entropy(logits, ids, mask, temperature):
+    logp = torch.log_softmax(logits.float() / temperature, -1)
+    lp = torch.zeros(ids.shape)
+    lp[:, :-1] = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent

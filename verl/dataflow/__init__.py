@@ -26,7 +26,16 @@ from typing import Any
 
 from verl.dataflow.config import ENGINES, NodeConfig
 from verl.dataflow.graph import Dataflow, NodeEntry, build_dataflow, inject_node
-from verl.dataflow.node import CustomNode, DataflowNode, Node, NodeContext, TransientError, mark_transient
+from verl.dataflow.node import (
+    CustomNode,
+    DataflowNode,
+    Node,
+    NodeContext,
+    TransientError,
+    get_node,
+    mark_transient,
+    registered_nodes,
+)
 from verl.dataflow.trace import NodeEvent, TraceRecorder, summarize
 
 
@@ -38,6 +47,6 @@ def run(dataflow: Dataflow | Mapping[str, Any], inputs: Mapping[str, Any], *, tr
 
 __all__ = [
     "CustomNode", "Dataflow", "DataflowNode", "ENGINES", "Node", "NodeConfig", "NodeContext", "NodeEntry",
-    "NodeEvent", "TraceRecorder", "TransientError", "build_dataflow", "inject_node", "mark_transient", "run",
-    "summarize",
+    "NodeEvent", "TraceRecorder", "TransientError", "build_dataflow", "get_node", "inject_node", "mark_transient",
+    "registered_nodes", "run", "summarize",
 ]

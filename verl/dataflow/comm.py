@@ -32,6 +32,18 @@ def group_for(ranks: tuple[int, ...]) -> Any:
     return _GROUPS[key]
 
 
+def control_group(ranks: tuple[int, ...]) -> Any:
+    """A gloo (CPU) group over ``ranks`` for the runtime's small control messages: error agreement, shard
+    sizes, end-of-run status. On NCCL jobs this keeps those messages off the GPU streams, so agreeing that no
+    rank failed never waits for the GPU work a node queued. Collective like `group_for`."""
+    if dist.get_backend() == "gloo":
+        return group_for(ranks)
+    key = (id(dist.group.WORLD), ranks, "gloo")
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
+    return _GROUPS[key]
+
+
 def comm_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -141,19 +141,19 @@ class Dataflow:
         return "\n".join(lines)
 
     # ---- validation against a run's inputs -------------------------------------------------------------------
-    def check_inputs(self, available: Iterable[str]) -> None:
-        """Raises VerlConfigError naming every key some node needs that neither a node nor ``available`` gives."""
+    def check_inputs(self, available: Iterable[str], only: Iterable[str] | None = None) -> None:
+        """Raises VerlConfigError naming every key some node (of ``only``, default all) needs that neither a
+        node nor ``available`` gives."""
         available = set(available)
-        produced = {k for e in self._entries.values() for k in e.node.output_keys}
+        only = set(only) if only is not None else None
+        produced = {k: e.name for e in self._entries.values() for k in e.node.output_keys}
         problems = []
         for n in self._order:
+            if only is not None and n not in only:
+                continue
             for k, p in self._bindings[n].items():
                 if p is None and k not in available:
-                    near_out = nearest(k, produced, "keys nodes produce") if produced else ""
-                    near_in = nearest(k, available, "inputs given") if available else " (no inputs were given)"
-                    problems.append(f"node '{n}' needs key '{k}', which no node produces and the inputs do not "
-                                    f"contain; add '{k}' to the inputs or add a node with output_keys=['{k}']. "
-                                    f"Inputs{near_in}; node outputs{near_out or ': none'}")
+                    problems.append(_missing_key_message(n, k, produced, available))
         if problems:
             raise VerlConfigError("missing keys:\n  " + "\n  ".join(problems))
 
@@ -170,6 +170,19 @@ class Dataflow:
         ``"end"`` checks only once per run.
         """
         return _execute()(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors)
+
+
+def _missing_key_message(node: str, key: str, produced: Mapping[str, str], available: set[str]) -> str:
+    import difflib
+    hints = []
+    for k in difflib.get_close_matches(key, list(produced), n=2, cutoff=0.6):
+        hints.append(f"'{k}' (output of node '{produced[k]}')")
+    for k in difflib.get_close_matches(key, sorted(available), n=2, cutoff=0.6):
+        hints.append(f"'{k}' (an input)")
+    could = f" Did you mean {' or '.join(hints)}?" if hints else ""
+    given = f"inputs given: {sorted(available)}" if available else "no inputs were given"
+    return (f"node '{node}' needs key '{key}', which no node produces and the inputs do not contain ({given})."
+            f"{could} Otherwise pass '{key}' in the inputs or add a node with output_keys=['{key}'].")
 
 
 _EXECUTE: list = []

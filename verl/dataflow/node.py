@@ -162,7 +162,8 @@ def _signature(fn: Callable) -> inspect.Signature:
         raise VerlConfigError(f"cannot read the signature of {fn!r} ({e}); decorate a Python function") from e
 
 
-def DataflowNode(input_keys: Sequence[str] = (), output_keys: Sequence[str] = ()) -> Callable[[Callable], Node]:  # noqa: N802
+def DataflowNode(input_keys: Sequence[str] = (),  # noqa: N802 - the SPEC's name
+                 output_keys: Sequence[str] = ()) -> Callable[[Callable], Node]:
     """Declares a function as a dataflow node reading ``input_keys`` and writing ``output_keys``.
 
     Inputs are passed by parameter name when every key is a parameter (or the function takes ``**kwargs``),
@@ -185,6 +186,12 @@ def DataflowNode(input_keys: Sequence[str] = (), output_keys: Sequence[str] = ()
             unfilled = [n for n, p in plain.items() if n not in ins and p.default is p.empty]
         else:
             positional = [p for p in plain.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            names = list(params)
+            ctx_first = [p.name for p in params.values() if _is_context_param(p) and positional
+                         and names.index(p.name) < names.index(positional[min(len(ins), len(positional)) - 1].name)]
+            if ctx_first:
+                raise VerlConfigError(f"node '{name}' takes its inputs positionally, so its context parameter "
+                                      f"'{ctx_first[0]}' must come after them; move it to the end")
             if len(positional) < len(ins) and not has_var_pos:
                 missing = [k for k in ins if k not in plain]
                 raise VerlConfigError(
@@ -197,9 +204,8 @@ def DataflowNode(input_keys: Sequence[str] = (), output_keys: Sequence[str] = ()
         if unfilled:
             raise VerlConfigError(f"node '{name}': parameters {unfilled} are neither in input_keys {list(ins)} nor "
                                   f"have defaults; add them to input_keys or give them a default (a setting)")
-        node = Node(fn=fn, name=name, input_keys=ins, output_keys=outs, settings=settings,
-                    wants_context=wants_ctx, by_keyword=by_keyword, returns_dict=False)
-        return node
+        return _register(Node(fn=fn, name=name, input_keys=ins, output_keys=outs, settings=settings,
+                              wants_context=wants_ctx, by_keyword=by_keyword, returns_dict=False))
 
     return wrap
 
@@ -225,8 +231,8 @@ def CustomNode(output_keys: Sequence[str] | None = None) -> Callable[[Callable],
         settings = {n: p.default for n, p in plain.items() if p.default is not p.empty}
         outs = output_keys if output_keys is not None else _returned_dict_keys(fn, name)
         outs = _check_keys("output_keys", outs, name)
-        return Node(fn=fn, name=name, input_keys=ins, output_keys=outs, settings=settings,
-                    wants_context=wants_ctx, by_keyword=True, returns_dict=True)
+        return _register(Node(fn=fn, name=name, input_keys=ins, output_keys=outs, settings=settings,
+                              wants_context=wants_ctx, by_keyword=True, returns_dict=True))
 
     return wrap
 
@@ -282,6 +288,43 @@ def _literal_dict_keys(value: ast.AST | None) -> list[str] | None:
             and not value.args and all(kw.arg is not None for kw in value.keywords)):
         return [kw.arg for kw in value.keywords]  # type: ignore[misc]
     return None
+
+
+# Every decorated node, by "module:qualname", so that a config can name a node (a custom reward filter to
+# inject, say) without the training script importing it. Lookup only; nothing reads it while running.
+_REGISTRY: dict[str, Node] = {}
+
+
+def _register(node: Node) -> Node:
+    fn = node.fn
+    _REGISTRY[f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', node.name)}"] = node
+    return node
+
+
+def registered_nodes() -> dict[str, Node]:
+    """Every node decorated so far, by ``"module:qualname"``."""
+    return dict(_REGISTRY)
+
+
+def get_node(ref: str) -> Node:
+    """The node ``"package.module:function"``, importing the module if needed (for nodes named in configs)."""
+    import importlib
+    if ref in _REGISTRY:
+        return _REGISTRY[ref]
+    module, sep, qualname = ref.partition(":")
+    if not sep or not module or not qualname:
+        raise VerlConfigError(f"node reference {ref!r} must look like 'package.module:function'")
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise VerlConfigError(f"node reference {ref!r}: cannot import module '{module}' ({e})") from e
+    if ref not in _REGISTRY:
+        from verl.dataflow.config import nearest
+        known = [k.split(":", 1)[1] for k in _REGISTRY if k.startswith(module + ":")]
+        raise VerlConfigError(f"module '{module}' has no dataflow node '{qualname}'"
+                              f"{nearest(qualname, known, 'nodes there')}; decorate it with @DataflowNode or "
+                              f"@CustomNode")
+    return _REGISTRY[ref]
 
 
 def as_node(obj: Any, where: str) -> Node:

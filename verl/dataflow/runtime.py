@@ -8,7 +8,8 @@ point-to-point calls and collectives matched.
 
 Errors: a node failing on a rank becomes VerlRuntimeError(node, rank, cause chained). That rank stops running
 nodes but keeps walking the plan, sending error markers where data was expected; before each multi-rank node
-its ranks agree (a one-int all-reduce) that nobody has failed; at the end of the run all ranks exchange their
+its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's GPU streams are never
+synchronised for it) that nobody has failed; at the end of the run all ranks exchange their
 status, so every rank raises the same VerlRuntimeError instead of waiting for data that will never come.
 """
 
@@ -44,7 +45,7 @@ class _Transfer:
     src_ranks: tuple[int, ...]
     dst_ranks: tuple[int, ...]
     replicated: bool
-    group: Any = None
+    control: Any = None
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class _Step:
     ctx: NodeContext
     runs_here: bool
     group_size: int
+    control: Any = None
     transfers: list[_Transfer] = field(default_factory=list)
 
 
@@ -69,6 +71,7 @@ class _Plan:
     rank: int
     world_size: int
     distributed: bool
+    control: Any = None
 
 
 @dataclass(slots=True)
@@ -104,11 +107,14 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
             slots[(producer, key)] = len(slots) + len(views)
         return slots[(producer, key)]
 
+    # Groups are created collectively, so every rank creates the same ones in the same (plan) order.
+    world_control = comm.control_group(all_ranks) if distributed else None
     steps = []
     for name in df.order:
         entry = df._entries[name]
         ranks = entry.config.device_map or all_ranks
         group = comm.group_for(ranks) if distributed else None
+        control = comm.control_group(ranks) if distributed else None
         ctx = NodeContext(name=name, rank=rank, world_size=world, ranks=ranks, device=_device_for(entry, rank),
                           engine=entry.config.engine, config=entry.config, settings=entry.config.settings,
                           process_group=group)
@@ -124,7 +130,7 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
                     pcfg = df._entries[producer].config
                     transfers.append(_Transfer(s, views[vkey], key, producer, layout[s], ranks,
                                                key in pcfg.replicated_outputs,
-                                               comm.group_for(union) if distributed else None))
+                                               comm.control_group(union) if distributed else None))
                 s = views[vkey]
             arg_slots.append(s)
         outs = []
@@ -135,10 +141,13 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         node = entry.node
         steps.append(_Step(entry=entry, fn=node.fn, arg_names=node.input_keys if node.by_keyword else None,
                            arg_slots=tuple(arg_slots), out_slots=tuple(outs), ctx=ctx, runs_here=rank in ranks,
-                           group_size=len(ranks), transfers=transfers))
-    external = {k: s for (p, k), s in slots.items() if p is None}
+                           group_size=len(ranks), control=control, transfers=transfers))
+    # A rank needs only the inputs of the nodes it runs (in split placement the scorer's ranks never see
+    # the prompts).
+    needed = {s for st in steps if st.runs_here for s in st.arg_slots}
+    external = {k: s for (p, k), s in slots.items() if p is None and s in needed}
     exports = {k: slots[(p, k)] for k, p in df._exports.items()}
-    return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed)
+    return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed, world_control)
 
 
 def _plan_for(df: Dataflow) -> _Plan:
@@ -156,7 +165,8 @@ def _plan_for(df: Dataflow) -> _Plan:
     key = (rank, world, id(_dist.group.WORLD))
     plan = df._plans.get(key)
     if plan is None:
-        bad = [e.name for e in df._entries.values() if e.config.device_map is not None and e.config.device_map[-1] >= world]
+        bad = [e.name for e in df._entries.values()
+               if e.config.device_map is not None and e.config.device_map[-1] >= world]
         if bad:
             raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but runs on {world}; the "
                                   f"device_map of {bad} names ranks that do not exist here")
@@ -256,7 +266,7 @@ def _call(step: _Step, args: list) -> tuple[tuple, int]:
                 time.sleep(cfg.retry_backoff_s * (2 ** attempt))
                 attempt += 1
     finally:
-        if moved:
+        if cfg.cpu_offload:  # also modules the node registered during this call
             _offload(moved + [m for m in ctx._offload if not any(m is x for x in moved)])
 
 
@@ -278,33 +288,45 @@ class _Run:
             for k, s in self.plan.external.items():
                 vals[s] = inputs[k]
         except KeyError:
-            self.df.check_inputs(inputs.keys())
+            self.df.check_inputs(inputs.keys(), only=self.needed_nodes())
             raise
         return vals
 
+    def needed_nodes(self) -> set[str]:
+        return {st.entry.name for st in self.plan.steps if st.runs_here}
+
     def run_step(self, step: _Step, vals: list) -> None:
         args = [vals[s] for s in step.arg_slots]
-        event = None
-        if self.starts or self.ends:
-            e = step.entry
-            event = NodeEvent(node=e.name, rank=self.plan.rank, ranks=step.ctx.ranks, device=str(step.ctx.device),
-                              engine=e.config.engine, inputs=dict(zip(e.node.input_keys, args)),
-                              start_s=time.perf_counter())
+        if not (self.starts or self.ends):
+            try:
+                outs, _ = _call(step, args)
+            except Exception as exc:  # noqa: BLE001 - every node failure becomes a VerlRuntimeError
+                self.fail_here(step, exc, None)
+                return
+            for s, v in zip(step.out_slots, outs):
+                vals[s] = v
+            return
+        e = step.entry
+        event = NodeEvent(node=e.name, rank=self.plan.rank, ranks=step.ctx.ranks, device=str(step.ctx.device),
+                          engine=e.config.engine, inputs=dict(zip(e.node.input_keys, args)),
+                          start_s=time.perf_counter())
+        try:
             for h in self.starts:
                 h(event)
-        try:
             outs, retries = _call(step, args)
-        except Exception as exc:  # noqa: BLE001 - every node failure becomes a VerlRuntimeError
+        except Exception as exc:  # noqa: BLE001 - a failing hook fails its node like the node itself would
             self.fail_here(step, exc, event)
             return
         for s, v in zip(step.out_slots, outs):
             vals[s] = v
-        if event is not None:
-            event.outputs = dict(zip(step.entry.node.output_keys, outs))
-            event.duration_s = time.perf_counter() - event.start_s
-            event.retries = retries
+        event.outputs = dict(zip(e.node.output_keys, outs))
+        event.duration_s = time.perf_counter() - event.start_s
+        event.retries = retries
+        try:
             for h in self.ends:
                 h(event)
+        except Exception as exc:  # noqa: BLE001
+            self.failure = _Failure(e.name, self.plan.rank, f"on_node_end hook: {type(exc).__name__}: {exc}", exc)
 
     def fail_here(self, step: _Step, exc: BaseException, event: NodeEvent | None) -> None:
         what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _OutputError) else str(exc)
@@ -313,7 +335,10 @@ class _Run:
             event.error = exc
             event.duration_s = time.perf_counter() - event.start_s
             for h in self.ends:
-                h(event)
+                try:
+                    h(event)
+                except Exception:  # noqa: BLE001 - the node's own error is the one to report
+                    pass
 
     # -- distributed pieces --
     def transfer(self, t: _Transfer, vals: list) -> None:
@@ -336,7 +361,7 @@ class _Run:
             else:
                 info = ("shard", comm.shard_len(v))
         infos: list[Any] = [None] * len(union)
-        dist.all_gather_object(infos, info, group=t.group)
+        dist.all_gather_object(infos, info, group=t.control)
         by_rank = dict(zip(union, infos))
         errors = [i for i in infos if i is not None and i[0] == "error"]
         if errors:
@@ -374,11 +399,9 @@ class _Run:
     def agree(self, step: _Step) -> None:
         """The node's ranks learn whether any of them has failed (lowest failing rank wins)."""
         import torch.distributed as dist
-
-        from verl.dataflow import comm
         mine = self.failure.rank if self.failure is not None else _NO_FAILURE
-        flag = torch.tensor([mine], dtype=torch.int64, device=comm.comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.ctx.process_group)
+        flag = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.control)
         frank = int(flag.item())
         if frank != _NO_FAILURE and self.failure is None:
             self.failure = _Failure("?", frank, "(details follow at the end of the run)")
@@ -389,7 +412,7 @@ class _Run:
         f = self.failure
         mine = None if f is None else (f.node, f.rank, f.message, f.exc is not None)
         statuses: list[Any] = [None] * self.plan.world_size
-        dist.all_gather_object(statuses, mine)
+        dist.all_gather_object(statuses, mine, group=self.plan.control)
         origins = [s for s in statuses if s is not None and s[3]]
         if origins and (f is None or f.exc is None):
             node, frank, msg, _ = min(origins, key=lambda s: s[1])
@@ -401,7 +424,7 @@ class _Run:
         events = None
         if self.recorder is not None:
             gathered: list[Any] | None = [None] * self.plan.world_size if self.plan.rank == 0 else None
-            dist.gather_object(self.recorder.events, gathered, dst=0)
+            dist.gather_object(self.recorder.events, gathered, dst=0, group=self.plan.control)
             events = gathered
         return events
 
@@ -410,6 +433,8 @@ class _Run:
         if f is None:
             return
         here = f.rank == self.plan.rank and f.exc is not None
+        if here and isinstance(f.exc, VerlConfigError):
+            raise f.exc
         msg = f"failed: {f.message}" if here else \
             f"failed on rank {f.rank}: {f.message} (rank {self.plan.rank} stopped its run)"
         err = VerlRuntimeError(msg, node=f.node, rank=f.rank, cause=f.exc)
@@ -425,8 +450,8 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
     plan = _plan_for(df)
     recorder = TraceRecorder() if trace is not None else None
     run = _Run(df, plan, hooks, recorder, check_errors)
-    vals = run.fill_inputs(inputs)
     if not plan.distributed:
+        vals = run.fill_inputs(inputs)
         try:
             for step in plan.steps:
                 run.run_step(step, vals)
@@ -437,6 +462,12 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
                 write_trace(trace, [recorder.events], {"dataflow": list(df.order), "world_size": 1})
         run.raise_failure()
         return _result(plan, inputs, vals)
+    try:
+        vals = run.fill_inputs(inputs)
+    except VerlConfigError as exc:
+        # Raising here would leave the other ranks waiting for this one; walk the plan as a failed rank.
+        vals = [_MISSING] * plan.nslots
+        run.failure = _Failure("<inputs>", plan.rank, str(exc), exc)
     for step in plan.steps:
         for t in step.transfers:
             run.transfer(t, vals)

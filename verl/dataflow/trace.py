@@ -51,7 +51,8 @@ def summarize(value: Any, depth: int = 0) -> Any:
                 "fields": {str(k): summarize(v, depth + 1) for k, v in list(value.items())[:_MAX_FIELDS]}}
     shape = getattr(value, "shape", None)
     if shape is not None:
-        return {"type": type(value).__name__, "shape": [int(s) for s in shape], "dtype": str(getattr(value, "dtype", ""))}
+        return {"type": type(value).__name__, "shape": [int(s) for s in shape],
+                "dtype": str(getattr(value, "dtype", ""))}
     return {"type": type(value).__name__}
 
 

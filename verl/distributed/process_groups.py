@@ -7,6 +7,7 @@ module reads `megatron.core.parallel_state`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,8 @@ class ProcessGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = False, seed: int = 1234) -> ProcessGroups:
+def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                        seed: int = 1234) -> ProcessGroups:
     """Initialises megatron's parallel state (TP x PP, the rest DP) and its RNG; returns the groups.
 
     Call once per process after `torch.distributed.init_process_group`. Calling it again with the same sizes
@@ -79,8 +81,12 @@ def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = F
         if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
             raise VerlConfigError(
                 f"megatron parallel state already initialised with tp={ps.get_tensor_model_parallel_world_size()}, "
-                f"pp={ps.get_pipeline_model_parallel_world_size()}; call destroy_process_groups() before tp={tp}, pp={pp}")
+                f"pp={ps.get_pipeline_model_parallel_world_size()}; call destroy_process_groups() before "
+                f"tp={tp}, pp={pp}")
     else:
+        if torch.cuda.is_available():
+            # One GPU per process (torchrun's LOCAL_RANK); megatron allocates on the current device.
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     pp_group = ps.get_pipeline_model_parallel_group()

@@ -60,6 +60,11 @@ class _LazyReader:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
 
 def _read_shard(reader: _LazyReader, spec: ShardSpec, like: torch.Tensor) -> torch.Tensor:
     out = torch.empty(spec.local_shape, dtype=like.dtype)
@@ -84,6 +89,15 @@ def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: b
     reader = _LazyReader(_tensor_files(path))
     params = dict(model.gpt.named_parameters())
     loaded, missing = [], []
+    try:
+        _load_specs(model, reader, params, path, strict, loaded, missing)
+    finally:
+        reader.close()
+    return {"loaded": loaded, "missing": missing, "bytes_read": reader.bytes_read}
+
+
+def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Path, strict: bool,
+                loaded: list, missing: list) -> None:
     with torch.no_grad():
         for spec in model.shard_specs():
             param = params[spec.local_name]
@@ -104,7 +118,6 @@ def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: b
                                       f"{tuple(param.shape)}")
             param.copy_(shard)
             loaded.append(spec.name)
-    return {"loaded": loaded, "missing": missing, "bytes_read": reader.bytes_read}
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -131,7 +144,8 @@ def _split_to_hf(full: torch.Tensor, spec: ShardSpec, out: dict[str, torch.Tenso
         out[seg.hf_name].narrow(dim, seg.start, seg.length).copy_(piece)
 
 
-def gather_hf_state_dict(model: MegatronGPT, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+def gather_hf_state_dict(model: MegatronGPT,
+                         tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
     """HF-named full tensors on global rank 0 of the PP group's first stage (None elsewhere).
 
     `tensors` maps local parameter names to what to gather (default: the parameters themselves; pass the
@@ -156,8 +170,7 @@ def gather_hf_state_dict(model: MegatronGPT, tensors: dict[str, torch.Tensor] | 
     if not gathering:
         return None
     objs: list = [None] * pg.pp_size
-    pp_tp0 = [r for r in pg.pp_global_ranks]
-    dist.gather_object(stage_out, objs if pg.is_first_stage else None, dst=pp_tp0[0], group=pg.pp)
+    dist.gather_object(stage_out, objs if pg.is_first_stage else None, dst=pg.pp_global_ranks[0], group=pg.pp)
     if not pg.is_first_stage:
         return None
     merged: dict[str, torch.Tensor] = {}

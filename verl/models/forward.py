@@ -79,15 +79,29 @@ def make_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
 def _forward_step(model: MegatronGPT, loss_fn: LossFn):
     arch = model.arch
 
+    device = model.device
+
     def step(data_iterator, module):
-        mb = next(data_iterator)
+        mb = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(data_iterator).items()}
         s = mb["input_ids"].shape[1]
+        if model.spec == "te" and mb["mask_4d"] is not None:
+            _check_right_padded(mb["attention_mask"])
+            mb["mask_4d"] = None   # right padding under a causal mask leaves every real token's context intact
         if arch.sliding_window is not None and s > arch.sliding_window:
             raise VerlConfigError(f"sequence length {s} exceeds the model's sliding_window={arch.sliding_window}; "
                                   f"the megatron local attention is full attention, so use sequences <= the window")
         out = module(mb["input_ids"], mb["position_ids"], attention_mask=mb["mask_4d"])
         return out, partial(_loss_adapter, loss_fn, model, mb)
     return step
+
+
+def _check_right_padded(mask: torch.Tensor) -> None:
+    # TE's fused attention takes a causal or a padding mask type fixed at build time, not our [b,1,s,s] mask.
+    starts_real = mask[:, 0].bool()
+    contiguous = (mask.long().diff(dim=-1) <= 0).all()
+    if not bool(starts_real.all()) or not bool(contiguous):
+        raise VerlConfigError("the Transformer Engine layer spec supports right-padded batches only; left-pad-free "
+                              "your batch (pad on the right) or build with BuildOptions(spec='local')")
 
 
 def _loss_adapter(loss_fn: LossFn, model: MegatronGPT, mb: dict, output: torch.Tensor):
@@ -114,14 +128,16 @@ def forward_backward(model: MegatronGPT, micro_batches: Sequence[dict], loss_fn:
                   micro_batch_size=mbs, forward_only=forward_only)
 
 
-def _broadcast_from_last_stage(model: MegatronGPT, tensors: list[torch.Tensor] | None, shapes: list[tuple]) -> list[torch.Tensor]:
+def _broadcast_from_last_stage(model: MegatronGPT, tensors: list[torch.Tensor] | None,
+                               shapes: list[tuple]) -> list[torch.Tensor]:
     pg = model.pg
     if pg.pp_size == 1:
         return tensors
     src = pg.pp_global_ranks[-1]
     out = []
     for i, shape in enumerate(shapes):
-        t = tensors[i].contiguous() if pg.is_last_stage else torch.empty(shape, dtype=torch.float32)
+        t = (tensors[i].contiguous() if pg.is_last_stage
+             else torch.empty(shape, dtype=torch.float32, device=model.device))
         dist.broadcast(t, src=src, group=pg.pp)
         out.append(t)
     return out
@@ -143,10 +159,11 @@ def compute_log_probs(model: MegatronGPT, input_ids: torch.Tensor, attention_mas
         return logits.new_zeros(()), {"log_probs": lp.detach(), "entropy": ent.detach() if with_entropy else None}
     outs = forward_backward(model, batches, loss_fn, forward_only=True)
     b, s = input_ids.shape
-    mask = torch.cat([(mb["labels"] != IGNORE_INDEX) for mb in batches])
+    mask = torch.cat([(mb["labels"] != IGNORE_INDEX) for mb in batches]).to(model.device)
     if model.pg.is_last_stage:
         lp = torch.cat([o["log_probs"] for o in outs]).float()
-        ent = torch.cat([o["entropy"] for o in outs]).float() if with_entropy else torch.zeros(b, s)
+        ent = (torch.cat([o["entropy"] for o in outs]).float() if with_entropy
+               else torch.zeros(b, s, device=model.device))
         lp, ent = lp * mask, ent * mask
         tensors = [lp, ent]
     else:

@@ -50,6 +50,13 @@ class MegatronGPT:
     """The transformers config it was built from (written back on export)."""
     options: BuildOptions
     """Build options."""
+    spec: str = "local"
+    """The layer implementation actually used: 'local' or 'te'."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where this stage's parameters (and so its inputs and outputs) live."""
+        return next(self.gpt.parameters()).device
 
     @property
     def gpt(self) -> torch.nn.Module:
@@ -68,7 +75,7 @@ class MegatronGPT:
     def shard_specs(self) -> list[ShardSpec]:
         """Per local parameter: megatron name, HF names, global shape, TP partition dim, layout kind."""
         return [shard_spec(name, arch=self.arch, layout=self.layout, tp_rank=self.pg.tp_rank,
-                           layer_offset=self.layer_offset, is_first_stage=self.pg.is_first_stage)
+                           layer_offset=self.layer_offset)
                 for name, _ in self.gpt.named_parameters()]
 
 
@@ -138,7 +145,8 @@ def build_gpt(hf_config, pg: ProcessGroups, options: BuildOptions | None = None)
     arch = arch_from_hf(hf_config)
     layout = parallel_layout(arch, pg.tp_size, options.vocab_multiple)
     config = transformer_config(arch, layout, pg, options)
-    spec = (get_gpt_layer_with_transformer_engine_spec() if _use_te(options.spec)
+    use_te = _use_te(options.spec)
+    spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
             else get_gpt_layer_local_spec(normalization="RMSNorm"))
     tie = arch.tie_word_embeddings and not options.value_head
     model = GPTModel(
@@ -152,4 +160,5 @@ def build_gpt(hf_config, pg: ProcessGroups, options: BuildOptions | None = None)
         model.output_layer = ValueHead(arch.hidden_size, sequence_parallel=pg.sequence_parallel,
                                        dtype=config.params_dtype, std=options.init_method_std)
     built_options = dataclasses.replace(options)
-    return MegatronGPT(module=model, arch=arch, layout=layout, pg=pg, hf_config=hf_config, options=built_options)
+    return MegatronGPT(module=model, arch=arch, layout=layout, pg=pg, hf_config=hf_config, options=built_options,
+                       spec="te" if use_te else "local")

@@ -120,8 +120,8 @@ def _vocab_segments(hf_name: str, arch: ArchSpec, layout: ParallelLayout) -> tup
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def shard_spec(local_name: str, *, arch: ArchSpec, layout: ParallelLayout, tp_rank: int, layer_offset: int,
-               is_first_stage: bool) -> ShardSpec:
+def shard_spec(local_name: str, *, arch: ArchSpec, layout: ParallelLayout, tp_rank: int,
+               layer_offset: int) -> ShardSpec:
     """The ShardSpec of one local megatron parameter (local spec and TE spec names both understood)."""
     h, tp = arch.hidden_size, layout.tp_size
     q_rows = arch.num_kv_heads * (arch.q_per_group + 2) * arch.head_dim

@@ -132,10 +132,10 @@ def _mean_metrics(model: MegatronGPT, outs: list[dict]) -> dict:
         dist.broadcast_object_list(names, src=pg.pp_global_ranks[-1], group=pg.pp)
     keys = names[0]
     vals = torch.tensor([sum(float(o[k]) for o in outs) / len(outs) for k in keys] if pg.is_last_stage
-                        else [0.0] * len(keys), dtype=torch.float64)
+                        else [0.0] * len(keys), dtype=torch.float64, device=model.device)
     if pg.pp_size > 1 and keys:
         dist.broadcast(vals, src=pg.pp_global_ranks[-1], group=pg.pp)
-    return dict(zip(keys, vals.tolist()))
+    return dict(zip(keys, vals.cpu().tolist(), strict=False))
 
 
 def save_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> Path:

@@ -1,0 +1,24 @@
+"""Rank bodies for patch tests that need two pipeline stages."""
+
+from __future__ import annotations
+
+
+def tied_embeddings_two_stages(rank, world_size):
+    """Builds a tied-embedding model over 2 pipeline stages without, then with, the tied-embedding patch."""
+    import megatron_patches
+    from tests.models._tiny import tiny_hf_config
+    from verl.distributed import init_process_groups
+    from verl.models import build_gpt
+    pg = init_process_groups(tp=1, pp=2)     # applies every patch; then take the one under test out
+    megatron_patches.revert()
+    megatron_patches.apply(exclude=("tied_embedding_no_cuda_copy",))
+    cfg = tiny_hf_config("llama", layers=2, hidden=32, ffn=64, vocab=50, tie=True)
+    try:
+        build_gpt(cfg, pg)
+        without = "built"
+    except Exception as e:  # noqa: BLE001 - the failure is the point
+        without = f"{type(e).__name__}: {e}"
+    megatron_patches.apply()
+    model = build_gpt(cfg, pg)
+    w = model.gpt.shared_embedding_or_output_weight()
+    return {"without": without, "with_norm": float(w.detach().norm())}

@@ -1,0 +1,117 @@
+"""Shard descriptions (pure metadata, one process): the fused layouts megatron-core uses, vocab padding,
+and that the TP shards of every parameter tile its global tensor exactly once."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.models._tiny import tiny_hf_config
+from verl.errors import VerlConfigError
+from verl.models import arch_from_hf, parallel_layout
+from verl.models.layout import KINDS, hf_tensor_shapes, shard_spec
+
+LOCAL_NAMES = [
+    "embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+    "decoder.layers.0.self_attention.linear_qkv.bias", "decoder.layers.0.self_attention.linear_proj.weight",
+    "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+    "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+    "decoder.final_layernorm.weight", "output_layer.weight",
+]
+
+
+def _spec(name, tp, rank, **cfg):
+    arch = arch_from_hf(tiny_hf_config("qwen2", **cfg))
+    return shard_spec(name, arch=arch, layout=parallel_layout(arch, tp), tp_rank=rank, layer_offset=0)
+
+
+def _pieces(spec):
+    return [(s.hf_name, s.start, s.length) for s, _ in spec.local_segments()]
+
+
+def test_qkv_is_grouped_q_then_k_then_v_per_query_group():
+    # 4 query heads, 2 KV heads, head_dim 16: group g = [q heads 2g, 2g+1; k_g; v_g]; TP rank r = group r.
+    spec = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, 1)
+    assert spec.kind == "qkv-fused" and spec.partition_dim == 0 and spec.global_shape == (128, 64)
+    p = "model.layers.0.self_attn"
+    assert _pieces(spec) == [(f"{p}.q_proj.weight", 32, 32), (f"{p}.k_proj.weight", 16, 16),
+                             (f"{p}.v_proj.weight", 16, 16)]
+
+
+def test_qkv_when_tp_exceeds_kv_heads_splits_a_group_contiguously():
+    # 1 KV head, TP 2: the single group [q0 q1 q2 q3 k v] (6 x 16 rows) is cut in half, as megatron does.
+    p = "model.layers.0.self_attn"
+    r0 = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, 0, kv_heads=1)
+    r1 = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, 1, kv_heads=1)
+    assert _pieces(r0) == [(f"{p}.q_proj.weight", 0, 48)]
+    assert _pieces(r1) == [(f"{p}.q_proj.weight", 48, 16), (f"{p}.k_proj.weight", 0, 16),
+                           (f"{p}.v_proj.weight", 0, 16)]
+
+
+def test_gate_up_is_per_rank_gate_then_up():
+    spec = _spec("decoder.layers.0.mlp.linear_fc1.weight", 2, 1)
+    assert spec.kind == "gate-up-fused"
+    assert _pieces(spec) == [("model.layers.0.mlp.gate_proj.weight", 64, 64),
+                             ("model.layers.0.mlp.up_proj.weight", 64, 64)]
+
+
+def test_vocab_padding_lands_on_the_last_rank():
+    spec = _spec("embedding.word_embeddings.weight", 2, 1, vocab=101)
+    assert spec.global_shape == (102, 64) and spec.local_shape == (51, 64)
+    assert _pieces(spec) == [("model.embed_tokens.weight", 51, 50), (None, 0, 1)]
+
+
+def test_row_parallel_splits_columns_and_norms_are_replicated():
+    proj = _spec("decoder.layers.0.self_attention.linear_proj.weight", 2, 1)
+    assert proj.kind == "row" and proj.partition_dim == 1 and proj.local_shape == (64, 32)
+    assert _pieces(proj) == [("model.layers.0.self_attn.o_proj.weight", 32, 32)]
+    norm = _spec("decoder.layers.0.pre_mlp_layernorm.weight", 2, 1)
+    assert norm.kind == "replicated" and norm.partition_dim is None
+    assert norm.hf_names == ("model.layers.0.post_attention_layernorm.weight",)
+
+
+def test_tied_output_layer_reads_the_embedding_and_is_not_exported():
+    spec = _spec("output_layer.weight", 2, 0, tie=True)
+    assert spec.hf_names == ("model.embed_tokens.weight",) and not spec.exported
+
+
+def test_pipeline_offset_gives_global_layer_names():
+    arch = arch_from_hf(tiny_hf_config("llama", layers=4))
+    spec = shard_spec("decoder.layers.1.mlp.linear_fc2.weight", arch=arch, layout=parallel_layout(arch, 1),
+                      tp_rank=0, layer_offset=2)
+    assert spec.name == "decoder.layers.3.mlp.linear_fc2.weight"
+    assert spec.local_name == "decoder.layers.1.mlp.linear_fc2.weight"
+    assert spec.hf_names == ("model.layers.3.mlp.down_proj.weight",)
+
+
+@pytest.mark.parametrize("tp,kv", [(1, 2), (2, 2), (2, 1), (4, 1), (2, 4)])
+def test_shards_tile_every_hf_tensor_exactly_once(tp, kv):
+    arch = arch_from_hf(tiny_hf_config("qwen2", kv_heads=kv, heads=4, vocab=101))
+    layout = parallel_layout(arch, tp)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for name in LOCAL_NAMES:
+        for rank in range(tp):
+            spec = shard_spec(name, arch=arch, layout=layout, tp_rank=rank, layer_offset=0)
+            assert spec.kind in KINDS
+            if spec.partition_dim is None and rank > 0:
+                continue          # replicated: one copy is the whole tensor
+            for seg, _ in spec.local_segments():
+                if seg.hf_name is not None:
+                    covered.setdefault(seg.hf_name, []).append((seg.start, seg.start + seg.length))
+    shapes = hf_tensor_shapes(arch)
+    layer0 = {k: v for k, v in shapes.items() if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
+    assert set(covered) == set(layer0)
+    for name, spans in covered.items():
+        dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == layer0[name][dim]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), (name, spans)
+
+
+def test_bad_layouts_are_refused_with_the_fix():
+    arch = arch_from_hf(tiny_hf_config("llama", heads=4, kv_heads=2))
+    with pytest.raises(VerlConfigError, match="tp=3"):
+        parallel_layout(arch, 3)
+    with pytest.raises(VerlConfigError, match="gelu"):
+        arch_from_hf(tiny_hf_config("llama", hidden_act="gelu"))
+    with pytest.raises(VerlConfigError, match="yarn"):
+        arch_from_hf(tiny_hf_config("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
