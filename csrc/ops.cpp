@@ -27,6 +27,16 @@ TORCH_LIBRARY(verl, m) {
   m.def("masked_var_backward(Tensor grad, Tensor values, Tensor mask, bool unbiased) -> Tensor");
   m.def("masked_whiten_backward(Tensor grad, Tensor values, Tensor mask, bool shift_mean, float eps) -> Tensor");
 
+  // ---- reshard copies (verl/ops/reshard.py; the 3D-HybridEngine's bucket and layout kernels) -----
+  // reshard_pack: every tensor (one dtype and device, any strides) flattened into one 1-D bucket, in order.
+  // reshard_unpack: the inverse; `shapes` is every output shape concatenated, `ndims` their ranks.
+  // reshard_gather: builds a tensor of `out_shape` from blocks of `sources` along `dim`; plan is int64
+  // [n, 4] rows of (source index, source start, out start, length). It is the gather-and-permute of
+  // Megatron's fused QKV / gate-up shards into the engine's layout: one pass, every out row covered once.
+  m.def("reshard_pack(Tensor[] tensors) -> Tensor");
+  m.def("reshard_unpack(Tensor flat, int[] shapes, int[] ndims) -> Tensor[]");
+  m.def("reshard_gather(Tensor[] sources, Tensor plan, int dim, int[] out_shape) -> Tensor");
+
   // ---- RL losses and advantages (verl/ops/rl.py, csrc/cpu/rl.cpp, csrc/cuda/rl.cu) ------------------
   // Shapes: B sequences x T response tokens; every [B, T] tensor comes with `mask` (nonzero = valid).
   // `num_nonfinite` outputs count valid positions whose rewards (or values) are NaN/inf, so callers can

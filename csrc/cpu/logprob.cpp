@@ -200,7 +200,8 @@ struct CpuKernels {
                       rc = static_cast<acc_t>(pc[r]), rg = static_cast<acc_t>(pgh[r]);
           const int64_t local = lab[r] - vocab_start - col0;
           const bool owns = local >= 0 && local < cols;
-          const acc_t at_target = owns ? static_cast<acc_t>(xr[local]) : acc_t(0);  // read before x == out is overwritten
+          // Read before the row is overwritten (x and out may be the same buffer).
+          const acc_t at_target = owns ? static_cast<acc_t>(xr[local]) : acc_t(0);
           for (int64_t j = 0; j < cols; j += kBlock) {
             const int64_t len = std::min(kBlock, cols - j);
             if (std::is_same_v<scalar_t, acc_t>) {  // no staging copy: compute in the output row

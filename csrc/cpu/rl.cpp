@@ -5,12 +5,21 @@
 // Work is split over rows (sequences) with at::parallel_for: every op here is a per-row pass followed by
 // O(B) work, so one row stays in cache while its running sums, counts and clip statistics are formed,
 // and each [B, T] input is read once. Sums are accumulated in double per row.
+// FP operations here never rely on floating-point exception flags; telling GCC so (-fno-trapping-math for
+// this file only) is what lets it turn the per-token selects into SIMD blends. Measured: the vanilla PPO
+// token loop runs ~4x faster vectorised than as branchy scalar code.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math")
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -26,51 +35,11 @@ constexpr int64_t kGrain = 32768;
 
 int64_t row_grain(int64_t T) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(T, 1)); }
 
-// ------------------------------------------------------------------------------------------ argument checks
-
-void check_bt(const at::Tensor& t, const char* op, const char* name) {
-  check_floating(t, op, name);
-  TORCH_CHECK(t.dim() == 2, op, ": `", name, "` must be 2-D [B, T] (sequences x response tokens), got shape ",
-              t.sizes());
-  TORCH_CHECK(t.size(0) > 0 && t.size(1) > 0, op, ": `", name, "` is empty (shape ", t.sizes(),
-              "); an empty batch has nothing to compute: skip the step, or check that the rollout produced tokens");
-}
-
-// `t` must match `ref` in shape, device and dtype (no silent broadcasting or casting of loss inputs).
-void check_like(const at::Tensor& ref, const at::Tensor& t, const char* op, const char* ref_name, const char* name) {
-  check_same_device(ref, t, op, ref_name, name);
-  check_same_shape(ref, t, op, ref_name, name);
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": `", name, "` must have the dtype of `", ref_name, "` (",
-              ref.scalar_type(), "), got ", t.scalar_type(), "; cast it with .to(", ref_name, ".dtype)");
-}
-
-void check_mask_of(const at::Tensor& ref, const at::Tensor& mask, const char* op, const char* ref_name) {
-  check_same_device(ref, mask, op, ref_name, "mask");
-  check_same_shape(ref, mask, op, ref_name, "mask");
-  TORCH_CHECK(!at::isComplexType(mask.scalar_type()), op,
-              ": `mask` must be bool or a real dtype (nonzero = valid), got ", mask.scalar_type());
-}
-
-void check_row_weight(const at::Tensor& w, int64_t B, const char* op) {
-  TORCH_CHECK(w.scalar_type() == at::kDouble && w.dim() == 1 && w.size(0) == B, op,
-              ": `row_weight` must be the float64 [B] output of the forward op (B=", B, "), got ", w.scalar_type(),
-              " ", w.sizes());
-}
-
 // ------------------------------------------------------------------------------------------ aggregation
 
 struct RowAcc {
   double sum = 0.0, count = 0.0, s0 = 0.0, s1 = 0.0, s2 = 0.0;  // s*: per-op statistics
 };
-
-template <typename F>
-std::vector<RowAcc> per_row(int64_t B, int64_t T, const F& row_fn) {
-  std::vector<RowAcc> acc(B);
-  at::parallel_for(0, B, row_grain(T), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) acc[b] = row_fn(b);
-  });
-  return acc;
-}
 
 struct Reduced {
   at::Tensor loss, row_weight;
@@ -173,17 +142,11 @@ std::vector<int64_t> dense_groups(const at::Tensor& index, int64_t& num_groups) 
   return dense;
 }
 
-// Per-sequence advantage from scores. A singleton group has no baseline but its own score, so grpo, rloo
-// and reinforce_plus_plus_baseline give it 0 (no NaN from a 0/0 std); a group with identical scores gives 0.
+// Per-sequence advantages: group sums, counts and centered squares (O(B), serial), then rl::group_advantage.
 std::vector<double> outcome_scores_to_adv(const std::vector<double>& s, const std::vector<int64_t>& gid, int64_t G,
                                           Outcome est, double eps, bool norm_by_std) {
   const size_t B = s.size();
-  std::vector<double> adv(B, 0.0);
-  if (est == Outcome::Remax) {
-    for (size_t b = 0; b < B; ++b) adv[b] = s[b];  // the greedy baseline was already subtracted
-    return adv;
-  }
-  std::vector<double> sum(G, 0.0), cnt(G, 0.0), sq(G, 0.0);
+  std::vector<double> sum(G, 0.0), cnt(G, 0.0), sq(G, 0.0), adv(B, 0.0);
   for (size_t b = 0; b < B; ++b) {
     sum[gid[b]] += s[b];
     cnt[gid[b]] += 1.0;
@@ -194,19 +157,7 @@ std::vector<double> outcome_scores_to_adv(const std::vector<double>& s, const st
   }
   for (size_t b = 0; b < B; ++b) {
     const int64_t g = gid[b];
-    const double n = cnt[g];
-    if (n < 2.0) continue;
-    const double mean = sum[g] / n;
-    switch (est) {
-      case Outcome::Grpo:
-        adv[b] = norm_by_std ? (s[b] - mean) / (std::sqrt(sq[g] / (n - 1.0)) + eps) : s[b] - mean;
-        break;
-      case Outcome::Rloo:
-        adv[b] = s[b] - (sum[g] - s[b]) / (n - 1.0);
-        break;
-      default:
-        adv[b] = s[b] - mean;
-    }
+    adv[b] = group_advantage(est, s[b], sum[g], cnt[g], sq[g], eps, norm_by_std);
   }
   return adv;
 }
@@ -217,28 +168,8 @@ std::tuple<at::Tensor, at::Tensor> outcome_advantage_cpu(const at::Tensor& rewar
                                                          const std::optional<at::Tensor>& baseline) {
   const char* op = "outcome_advantage";
   const Outcome est = parse_outcome(estimator, op);
-  check_bt(rewards, op, "rewards");
-  check_mask_of(rewards, mask, op, "rewards");
+  const at::Tensor base = check_outcome_inputs(rewards, mask, index, est, estimator, eps, baseline, op);
   const int64_t B = rewards.size(0), T = rewards.size(1);
-  check_same_device(rewards, index, op, "rewards", "index");
-  TORCH_CHECK(!at::isFloatingType(index.scalar_type()) && !at::isComplexType(index.scalar_type()) &&
-                  index.scalar_type() != at::kBool,
-              op, ": `index` (the prompt id of each sequence) must be an integer tensor, got ", index.scalar_type());
-  TORCH_CHECK(index.dim() == 1 && index.size(0) == B, op, ": `index` must be 1-D with one prompt id per sequence (B=",
-              B, "), got shape ", index.sizes());
-  TORCH_CHECK(eps >= 0.0, op, ": `eps` must be >= 0, got ", eps);
-  TORCH_CHECK(est != Outcome::Remax || baseline.has_value(), op,
-              ": estimator 'remax' needs `baseline` [B] (the reward of each prompt's greedy response)");
-  TORCH_CHECK(est == Outcome::Remax || !baseline.has_value(), op,
-              ": `baseline` is only used by estimator 'remax'; pass None for '", std::string(estimator), "'");
-  at::Tensor base;
-  if (baseline) {
-    check_floating(*baseline, op, "baseline");
-    check_same_device(rewards, *baseline, op, "rewards", "baseline");
-    TORCH_CHECK(baseline->dim() == 1 && baseline->size(0) == B, op, ": `baseline` must have shape [B]=[", B,
-                "], got ", baseline->sizes());
-    base = baseline->to(at::kDouble).contiguous();
-  }
   const at::Tensor r = rewards.contiguous();
   const at::Tensor m = mask_as_bool(mask);
   std::vector<double> score(B, 0.0);
@@ -289,6 +220,15 @@ std::tuple<at::Tensor, at::Tensor> outcome_advantage_cpu(const at::Tensor& rewar
 
 // ------------------------------------------------------------------------------------------ KL penalty
 
+// out[i] = f(i) over [0, n), vectorised and split across threads.
+template <typename scalar_t, typename F>
+void elementwise(int64_t n, scalar_t* out, const F& f) {
+  at::parallel_for(0, n, kGrain, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) out[i] = static_cast<scalar_t>(f(i));
+  });
+}
+
 at::Tensor kl_penalty_cpu(const at::Tensor& logprob, const at::Tensor& ref_logprob, c10::string_view kind) {
   const char* op = "kl_penalty";
   const Kl k = parse_kl(kind, op);
@@ -301,10 +241,11 @@ at::Tensor kl_penalty_cpu(const at::Tensor& logprob, const at::Tensor& ref_logpr
     const scalar_t* ap = a.data_ptr<scalar_t>();
     const scalar_t* bp = b.data_ptr<scalar_t>();
     scalar_t* op_ = out.data_ptr<scalar_t>();
-    at::parallel_for(0, a.numel(), kGrain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        op_[i] = static_cast<scalar_t>(
-            kl_token<acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(bp[i]), k).value);
+    kl_switch(k, [&](auto kind) {
+      constexpr Kl kKind = decltype(kind)::value;
+      elementwise(a.numel(), op_, [=](int64_t i) {
+        return kl_token_t<kKind, acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(bp[i])).value;
+      });
     });
   });
   return out;
@@ -326,22 +267,82 @@ at::Tensor kl_penalty_backward_cpu(const at::Tensor& grad, const at::Tensor& log
     const scalar_t* bp = b.data_ptr<scalar_t>();
     const scalar_t* gp = g.data_ptr<scalar_t>();
     scalar_t* op_ = out.data_ptr<scalar_t>();
-    at::parallel_for(0, a.numel(), kGrain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        op_[i] = static_cast<scalar_t>(static_cast<acc_t>(gp[i]) *
-                                       kl_token<acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(bp[i]), k).grad);
+    kl_switch(k, [&](auto kind) {
+      constexpr Kl kKind = decltype(kind)::value;
+      elementwise(a.numel(), op_, [=](int64_t i) {
+        return static_cast<acc_t>(gp[i]) *
+               kl_token_t<kKind, acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(bp[i])).grad;
+      });
     });
   });
   return out;
 }
 
 // ------------------------------------------------------------------------------------------ losses
+//
+// Forward: per row, chunks of kChunk tokens: the token math is mapped into buffers, then summed over the mask
+// in the op's math type (selects, so NaN/garbage under the mask never enters a sum); chunk sums add in double.
+// Backward: one vectorised elementwise pass per row, scaled by grad * row_weight[b].
 
-// Shared backward of every loss: out[b, t] = grad * row_weight[b] * mask[b, t] * dloss_dx(b, t).
+constexpr int64_t kChunk = 256;
+
+template <typename acc_t>
+struct Tok4 {
+  acc_t loss, s0, s1, s2;
+};
+
+template <typename acc_t, typename F>
+RowAcc row_reduce(const bool* mp, int64_t o, int64_t T, const F& tok) {
+  // Two loops per chunk: a pure map of the token math into small buffers (vectorises), then masked sums.
+  RowAcc a;
+  acc_t l[kChunk], x0[kChunk], x1[kChunk], x2[kChunk];
+  for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+    const int64_t n = std::min<int64_t>(T - t0, kChunk);
+    const int64_t base = o + t0;
+    for (int64_t j = 0; j < n; ++j) {
+      const Tok4<acc_t> k = tok(base + j);
+      l[j] = k.loss;
+      x0[j] = k.s0;
+      x1[j] = k.s1;
+      x2[j] = k.s2;
+    }
+    acc_t sum = 0, cnt = 0, s0 = 0, s1 = 0, s2 = 0;
+#pragma omp simd reduction(+ : sum, cnt, s0, s1, s2)
+    for (int64_t j = 0; j < n; ++j) {
+      const bool keep = mp[base + j];
+      sum += keep ? l[j] : acc_t(0);
+      cnt += keep ? acc_t(1) : acc_t(0);
+      s0 += keep ? x0[j] : acc_t(0);
+      s1 += keep ? x1[j] : acc_t(0);
+      s2 += keep ? x2[j] : acc_t(0);
+    }
+    a.sum += static_cast<double>(sum);
+    a.count += static_cast<double>(cnt);
+    a.s0 += static_cast<double>(s0);
+    a.s1 += static_cast<double>(s1);
+    a.s2 += static_cast<double>(s2);
+  }
+  return a;
+}
+
+// Runs row_reduce over every row in parallel and finishes the aggregation.
+template <typename acc_t, typename F>
+Reduced reduce_rows(const bool* mp, int64_t B, int64_t T, const AggParams& p, const at::Tensor& like,
+                    const F& tok_of_row) {
+  std::vector<RowAcc> acc(B);
+  at::parallel_for(0, B, row_grain(T), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) acc[b] = row_reduce<acc_t>(mp, b * T, T, tok_of_row(b));
+  });
+  return finish(acc, p, like);
+}
+
+// out[b, t] = mask ? grad * row_weight[b] * dloss(i) : 0, dloss from grad_of_row(b) (a per-row functor).
 template <typename scalar_t, typename F>
-void loss_backward_rows(const at::Tensor& grad, const at::Tensor& row_weight, const bool* mp, int64_t B, int64_t T,
-                        scalar_t* out, const F& dloss) {
+void backward_rows(const at::Tensor& grad, const at::Tensor& row_weight, const bool* mp, int64_t B, int64_t T,
+                   scalar_t* out, const F& grad_of_row) {
   using acc_t = at::opmath_type<scalar_t>;
+  TORCH_CHECK(grad.numel() == 1, "RL loss backward: `grad` must be the gradient of the scalar loss, got shape ",
+              grad.sizes());
   const double g = grad.to(at::kDouble).item<double>();
   const double* w = row_weight.data_ptr<double>();
   at::parallel_for(0, B, row_grain(T), [&](int64_t b0, int64_t b1) {
@@ -349,10 +350,16 @@ void loss_backward_rows(const at::Tensor& grad, const at::Tensor& row_weight, co
       const acc_t s = static_cast<acc_t>(g * w[b]);
       const int64_t o = b * T;
       if (s == acc_t(0)) {
-        for (int64_t t = 0; t < T; ++t) out[o + t] = scalar_t(0);
+        std::fill(out + o, out + o + T, scalar_t(0));
         continue;
       }
-      dloss(b, o, s);
+      const auto dloss = grad_of_row(b);
+      acc_t buf[kChunk];
+      for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+        const int64_t n = std::min<int64_t>(T - t0, kChunk), base = o + t0;
+        for (int64_t j = 0; j < n; ++j) buf[j] = s * dloss(base + j);
+        for (int64_t j = 0; j < n; ++j) out[base + j] = mp[base + j] ? static_cast<scalar_t>(buf[j]) : scalar_t(0);
+      }
     }
   });
 }
@@ -367,21 +374,14 @@ std::tuple<at::Tensor, at::Tensor> agg_loss_cpu(const at::Tensor& loss, const at
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, T, op);
   const at::Tensor x = loss.contiguous();
   const at::Tensor m = mask_as_bool(mask);
-  std::vector<RowAcc> acc;
+  Reduced red;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, loss.scalar_type(), "verl_agg_loss", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    const bool* mp = m.data_ptr<bool>();
-    acc = per_row(B, T, [&](int64_t b) {
-      RowAcc a;
-      for (int64_t t = 0; t < T; ++t) {
-        const bool keep = mp[b * T + t];
-        a.sum += keep ? static_cast<double>(xp[b * T + t]) : 0.0;
-        a.count += keep ? 1.0 : 0.0;
-      }
-      return a;
+    red = reduce_rows<acc_t>(m.data_ptr<bool>(), B, T, p, loss, [&](int64_t) {
+      return [xp](int64_t i) { return Tok4<acc_t>{static_cast<acc_t>(xp[i]), 0, 0, 0}; };
     });
   });
-  Reduced red = finish(acc, p, loss);
   return {red.loss, red.row_weight};
 }
 
@@ -389,18 +389,14 @@ at::Tensor agg_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& mask,
   const char* op = "agg_loss_backward";
   check_floating(grad, op, "grad");
   TORCH_CHECK(mask.dim() == 2, op, ": `mask` must be 2-D [B, T], got ", mask.sizes());
-  TORCH_CHECK(grad.numel() == 1, op, ": `grad` must be the gradient of the scalar loss, got shape ", grad.sizes());
   const int64_t B = mask.size(0), T = mask.size(1);
   check_row_weight(row_weight, B, op);
   const at::Tensor m = mask_as_bool(mask);
   at::Tensor out = at::empty({B, T}, grad.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "verl_agg_loss_backward", [&] {
-    const bool* mp = m.data_ptr<bool>();
-    scalar_t* outp = out.data_ptr<scalar_t>();
-    loss_backward_rows<scalar_t>(grad, row_weight, mp, B, T, outp, [&](int64_t, int64_t o, auto s) {
-      const scalar_t sv = static_cast<scalar_t>(s);
-      for (int64_t t = 0; t < T; ++t) outp[o + t] = mp[o + t] ? sv : scalar_t(0);
-    });
+    using acc_t = at::opmath_type<scalar_t>;
+    backward_rows<scalar_t>(grad, row_weight, m.data_ptr<bool>(), B, T, out.data_ptr<scalar_t>(),
+                            [](int64_t) { return [](int64_t) { return acc_t(1); }; });
   });
   return out;
 }
@@ -418,24 +414,21 @@ std::tuple<at::Tensor, at::Tensor> kl_loss_cpu(const at::Tensor& logprob, const 
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, T, op);
   const at::Tensor a = logprob.contiguous(), r = ref_logprob.contiguous();
   const at::Tensor m = mask_as_bool(mask);
-  std::vector<RowAcc> acc;
+  Reduced red;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logprob.scalar_type(), "verl_kl_loss", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* ap = a.data_ptr<scalar_t>();
     const scalar_t* rp = r.data_ptr<scalar_t>();
-    const bool* mp = m.data_ptr<bool>();
-    acc = per_row(B, T, [&](int64_t b) {
-      RowAcc s;
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = b * T + t;
-        if (!mp[i]) continue;
-        s.sum += static_cast<double>(kl_token<acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(rp[i]), k).value);
-        s.count += 1.0;
-      }
-      return s;
+    kl_switch(k, [&](auto kind) {
+      constexpr Kl kKind = decltype(kind)::value;
+      red = reduce_rows<acc_t>(m.data_ptr<bool>(), B, T, p, logprob, [&](int64_t) {
+        return [ap, rp](int64_t i) {
+          return Tok4<acc_t>{kl_token_t<kKind, acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(rp[i])).value, 0,
+                             0, 0};
+        };
+      });
     });
   });
-  Reduced red = finish(acc, p, logprob);
   return {red.loss, red.row_weight};
 }
 
@@ -455,40 +448,16 @@ at::Tensor kl_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& logpro
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* ap = a.data_ptr<scalar_t>();
     const scalar_t* rp = r.data_ptr<scalar_t>();
-    const bool* mp = m.data_ptr<bool>();
-    scalar_t* outp = out.data_ptr<scalar_t>();
-    loss_backward_rows<scalar_t>(grad, row_weight, mp, B, T, outp, [&](int64_t, int64_t o, acc_t s) {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = o + t;
-        outp[i] = mp[i] ? static_cast<scalar_t>(
-                              s * kl_token<acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(rp[i]), k).grad)
-                        : scalar_t(0);
-      }
+    kl_switch(k, [&](auto kind) {
+      constexpr Kl kKind = decltype(kind)::value;
+      backward_rows<scalar_t>(grad, row_weight, m.data_ptr<bool>(), B, T, out.data_ptr<scalar_t>(), [&](int64_t) {
+        return [ap, rp](int64_t i) {
+          return kl_token_t<kKind, acc_t>(static_cast<acc_t>(ap[i]), static_cast<acc_t>(rp[i])).grad;
+        };
+      });
     });
   });
   return out;
-}
-
-PgParams make_pg(c10::string_view loss_type, double clip_low, double clip_high, double clip_c, const char* op) {
-  PgParams p;
-  p.type = parse_pg(loss_type, op);
-  TORCH_CHECK(clip_low >= 0.0 && clip_low < 1.0, op, ": `clip_low` must be in [0, 1) (ratio lower bound 1 - clip_low), got ",
-              clip_low);
-  TORCH_CHECK(clip_high >= 0.0, op, ": `clip_high` must be >= 0, got ", clip_high);
-  TORCH_CHECK(clip_c > 1.0, op, ": `clip_c` (dual-clip constant) must be > 1, got ", clip_c,
-              "; pass inf to turn dual clip off");
-  p.clip_low = clip_low;
-  p.clip_high = clip_high;
-  p.clip_c = clip_c;
-  return p;
-}
-
-void check_pg_inputs(const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& advantages,
-                     const at::Tensor& mask, const char* op) {
-  check_bt(logprob, op, "logprob");
-  check_like(logprob, old_logprob, op, "logprob", "old_logprob");
-  check_like(logprob, advantages, op, "logprob", "advantages");
-  check_mask_of(logprob, mask, op, "logprob");
 }
 
 // GSPO's sequence log-ratio: the mean of (logp - old_logp) over the row's valid tokens.
@@ -503,6 +472,19 @@ double seq_log_ratio(const scalar_t* lp, const scalar_t* olp, const bool* mp, in
   return c > 0.0 ? s / c : 0.0;
 }
 
+// Calls f(std::integral_constant<Pg, type>) so that the token loop is compiled once per loss type.
+template <typename F>
+void pg_switch(Pg type, const F& f) {
+  switch (type) {
+    case Pg::Gspo:
+      return f(std::integral_constant<Pg, Pg::Gspo>{});
+    case Pg::Reinforce:
+      return f(std::integral_constant<Pg, Pg::Reinforce>{});
+    default:
+      return f(std::integral_constant<Pg, Pg::Vanilla>{});
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cpu(
     const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& advantages, const at::Tensor& mask,
     c10::string_view loss_type, double clip_low, double clip_high, double clip_c, c10::string_view mode,
@@ -515,32 +497,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_lo
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, T, op);
   const at::Tensor lp = logprob.contiguous(), olp = old_logprob.contiguous(), ad = advantages.contiguous();
   const at::Tensor m = mask_as_bool(mask);
-  std::vector<RowAcc> acc;
+  Reduced red;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logprob.scalar_type(), "verl_policy_loss", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* lpp = lp.data_ptr<scalar_t>();
     const scalar_t* opp = olp.data_ptr<scalar_t>();
     const scalar_t* app = ad.data_ptr<scalar_t>();
     const bool* mp = m.data_ptr<bool>();
-    acc = per_row(B, T, [&](int64_t b) {
-      RowAcc s;
-      const int64_t o = b * T;
-      const acc_t seq_lr = pg.type == Pg::Gspo ? static_cast<acc_t>(seq_log_ratio(lpp, opp, mp, o, T)) : acc_t(0);
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = o + t;
-        if (!mp[i]) continue;
-        const acc_t d = static_cast<acc_t>(lpp[i]) - static_cast<acc_t>(opp[i]);
-        const PgToken<acc_t> k = pg_token<acc_t>(pg.type == Pg::Gspo ? seq_lr : d, static_cast<acc_t>(app[i]), pg);
-        s.sum += static_cast<double>(k.loss);
-        s.count += 1.0;
-        s.s0 += k.clipped ? 1.0 : 0.0;
-        s.s1 += k.lower ? 1.0 : 0.0;
-        s.s2 -= static_cast<double>(clampv(d, acc_t(-20), acc_t(20)));  // ppo_kl = mean(old - logp), clamped
-      }
-      return s;
+    pg_switch(pg.type, [&](auto kind) {
+      constexpr Pg kType = decltype(kind)::value;
+      red = reduce_rows<acc_t>(mp, B, T, p, logprob, [&](int64_t b) {
+        const acc_t seq_lr = kType == Pg::Gspo ? static_cast<acc_t>(seq_log_ratio(lpp, opp, mp, b * T, T)) : acc_t(0);
+        return [=](int64_t i) {
+          const acc_t d = static_cast<acc_t>(lpp[i]) - static_cast<acc_t>(opp[i]);
+          const PgToken<acc_t> k =
+              pg_token_t<kType, acc_t>(kType == Pg::Gspo ? seq_lr : d, static_cast<acc_t>(app[i]), pg);
+          // ppo_kl = mean(old - logp), with the same +-20 clamp as the ratio.
+          return Tok4<acc_t>{k.loss, k.clipped, k.lower, -clampv(d, acc_t(-20), acc_t(20))};
+        };
+      });
     });
   });
-  Reduced red = finish(acc, p, logprob);
   return {red.loss, stat_tensor(red.s0, red.tokens, logprob), stat_tensor(red.s1, red.tokens, logprob),
           stat_tensor(red.s2, red.tokens, logprob), red.row_weight};
 }
@@ -562,31 +539,18 @@ at::Tensor policy_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& lo
     const scalar_t* opp = olp.data_ptr<scalar_t>();
     const scalar_t* app = ad.data_ptr<scalar_t>();
     const bool* mp = m.data_ptr<bool>();
-    scalar_t* outp = out.data_ptr<scalar_t>();
-    loss_backward_rows<scalar_t>(grad, row_weight, mp, B, T, outp, [&](int64_t, int64_t o, acc_t s) {
-      const acc_t seq_lr = pg.type == Pg::Gspo ? static_cast<acc_t>(seq_log_ratio(lpp, opp, mp, o, T)) : acc_t(0);
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = o + t;
-        if (!mp[i]) {
-          outp[i] = scalar_t(0);
-          continue;
-        }
-        const acc_t d = static_cast<acc_t>(lpp[i]) - static_cast<acc_t>(opp[i]);
-        outp[i] = static_cast<scalar_t>(
-            s * pg_token<acc_t>(pg.type == Pg::Gspo ? seq_lr : d, static_cast<acc_t>(app[i]), pg).grad);
-      }
+    pg_switch(pg.type, [&](auto kind) {
+      constexpr Pg kType = decltype(kind)::value;
+      backward_rows<scalar_t>(grad, row_weight, mp, B, T, out.data_ptr<scalar_t>(), [&](int64_t b) {
+        const acc_t seq_lr = kType == Pg::Gspo ? static_cast<acc_t>(seq_log_ratio(lpp, opp, mp, b * T, T)) : acc_t(0);
+        return [=](int64_t i) {
+          const acc_t d = static_cast<acc_t>(lpp[i]) - static_cast<acc_t>(opp[i]);
+          return pg_token_t<kType, acc_t>(kType == Pg::Gspo ? seq_lr : d, static_cast<acc_t>(app[i]), pg).grad;
+        };
+      });
     });
   });
   return out;
-}
-
-void check_vf_inputs(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
-                     const at::Tensor& mask, double clip, const char* op) {
-  check_bt(values, op, "values");
-  check_like(values, old_values, op, "values", "old_values");
-  check_like(values, returns, op, "values", "returns");
-  check_mask_of(values, mask, op, "values");
-  TORCH_CHECK(clip >= 0.0, op, ": `clip` (value clip range) must be >= 0, got ", clip, "; pass inf for no clipping");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
@@ -599,29 +563,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cpu(
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, T, op);
   const at::Tensor v = values.contiguous(), ov = old_values.contiguous(), rt = returns.contiguous();
   const at::Tensor m = mask_as_bool(mask);
-  std::vector<RowAcc> acc;
+  Reduced red;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "verl_value_loss", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* vp = v.data_ptr<scalar_t>();
     const scalar_t* ovp = ov.data_ptr<scalar_t>();
     const scalar_t* rp = rt.data_ptr<scalar_t>();
-    const bool* mp = m.data_ptr<bool>();
     const acc_t c = static_cast<acc_t>(clip);
-    acc = per_row(B, T, [&](int64_t b) {
-      RowAcc s;
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = b * T + t;
-        if (!mp[i]) continue;
+    red = reduce_rows<acc_t>(m.data_ptr<bool>(), B, T, p, values, [&](int64_t) {
+      return [=](int64_t i) {
         const VfToken<acc_t> k =
             vf_token<acc_t>(static_cast<acc_t>(vp[i]), static_cast<acc_t>(ovp[i]), static_cast<acc_t>(rp[i]), c);
-        s.sum += static_cast<double>(k.loss);
-        s.count += 1.0;
-        s.s0 += k.clipped ? 1.0 : 0.0;
-      }
-      return s;
+        return Tok4<acc_t>{k.loss, k.clipped, 0, 0};
+      };
     });
   });
-  Reduced red = finish(acc, p, values);
   return {red.loss, stat_tensor(red.s0, red.tokens, values), red.row_weight};
 }
 
@@ -640,18 +596,12 @@ at::Tensor value_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& val
     const scalar_t* vp = v.data_ptr<scalar_t>();
     const scalar_t* ovp = ov.data_ptr<scalar_t>();
     const scalar_t* rp = rt.data_ptr<scalar_t>();
-    const bool* mp = m.data_ptr<bool>();
-    scalar_t* outp = out.data_ptr<scalar_t>();
     const acc_t c = static_cast<acc_t>(clip);
-    loss_backward_rows<scalar_t>(grad, row_weight, mp, B, T, outp, [&](int64_t, int64_t o, acc_t s) {
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = o + t;
-        outp[i] = mp[i] ? static_cast<scalar_t>(s * vf_token<acc_t>(static_cast<acc_t>(vp[i]),
-                                                                     static_cast<acc_t>(ovp[i]),
-                                                                     static_cast<acc_t>(rp[i]), c)
-                                                         .grad)
-                        : scalar_t(0);
-      }
+    backward_rows<scalar_t>(grad, row_weight, m.data_ptr<bool>(), B, T, out.data_ptr<scalar_t>(), [&](int64_t) {
+      return [=](int64_t i) {
+        return vf_token<acc_t>(static_cast<acc_t>(vp[i]), static_cast<acc_t>(ovp[i]), static_cast<acc_t>(rp[i]), c)
+            .grad;
+      };
     });
   });
   return out;

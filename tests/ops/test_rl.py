@@ -138,23 +138,26 @@ AGGS = [O.Aggregation(mode=m) for m in O.AGG_MODES] + [
 @pytest.mark.parametrize("loss_type", O.POLICY_LOSSES)
 def test_policy_loss_matches_reference(device, dtype, loss_type):
     for i, (t, m) in enumerate(sample_inputs(device, dtype)):
-        agg = AGGS[i % len(AGGS)]
-        # Log-ratios ~ N(0, 0.3) clip often; a shifted subset (ratio ~ e^1.5) exercises the dual clip.
-        lp, adv = t["a"], t["c"]
-        old = t["b"] - 1.5 * (t["d"] > 1.0).to(dtype)
+        _check_policy_case(t, m, AGGS[i % len(AGGS)], loss_type, dtype)
 
-        def fused(x):
-            return O.policy_loss(x, old, adv, m, loss_type, clip_low=0.2, clip_high=0.28, clip_c=3.0, agg=agg)
 
-        def ref(x):
-            return O.policy_loss_ref(x, old.double(), adv.double(), m, loss_type, 0.2, 0.28, 3.0, agg)
+def _check_policy_case(t, m, agg, loss_type, dtype):
+    # Log-ratios ~ N(0, 0.3) clip often; a shifted subset (ratio ~ e^1.5) exercises the dual clip.
+    lp, adv = t["a"], t["c"]
+    old = t["b"] - 1.5 * (t["d"] > 1.0).to(dtype)
 
-        fo, ro, ga, gb = _grad_pair(fused, ref, lp, dtype)
-        assert fo.loss.dtype == dtype and fo.pg_clipfrac.dtype == torch.float32
-        _close(fo.loss, ro.loss, dtype)
-        for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-            _close(getattr(fo, k), getattr(ro, k), torch.float32 if dtype == torch.float64 else dtype)
-        _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
+    def fused(x):
+        return O.policy_loss(x, old, adv, m, loss_type, clip_low=0.2, clip_high=0.28, clip_c=3.0, agg=agg)
+
+    def ref(x):
+        return O.policy_loss_ref(x, old.double(), adv.double(), m, loss_type, 0.2, 0.28, 3.0, agg)
+
+    fo, ro, ga, gb = _grad_pair(fused, ref, lp, dtype)
+    assert fo.loss.dtype == dtype and fo.pg_clipfrac.dtype == torch.float32
+    _close(fo.loss, ro.loss, dtype)
+    for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        _close(getattr(fo, k), getattr(ro, k), torch.float32 if dtype == torch.float64 else dtype)
+    _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
 
 
 @needs_ext
@@ -162,22 +165,24 @@ def test_policy_loss_matches_reference(device, dtype, loss_type):
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_value_kl_and_agg_losses_match_reference(device, dtype):
     for i, (t, m) in enumerate(sample_inputs(device, dtype)):
-        agg = AGGS[i % len(AGGS)]
-        fo, ro, ga, gb = _grad_pair(lambda x: O.value_loss(x, t["b"], t["c"], m, 0.2, agg=agg),
-                                    lambda x: O.value_loss_ref(x, t["b"].double(), t["c"].double(), m, 0.2, agg),
-                                    t["a"], dtype)
-        _close(fo.loss, ro.loss, dtype)
-        _close(fo.vf_clipfrac, ro.vf_clipfrac, torch.float32 if dtype == torch.float64 else dtype)
-        _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
-        kind = list(O.KL_KINDS)[i % len(O.KL_KINDS)]
-        fo, ro, ga, gb = _grad_pair(lambda x: (O.kl_loss(x, t["b"], m, kind, agg),),
-                                    lambda x: (O.kl_loss_ref(x, t["b"].double(), m, kind, agg),), t["a"], dtype)
-        _close(fo[0], ro[0], dtype)
-        _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
-        fo, ro, ga, gb = _grad_pair(lambda x: (O.agg_loss(x, m, agg),), lambda x: (O.agg_loss_ref(x, m, agg),),
-                                    t["d"], dtype)
-        _close(fo[0], ro[0], dtype)
-        _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
+        _check_value_kl_agg_case(t, m, AGGS[i % len(AGGS)], list(O.KL_KINDS)[i % len(O.KL_KINDS)], dtype)
+
+
+def _check_value_kl_agg_case(t, m, agg, kind, dtype):
+    fo, ro, ga, gb = _grad_pair(lambda x: O.value_loss(x, t["b"], t["c"], m, 0.2, agg=agg),
+                                lambda x: O.value_loss_ref(x, t["b"].double(), t["c"].double(), m, 0.2, agg),
+                                t["a"], dtype)
+    _close(fo.loss, ro.loss, dtype)
+    _close(fo.vf_clipfrac, ro.vf_clipfrac, torch.float32 if dtype == torch.float64 else dtype)
+    _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
+    fo, ro, ga, gb = _grad_pair(lambda x: (O.kl_loss(x, t["b"], m, kind, agg),),
+                                lambda x: (O.kl_loss_ref(x, t["b"].double(), m, kind, agg),), t["a"], dtype)
+    _close(fo[0], ro[0], dtype)
+    _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
+    fo, ro, ga, gb = _grad_pair(lambda x: (O.agg_loss(x, m, agg),), lambda x: (O.agg_loss_ref(x, m, agg),),
+                                t["d"], dtype)
+    _close(fo[0], ro[0], dtype)
+    _close(ga, gb, dtype, scale=max(1e-3, float(gb.abs().max())))
 
 
 # ---------------------------------------------------------------------------------------------- gradients
@@ -194,7 +199,7 @@ def test_gradcheck(device):
     m = (torch.rand(B, T, generator=g) > 0.25).to(device)
     x = rnd(0.3).requires_grad_()
     old, adv, ret = x.detach() + rnd(0.2), rnd(), rnd()
-    fns = [lambda v: torch.ops.verl.agg_loss(v, m, mode, None, None, 1, None)[0] for mode in O.AGG_MODES]
+    fns = [lambda v, mode=mode: torch.ops.verl.agg_loss(v, m, mode, None, None, 1, None)[0] for mode in O.AGG_MODES]
     fns += [lambda v, lt=lt: torch.ops.verl.policy_loss(v, old, adv, m, lt, 0.2, 0.3, 2.0, "seq-mean-token-mean",
                                                          None, None, 1, None)[0] for lt in ("vanilla", "reinforce")]
     fns += [lambda v: torch.ops.verl.value_loss(v, old, ret, m, 0.1, "token-mean", 50.0, None, 2, None)[0]]

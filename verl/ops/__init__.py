@@ -28,6 +28,14 @@ from verl.ops.masked import (
     masked_whiten,
     masked_whiten_ref,
 )
+from verl.ops.reshard import (  # hybrid engine: bucket pack/unpack, Megatron → engine layout gather
+    reshard_gather,
+    reshard_gather_ref,
+    reshard_pack,
+    reshard_pack_ref,
+    reshard_unpack,
+    reshard_unpack_ref,
+)
 from verl.ops.rl import (  # RL advantages and KL penalties (kernels-rl)
     KL_KINDS,
     OUTCOME_ESTIMATORS,
@@ -61,6 +69,8 @@ __all__ = [
     "BACKENDS", "backend", "get_backend", "set_backend", "use_fused",
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref",
+    "reshard_pack", "reshard_unpack", "reshard_gather",
+    "reshard_pack_ref", "reshard_unpack_ref", "reshard_gather_ref",
     # RL (kernels-rl)
     "KL_KINDS", "OUTCOME_ESTIMATORS", "AdvantageResult", "as_group_index", "compute_gae", "compute_gae_ref",
     "kl_penalty", "kl_penalty_ref", "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus",

@@ -358,7 +358,8 @@ def _fake_linear(hidden, weight, labels):
     torch._check(hidden.dtype == weight.dtype,
                  lambda: f"`weight` has dtype {weight.dtype} but `hidden` has {hidden.dtype}")
     torch._check(hidden.dim() == 2 and hidden.shape[1] == weight.shape[1],
-                 lambda: f"`hidden` [N, H] and `weight` [V, H] disagree on H: {tuple(hidden.shape)}, {tuple(weight.shape)}")
+                 lambda: f"`hidden` [N, H] and `weight` [V, H] disagree on H: {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}")
     return _fake_rows(hidden, labels, "hidden")
 
 

@@ -230,7 +230,7 @@ def _register() -> None:
     def _fake_like(ref, *others):
         torch._check(ref.dim() == 2, lambda: f"expected a 2-D [B, T] tensor, got {tuple(ref.shape)}")
         for o in others:
-            torch._check(o.shape == ref.shape, lambda: f"shape {tuple(o.shape)} != {tuple(ref.shape)}")
+            torch._check(o.shape == ref.shape, lambda o=o: f"shape {tuple(o.shape)} != {tuple(ref.shape)}")
 
     def _scalar(like, dtype=None):
         return like.new_empty((), dtype=dtype or like.dtype)

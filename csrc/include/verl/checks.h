@@ -51,3 +51,20 @@ inline int64_t normalize_dim(std::optional<int64_t> dim, int64_t ndim, const cha
 }
 
 }  // namespace verl
+
+// ---- reshard copies (csrc/cpu/reshard.cpp, csrc/cuda/reshard.cu) -----------------------------------
+namespace verl {
+
+// Every tensor of a bucket shares one dtype and one device: a bucket is a single flat buffer.
+inline void check_same_dtype_device(at::TensorList tensors, const char* op, const char* name) {
+  TORCH_CHECK(!tensors.empty(), op, ": `", name, "` is empty; pass at least one tensor");
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].scalar_type() == tensors[0].scalar_type(), op, ": `", name, "[", i, "]` has dtype ",
+                tensors[i].scalar_type(), " but `", name, "[0]` has ", tensors[0].scalar_type(),
+                "; bucket tensors of one dtype together");
+    TORCH_CHECK(tensors[i].device() == tensors[0].device(), op, ": `", name, "[", i, "]` is on ",
+                tensors[i].device(), " but `", name, "[0]` is on ", tensors[0].device(), "; move them to one device");
+  }
+}
+
+}  // namespace verl

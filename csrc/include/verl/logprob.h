@@ -195,8 +195,9 @@ inline Linear checked_linear(const Tensor& hidden, const Tensor& weight, const c
   TORCH_CHECK(weight.scalar_type() == hidden.scalar_type(), op, ": `weight` has dtype ", weight.scalar_type(),
               " but `hidden` has ", hidden.scalar_type(), "; cast one of them so both match");
   check_same_device(hidden, weight, op, "hidden", "weight");
-  TORCH_CHECK(weight.size(1) == hidden.size(1), op, ": `weight` [V, H] has H=", weight.size(1), " but `hidden` [N, H] has H=",
-              hidden.size(1), "; pass the LM head weight as [vocab, hidden] (as nn.Linear stores it)");
+  TORCH_CHECK(weight.size(1) == hidden.size(1), op, ": `weight` [V, H] has H=", weight.size(1),
+              " but `hidden` [N, H] has H=", hidden.size(1),
+              "; pass the LM head weight as [vocab, hidden] (as nn.Linear stores it)");
   TORCH_CHECK(weight.size(0) > 0, op, ": `weight` has an empty vocabulary dimension (V=0)");
   return {hidden.contiguous(), weight.contiguous(), hidden.size(0), hidden.size(1), weight.size(0)};
 }

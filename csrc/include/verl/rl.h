@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "verl/checks.h"
 
@@ -121,9 +122,21 @@ inline AggParams make_agg(std::string_view mode, std::optional<double> global_to
   return p;
 }
 
-inline void fill_local_counts(AggParams& p, double local_tokens, double local_seqs) {
+VERL_HD void fill_local_counts(AggParams& p, double local_tokens, double local_seqs) {
   if (p.tokens < 0.0) p.tokens = local_tokens;
   if (p.seqs < 0.0) p.seqs = local_seqs;
+}
+
+// One sequence's outcome advantage from its score s and its group's (sum, count, centered sum of squares).
+// A singleton group has no baseline but its own score: grpo, rloo and the reinforce++ baseline give 0 there.
+VERL_HD double group_advantage(Outcome est, double s, double sum, double cnt, double sq, double eps,
+                               bool norm_by_std) {
+  if (est == Outcome::Remax) return s;  // the greedy baseline was already subtracted from s
+  if (cnt < 2.0) return 0.0;
+  const double mean = sum / cnt;
+  if (est == Outcome::Rloo) return s - (sum - s) / (cnt - 1.0);
+  if (est == Outcome::Grpo && norm_by_std) return (s - mean) / (::sqrt(sq / (cnt - 1.0)) + eps);
+  return s - mean;
 }
 
 // ------------------------------------------------------------------------------------------ per-token math
@@ -133,12 +146,35 @@ VERL_HD T clampv(T x, T lo, T hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
+#if !defined(__CUDA_ARCH__)
+// exp for float on the CPU without a libm call, so that the per-token loops vectorise: Cody-Waite range
+// reduction x = k ln2 + r and a degree-6 polynomial for exp(r) (Cephes expf coefficients), about 1 ulp.
+// Valid for |x| <= 80; every caller clamps its argument to +-20 first.
+inline float exp_poly(float x) {
+  // Round to nearest by adding and subtracting 1.5 * 2^23 (branch-free; exact for |x log2 e| < 2^22).
+  const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int bits = (static_cast<int>(kf) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+#endif
+
 template <typename T>
 VERL_HD T expv(T x) {
 #if defined(__CUDA_ARCH__)
   return ::exp(x);
 #else
-  return std::exp(x);
+  if constexpr (sizeof(T) == sizeof(float)) return exp_poly(x);
+  else return std::exp(x);
 #endif
 }
 
@@ -147,31 +183,57 @@ struct ValGrad {
   T value, grad;  // grad = d value / d logprob
 };
 
-// KL per token with d = logprob - ref_logprob (k3 uses the reference's convention, dr = ref - logp).
-template <typename T>
-VERL_HD ValGrad<T> kl_token(T logp, T ref, Kl kind) {
+// KL per token with d = logprob - ref_logprob (k3 uses the reference's convention, dr = ref - logp). The kind
+// is a template parameter (and every choice a select) so that CPU token loops vectorise.
+template <Kl kKind, typename T>
+VERL_HD ValGrad<T> kl_token_t(T logp, T ref) {
   const T d = logp - ref;
-  switch (kind) {
-    case Kl::K1:
-      return {d, T(1)};
-    case Kl::Abs:
-      return {d < T(0) ? -d : d, d > T(0) ? T(1) : (d < T(0) ? T(-1) : T(0))};
-    case Kl::K2:
-      return {T(0.5) * d * d, d};
-    case Kl::K1Plus:
-      return {d, d};
-    default: {  // K3 and K3Plus
-      const T dr = ref - logp;
-      const T dc = clampv(dr, T(-20), T(20));
-      const T e = expv(dc);
-      const T raw = e - dc - T(1);
-      const T val = clampv(raw, T(-10), T(10));
-      if (kind == Kl::K3Plus) return {val, d};
-      // d/dlogp of exp(dr) - dr - 1 is 1 - exp(dr); zero where either clamp is active.
-      const bool live = dr >= T(-20) && dr <= T(20) && raw <= T(10);
-      return {val, live ? T(1) - e : T(0)};
+  if constexpr (kKind == Kl::K1) {
+    return {d, T(1)};
+  } else if constexpr (kKind == Kl::Abs) {
+    return {d < T(0) ? -d : d, d > T(0) ? T(1) : (d < T(0) ? T(-1) : T(0))};
+  } else if constexpr (kKind == Kl::K2) {
+    return {T(0.5) * d * d, d};
+  } else if constexpr (kKind == Kl::K1Plus) {
+    return {d, d};
+  } else {  // K3 and K3Plus
+    const T dr = ref - logp;
+    const T dc = clampv(dr, T(-20), T(20));
+    const T e = expv(dc);
+    const T raw = e - dc - T(1);
+    const T val = clampv(raw, T(-10), T(10));
+    if constexpr (kKind == Kl::K3Plus) {
+      return {val, d};
+    } else {
+      // d/dlogp of exp(dr) - dr - 1 is 1 - exp(dr); zero where either clamp is active (0/1 arithmetic so
+      // that the CPU loops vectorise).
+      const T live = (dc == dr ? T(1) : T(0)) * (raw <= T(10) ? T(1) : T(0));
+      return {val, live * (T(1) - e)};
     }
   }
+}
+
+template <typename F>
+VERL_HD auto kl_switch(Kl kind, const F& f) {
+  switch (kind) {
+    case Kl::K1:
+      return f(std::integral_constant<Kl, Kl::K1>{});
+    case Kl::Abs:
+      return f(std::integral_constant<Kl, Kl::Abs>{});
+    case Kl::K2:
+      return f(std::integral_constant<Kl, Kl::K2>{});
+    case Kl::K1Plus:
+      return f(std::integral_constant<Kl, Kl::K1Plus>{});
+    case Kl::K3Plus:
+      return f(std::integral_constant<Kl, Kl::K3Plus>{});
+    default:
+      return f(std::integral_constant<Kl, Kl::K3>{});
+  }
+}
+
+template <typename T>
+VERL_HD ValGrad<T> kl_token(T logp, T ref, Kl kind) {
+  return kl_switch(kind, [&](auto k) { return kl_token_t<decltype(k)::value, T>(logp, ref); });
 }
 
 struct PgParams {
@@ -181,37 +243,55 @@ struct PgParams {
 
 template <typename T>
 struct PgToken {
-  T loss, grad;        // grad = d loss / d logprob
-  bool clipped, lower;  // pg_clipfrac and pg_clipfrac_lower indicators
+  T loss, grad;     // grad = d loss / d logprob
+  T clipped, lower;  // pg_clipfrac and pg_clipfrac_lower indicators, 0 or 1 (numbers, not bools: they vectorise)
 };
 
 // One token of the PPO-family losses. `log_ratio` is logp - old_logp (per token) or, for GSPO, the
 // stop-gradient sequence log-ratio; either way d ratio / d logp = ratio when the clamp is not active.
+//
+// With r the ratio, max(-A r, -A clip(r, lo, hi)) and the dual clip min(., -A c) for A < 0 reduce to one clamp:
+//   loss = -A * clamp(r, lo_eff, hi_eff),  lo_eff = A < 0 ? lo : 0,  hi_eff = A < 0 ? c : hi
+// (GSPO: c = inf, no dual clip; r > 0 so the lower bound 0 is inert). The gradient flows where r is inside
+// [lo_eff, hi_eff] (a tie at a bound is the unclipped branch, whose gradient equals the clipped one's limit).
+// Everything is min/max and 0/1 arithmetic, with no data-dependent branch, so CPU token loops vectorise.
+template <Pg kType, typename T>
+VERL_HD PgToken<T> pg_token_t(T log_ratio, T adv, const PgParams& p) {
+  const T lr = clampv(log_ratio, T(-20), T(20));
+  const T ratio = expv(lr);
+  const T live = lr == log_ratio ? T(1) : T(0);
+  if constexpr (kType == Pg::Reinforce) {
+    return {-adv * ratio, -adv * ratio * live, T(0), T(0)};
+  } else {
+    const T lo = T(1) - T(p.clip_low), hi = T(1) + T(p.clip_high);
+    // A finite stand-in for c = inf keeps neg * (c - hi) free of 0 * inf.
+    const T c = kType == Pg::Gspo ? T(1e30) : (p.clip_c < 1e30 ? T(p.clip_c) : T(1e30));
+    const T neg = adv < T(0) ? T(1) : T(0), pos = adv > T(0) ? T(1) : T(0);
+    const T lo_eff = neg * lo, hi_eff = hi + neg * (c - hi);
+    const T q = clampv(ratio, lo_eff, hi_eff);
+    const T inside = (ratio >= lo_eff ? T(1) : T(0)) * (ratio <= hi_eff ? T(1) : T(0));
+    const T clipped = pos * (ratio > hi ? T(1) : T(0)) + neg * (ratio < lo ? T(1) : T(0));
+    const T lower = kType == Pg::Gspo ? T(0) : neg * ((ratio < lo ? lo : ratio) > c ? T(1) : T(0));
+    return {-adv * q, -adv * ratio * inside * live, clipped, lower};
+  }
+}
+
 template <typename T>
 VERL_HD PgToken<T> pg_token(T log_ratio, T adv, const PgParams& p) {
-  const T lr = clampv(log_ratio, T(-20), T(20));
-  const bool live = log_ratio >= T(-20) && log_ratio <= T(20);
-  const T ratio = expv(lr);
-  const T dratio = live ? ratio : T(0);
-  const T pg1 = -adv * ratio;
-  if (p.type == Pg::Reinforce) return {pg1, -adv * dratio, false, false};
-  const T lo = T(1) - T(p.clip_low), hi = T(1) + T(p.clip_high);
-  const T rc = clampv(ratio, lo, hi);
-  const T pg2 = -adv * rc;
-  const bool clipped = pg2 > pg1;
-  // max(pg1, pg2): on a tie the ratio is inside the clip range and both branches have the same gradient.
-  const T clip1 = clipped ? pg2 : pg1;
-  const T clip1_grad = clipped ? T(0) : -adv * dratio;
-  if (p.type == Pg::Gspo || !(adv < T(0))) return {clip1, clip1_grad, clipped, false};
-  const T pg3 = -adv * T(p.clip_c);
-  const bool lower = clip1 > pg3;  // dual clip: the loss of a negative advantage is bounded by -adv * c
-  return {lower ? pg3 : clip1, lower ? T(0) : clip1_grad, clipped, lower};
+  switch (p.type) {
+    case Pg::Gspo:
+      return pg_token_t<Pg::Gspo>(log_ratio, adv, p);
+    case Pg::Reinforce:
+      return pg_token_t<Pg::Reinforce>(log_ratio, adv, p);
+    default:
+      return pg_token_t<Pg::Vanilla>(log_ratio, adv, p);
+  }
 }
 
 template <typename T>
 struct VfToken {
   T loss, grad;  // loss = 0.5 * max(l1, l2); grad = d loss / d values
-  bool clipped;
+  T clipped;     // vf_clipfrac indicator, 0 or 1
 };
 
 template <typename T>
@@ -221,9 +301,101 @@ VERL_HD VfToken<T> vf_token(T v, T old, T ret, T clip) {
   const T e1 = v - ret, e2 = vc - ret;
   const T l1 = e1 * e1, l2 = e2 * e2;
   const bool clipped = l2 > l1;
-  if (!clipped) return {T(0.5) * l1, e1, false};
-  const bool inside = v >= lo && v <= hi;
-  return {T(0.5) * l2, inside ? e2 : T(0), true};
+  const bool inside = (v >= lo) & (v <= hi);
+  return {T(0.5) * (clipped ? l2 : l1), clipped ? (inside ? e2 : T(0)) : e1, clipped ? T(1) : T(0)};
+}
+
+// ------------------------------------------------------------------------------------------ argument checks
+// Shared by the CPU and CUDA host code so both backends reject the same inputs with the same messages.
+
+
+inline void check_bt(const at::Tensor& t, const char* op, const char* name) {
+  check_floating(t, op, name);
+  TORCH_CHECK(t.dim() == 2, op, ": `", name, "` must be 2-D [B, T] (sequences x response tokens), got shape ",
+              t.sizes());
+  TORCH_CHECK(t.size(0) > 0 && t.size(1) > 0, op, ": `", name, "` is empty (shape ", t.sizes(),
+              "); an empty batch has nothing to compute: skip the step, or check that the rollout produced tokens");
+}
+
+// `t` must match `ref` in shape, device and dtype (no silent broadcasting or casting of loss inputs).
+inline void check_like(const at::Tensor& ref, const at::Tensor& t, const char* op, const char* ref_name, const char* name) {
+  check_same_device(ref, t, op, ref_name, name);
+  check_same_shape(ref, t, op, ref_name, name);
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), op, ": `", name, "` must have the dtype of `", ref_name, "` (",
+              ref.scalar_type(), "), got ", t.scalar_type(), "; cast it with .to(", ref_name, ".dtype)");
+}
+
+inline void check_mask_of(const at::Tensor& ref, const at::Tensor& mask, const char* op, const char* ref_name) {
+  check_same_device(ref, mask, op, ref_name, "mask");
+  check_same_shape(ref, mask, op, ref_name, "mask");
+  TORCH_CHECK(!at::isComplexType(mask.scalar_type()), op,
+              ": `mask` must be bool or a real dtype (nonzero = valid), got ", mask.scalar_type());
+}
+
+inline void check_row_weight(const at::Tensor& w, int64_t B, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kDouble && w.dim() == 1 && w.size(0) == B, op,
+              ": `row_weight` must be the float64 [B] output of the forward op (B=", B, "), got ", w.scalar_type(),
+              " ", w.sizes());
+}
+
+inline PgParams make_pg(c10::string_view loss_type, double clip_low, double clip_high, double clip_c, const char* op) {
+  PgParams p;
+  p.type = parse_pg(loss_type, op);
+  TORCH_CHECK(clip_low >= 0.0 && clip_low < 1.0, op, ": `clip_low` must be in [0, 1) (ratio lower bound 1 - clip_low), got ",
+              clip_low);
+  TORCH_CHECK(clip_high >= 0.0, op, ": `clip_high` must be >= 0, got ", clip_high);
+  TORCH_CHECK(clip_c > 1.0, op, ": `clip_c` (dual-clip constant) must be > 1, got ", clip_c,
+              "; pass inf to turn dual clip off");
+  p.clip_low = clip_low;
+  p.clip_high = clip_high;
+  p.clip_c = clip_c;
+  return p;
+}
+
+inline void check_pg_inputs(const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& advantages,
+                     const at::Tensor& mask, const char* op) {
+  check_bt(logprob, op, "logprob");
+  check_like(logprob, old_logprob, op, "logprob", "old_logprob");
+  check_like(logprob, advantages, op, "logprob", "advantages");
+  check_mask_of(logprob, mask, op, "logprob");
+}
+
+inline void check_vf_inputs(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
+                     const at::Tensor& mask, double clip, const char* op) {
+  check_bt(values, op, "values");
+  check_like(values, old_values, op, "values", "old_values");
+  check_like(values, returns, op, "values", "returns");
+  check_mask_of(values, mask, op, "values");
+  TORCH_CHECK(clip >= 0.0, op, ": `clip` (value clip range) must be >= 0, got ", clip, "; pass inf for no clipping");
+}
+
+// Checks the outcome_advantage arguments; returns the baseline as contiguous float64 (undefined if none).
+inline at::Tensor check_outcome_inputs(const at::Tensor& rewards, const at::Tensor& mask, const at::Tensor& index,
+                                       Outcome est, c10::string_view estimator, double eps,
+                                       const std::optional<at::Tensor>& baseline, const char* op) {
+  check_bt(rewards, op, "rewards");
+  check_mask_of(rewards, mask, op, "rewards");
+  const int64_t B = rewards.size(0);
+  check_same_device(rewards, index, op, "rewards", "index");
+  TORCH_CHECK(!at::isFloatingType(index.scalar_type()) && !at::isComplexType(index.scalar_type()) &&
+                  index.scalar_type() != at::kBool,
+              op, ": `index` (the prompt id of each sequence) must be an integer tensor, got ", index.scalar_type());
+  TORCH_CHECK(index.dim() == 1 && index.size(0) == B, op, ": `index` must be 1-D with one prompt id per sequence (B=",
+              B, "), got shape ", index.sizes());
+  TORCH_CHECK(eps >= 0.0, op, ": `eps` must be >= 0, got ", eps);
+  TORCH_CHECK(est != Outcome::Remax || baseline.has_value(), op,
+              ": estimator 'remax' needs `baseline` [B] (the reward of each prompt's greedy response)");
+  TORCH_CHECK(est == Outcome::Remax || !baseline.has_value(), op,
+              ": `baseline` is only used by estimator 'remax'; pass None for '", std::string(estimator), "'");
+  at::Tensor base;
+  if (baseline) {
+    check_floating(*baseline, op, "baseline");
+    check_same_device(rewards, *baseline, op, "rewards", "baseline");
+    TORCH_CHECK(baseline->dim() == 1 && baseline->size(0) == B, op, ": `baseline` must have shape [B]=[", B,
+                "], got ", baseline->sizes());
+    base = baseline->to(at::kDouble).contiguous();
+  }
+  return base;
 }
 
 }  // namespace rl

@@ -1,0 +1,233 @@
+"""The torch rollout engine and the shared interface: exact greedy decoding against transformers, left
+padding, sampling controls, stop criteria, log-probs, seeded reproducibility, device_map models, weight
+updates, release/resume and errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.rollout import RolloutConfig, SamplingParams, Tokenizer, TorchRollout, TorchRolloutConfig, build_rollout
+from verl.rollout.toy import toy_llama, toy_tokenizer
+
+PROMPTS = ["the quick brown", "one two three four five six", "what", [1, 86, 74]]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return toy_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tok):
+    return TorchRollout(model, tok, TorchRolloutConfig(max_batch_size=3))
+
+
+def _hf_greedy(model, ids, n):
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_matches_transformers_generate_in_a_left_padded_batch(engine, model, tok):
+    outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    assert len(outs) == len(PROMPTS)
+    for i, (p, o) in enumerate(zip(PROMPTS, outs)):
+        ids = Tokenizer(tok).encode_prompt(p)
+        assert o.prompt_index == i and o.prompt_token_ids == ids
+        assert o.token_ids == _hf_greedy(model, ids, 10)
+        assert o.finish_reason == "length" and o.text == tok.decode(o.token_ids, skip_special_tokens=True)
+
+
+def test_kv_cache_and_recompute_agree(model, tok):
+    sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, logprobs=True, ignore_eos=True)
+    a = TorchRollout(model, tok).generate(PROMPTS[:2], sp)
+    b = TorchRollout(model, tok, TorchRolloutConfig(kv_cache=False)).generate(PROMPTS[:2], sp)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
+
+
+def test_logprobs_are_those_of_the_sampling_distribution(engine, model, tok):
+    sp = SamplingParams(max_new_tokens=5, temperature=0.7, seed=3, logprobs=True, ignore_eos=True)
+    out = engine.generate(["one two"], sp)[0]
+    ids = tok.encode("one two") + out.token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float() / 0.7
+    n = len(tok.encode("one two"))
+    want = [logits[n - 1 + k].log_softmax(-1)[t].item() for k, t in enumerate(out.token_ids)]
+    assert len(out.logprobs) == 5
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(want), atol=1e-4, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples_differ(engine):
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    a, b = engine.generate(PROMPTS[:2], sp), engine.generate(PROMPTS[:2], sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [(o.prompt_index, o.sample_index) for o in a] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert len({tuple(o.token_ids) for o in a[:3]}) > 1, "the n samples of one prompt should differ"
+    # Sample j uses seed + j whatever the batch: sample 1 of seed 7 is sample 0 of seed 8.
+    c = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, temperature=1.0, seed=8, ignore_eos=True))
+    assert c[0].token_ids == a[1].token_ids
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(engine):
+    greedy = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    for sp in (SamplingParams(max_new_tokens=4, temperature=1.5, top_k=1, seed=0, ignore_eos=True),
+               SamplingParams(max_new_tokens=4, temperature=1.5, top_p=1e-6, seed=0, ignore_eos=True)):
+        assert [o.token_ids for o in engine.generate(PROMPTS[:2], sp)] == [o.token_ids for o in greedy]
+
+
+def test_top_k_restricts_the_support(engine, model, tok):
+    sp = SamplingParams(max_new_tokens=1, temperature=5.0, top_k=3, seed=0, n=12, ignore_eos=True)
+    outs = engine.generate(["the"], sp)
+    with torch.no_grad():
+        top3 = model(torch.tensor([tok.encode("the")])).logits[0, -1].topk(3).indices.tolist()
+    assert {o.token_ids[0] for o in outs} <= set(top3)
+    assert len({o.token_ids[0] for o in outs}) > 1
+
+
+def test_stop_token_ids_and_stop_strings(engine):
+    free = engine.generate(["one two"], SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))[0]
+    stop_tok = free.token_ids[3]
+    first = free.token_ids.index(stop_tok)
+    out = engine.generate(["one two"], SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=(stop_tok,)))[0]
+    assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
+    piece = free.text[len(free.text) // 2:][:2]
+    assert piece
+    out = engine.generate(["one two"], SamplingParams(max_new_tokens=10, temperature=0, stop=(piece,)))[0]
+    assert out.finish_reason == "stop" and piece not in out.text and free.text.startswith(out.text)
+
+
+def test_eos_ends_a_sample(model, tok):
+    class EosAfterTwo(torch.nn.Module):  # wraps the model; forces EOS on the third step
+        def __init__(self):
+            super().__init__()
+            self.inner, self.calls = model, 0
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def forward(self, **kw):
+            out = self.inner(**kw)
+            self.calls += 1
+            if self.calls == 3:
+                out.logits[:, -1, tok.eos_token_id] = 1e4
+            return out
+
+    out = TorchRollout(EosAfterTwo(), tok).generate(["one"], SamplingParams(max_new_tokens=8, temperature=0))[0]
+    assert out.token_ids[-1] == tok.eos_token_id and len(out.token_ids) == 3 and out.finish_reason == "stop"
+
+
+def test_chat_messages_use_the_template(engine, tok):
+    msgs = [{"role": "user", "content": "2 + 2 ?"}]
+    out = engine.generate([msgs], SamplingParams(max_new_tokens=2, temperature=0))[0]
+    assert out.prompt_token_ids == tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                                              add_special_tokens=False)
+
+
+def test_device_map_auto_model_is_respected(tmp_path, model, tok):
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+    model.save_pretrained(tmp_path / "m")
+    # A small memory budget makes accelerate split the model (embeddings in memory, the rest offloaded),
+    # the CPU-only stand-in for a model spread over several GPUs.
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map="auto", max_memory={"cpu": "300KB"},
+                                                offload_folder=str(tmp_path / "off"), dtype=torch.float32)
+    assert len(set(auto.hf_device_map.values())) > 1
+    devices = {n: p.device for n, p in auto.named_parameters()}
+    eng = TorchRollout(auto, tok)
+    assert eng.device_map == auto.hf_device_map
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == \
+           [o.token_ids for o in TorchRollout(model, tok).generate(PROMPTS, sp)]
+    assert devices == {n: p.device for n, p in auto.named_parameters()}, "the engine moved the model"
+    with pytest.raises(VerlRuntimeError, match="offloaded to disk"):
+        eng.update_weights(model.state_dict().items())
+
+
+def test_update_weights_changes_generation_and_unknown_names_fail(tok):
+    m = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=1)
+    other = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=2)
+    eng = TorchRollout(m, tok)
+    sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    assert eng.update_weights(iter(other.state_dict().items())) == len(other.state_dict())
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == \
+           [o.token_ids for o in TorchRollout(other, tok).generate(PROMPTS, sp)]
+    with pytest.raises(VerlRuntimeError, match="no weight named 'model.layers.0.self_attn.qkv_proj.weight'"):
+        eng.update_weights([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(3))])
+    with pytest.raises(VerlRuntimeError, match="has shape"):
+        eng.update_weights([("model.norm.weight", torch.zeros(3))])
+    assert "model.norm.weight" in eng.weight_names()
+
+
+def test_release_and_resume(tok):
+    m = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96)
+    eng = TorchRollout(m, tok, TorchRolloutConfig(release_weights=True))
+    sp = SamplingParams(max_new_tokens=4, temperature=0)
+    before = eng.generate(PROMPTS, sp)
+    eng.release()
+    with pytest.raises(VerlRuntimeError, match="call resume"):
+        eng.generate(PROMPTS, sp)
+    eng.resume()
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == [o.token_ids for o in before]
+
+
+def test_engine_failures_are_verl_runtime_errors(tok):
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, **kw):
+            raise ValueError("kernel exploded")
+
+    with pytest.raises(VerlRuntimeError, match="torch rollout engine failed in generate: ValueError: kernel") as e:
+        TorchRollout(Broken(), tok).generate(["one"], SamplingParams(max_new_tokens=2))
+    assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_configuration_errors():
+    with pytest.raises(VerlConfigError, match="did you mean 'vllm'"):
+        RolloutConfig(engine="vlm")
+    with pytest.raises(VerlConfigError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(VerlConfigError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(VerlConfigError, match="needs `model=`"):
+        build_rollout(RolloutConfig(engine="torch"))
+    with pytest.raises(VerlConfigError, match="model_path"):
+        build_rollout(RolloutConfig(engine="vllm"))
+
+
+def test_engine_switch_is_one_config_value(model, tok, tmp_path):
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    eng = build_rollout(RolloutConfig(engine="torch", model_path=str(tmp_path)))
+    sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == \
+           [o.token_ids for o in TorchRollout(model, tok).generate(PROMPTS, sp)]
+
+
+def test_sglang_adapter_explains_why_it_cannot_run():
+    from verl.rollout.sglang_engine import sglang_available
+    ok, why = sglang_available()
+    if ok:
+        pytest.skip("SGLang can run here; covered by the GPU suite")
+    assert "sglang" in why.lower()
+    with pytest.raises(VerlConfigError, match="sglang rollout engine cannot run here"):
+        build_rollout(RolloutConfig(engine="sglang", model_path="/nonexistent"))
+
+
+def test_greedy_logprobs_are_finite_and_negative(engine):
+    out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=0, logprobs=True))
+    assert all(math.isfinite(x) and x <= 0 for o in out for x in o.logprobs)

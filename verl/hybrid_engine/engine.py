@@ -1,0 +1,129 @@
+"""The 3D-HybridEngine: before each generation phase, reshards the actor from the training layout into the
+generation layout and pushes the weights into the rollout engine; training continues on the untouched
+training shards afterwards.
+
+    he = HybridEngine(specs, TrainingLayout(tp=2, pp=1, dp=2), HybridEngineConfig(generation_tp=1))
+    stats = he.sync(local_params, rollout)      # every rank calls it; rollout.update_weights(stream)
+
+A failing engine (or a name it does not know) surfaces as VerlRuntimeError on EVERY rank: the failing rank
+keeps draining the stream so the other ranks' point-to-point messages still pair up, then all ranks agree
+on the failure. Training shards are only ever read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.hybrid_engine.executor import ExecutorStats, ReshardExecutor, agree
+from verl.hybrid_engine.planner import RANK_MAPPINGS, ReshardPlan, TrainingLayout, plan_reshard
+from verl.hybrid_engine.specs import FORMATS, ParamSpec
+
+__all__ = ["HybridEngineConfig", "HybridEngine"]
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridEngineConfig:
+    """How the actor's weights reach the rollout engine."""
+
+    generation_tp: int = 1
+    """Tensor-parallel size of the generation layout (TP_g); DP_g = world / TP_g."""
+    bucket_mb: float = 64.0
+    """Per-rank bound on one bucket (targets received plus slices sent), in MiB."""
+    weight_format: str = "hf"
+    """"hf": HF-named q/k/v, gate/up tensors; "vllm": fused qkv_proj / gate_up_proj per TP_g shard."""
+    rank_mapping: str = "hybrid"
+    """"hybrid": generation ranks that gather only inside their merged TP group; "contiguous": rank r is
+    generation TP rank r % TP_g."""
+
+    def __post_init__(self):
+        if self.generation_tp < 1:
+            raise VerlConfigError(f"generation_tp={self.generation_tp} must be >= 1")
+        if self.bucket_mb <= 0:
+            raise VerlConfigError(f"bucket_mb={self.bucket_mb} must be positive")
+        if self.weight_format not in FORMATS:
+            raise VerlConfigError(f"weight_format={self.weight_format!r}; choose one of {FORMATS}")
+        if self.rank_mapping not in RANK_MAPPINGS:
+            raise VerlConfigError(f"rank_mapping={self.rank_mapping!r}; choose one of {RANK_MAPPINGS}")
+
+
+class _Tracked:
+    """Wraps the stream so that what the consumer left unread can be drained after it fails."""
+
+    def __init__(self, it: Iterator):
+        self.it = it
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+    def drain(self) -> None:
+        for _ in self.it:
+            pass
+
+
+class HybridEngine:
+    """Plans once (metadata only), then moves weights on every `sync` / `stream`."""
+
+    def __init__(self, specs: Sequence[ParamSpec], training: TrainingLayout, config: HybridEngineConfig | None = None,
+                 *, group=None):
+        self.config = config or HybridEngineConfig()
+        self.group = group
+        self.plan: ReshardPlan = plan_reshard(specs, training, self.config.generation_tp,
+                                              fmt=self.config.weight_format,
+                                              bucket_bytes=int(self.config.bucket_mb * (1 << 20)),
+                                              mapping=self.config.rank_mapping)
+        self.last_stats: ExecutorStats | None = None
+
+    def stream(self, local_params: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's generation weights as (name, tensor) pairs; every rank must drain its stream."""
+        ex = ReshardExecutor(self.plan, local_params, group=self.group)
+        self.last_stats = ex.stats
+        return ex.stream()
+
+    def sync(self, local_params: Mapping[str, torch.Tensor], rollout) -> ExecutorStats:
+        """Pushes this rank's generation weights into `rollout` (anything with `update_weights(iterable)`)."""
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        self._check_names(rollout, rank)
+        stream = _Tracked(self.stream(local_params))
+        error: BaseException | None = None
+        try:
+            rollout.update_weights(stream)
+        except Exception as e:  # noqa: BLE001 - reported below, after every rank has finished its messages
+            error = e
+        try:
+            stream.drain()
+        except VerlRuntimeError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise VerlRuntimeError(f"resharding failed: {e}", rank=rank, cause=e) from e
+        everyone_ok = agree(error is None, self.group)
+        if error is not None:
+            if isinstance(error, VerlRuntimeError):
+                raise error
+            raise VerlRuntimeError(f"the rollout engine failed while receiving weights: {type(error).__name__}: "
+                                   f"{error}", rank=rank, cause=error) from error
+        if not everyone_ok:
+            raise VerlRuntimeError("another rank's rollout engine failed while receiving weights (see its error); "
+                                   "this rank's engine may hold a partial update", rank=rank)
+        return self.last_stats
+
+    def _check_names(self, rollout, rank: int) -> None:
+        """Fails on every rank, before any byte moves, when an engine does not know a name it would receive."""
+        known = rollout.weight_names() if hasattr(rollout, "weight_names") else None
+        unknown = []
+        if known is not None:
+            unknown = sorted({t.target.name for t in self.plan.targets_of(rank)} - set(known))
+        if not agree(not unknown, self.group):
+            if unknown:
+                raise VerlRuntimeError(f"the rollout engine has no weight named {unknown[0]!r} ({len(unknown)} unknown "
+                                       f"names); check HybridEngineConfig.weight_format (hf / vllm) and that the "
+                                       f"engine's model matches the actor", rank=rank)
+            raise VerlRuntimeError("another rank's rollout engine does not know some weight names (see its error); "
+                                   "nothing was moved", rank=rank)

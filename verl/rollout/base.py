@@ -1,0 +1,185 @@
+"""One interface over every generation engine (torch, vLLM, SGLang): `SamplingParams` in,
+`GenerationOutput`s out, weights pushed in as a stream of Hugging-Face-named tensors.
+
+    engine = build_rollout(RolloutConfig(engine="torch"), model=hf_model, tokenizer=tok)   # or "vllm"
+    outs = engine.generate(["2+2="], SamplingParams(max_new_tokens=8, temperature=0))
+    engine.update_weights(hybrid_engine.stream(local_params))     # before each generation phase
+    engine.release(); ...train...; engine.resume()
+
+Seeding convention, identical in every engine so that their outputs can be compared: sample j of prompt i
+(of `n`) is generated with seed `seed + j`, by its own random stream; a sampled token is the Gumbel-max
+(exponential race) winner argmax(p / q), q ~ Exp(1) in float64 drawn from that stream, one draw per step.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from verl.errors import VerlConfigError, VerlRuntimeError
+
+__all__ = ["SamplingParams", "GenerationOutput", "RolloutEngine", "Prompt", "FINISH_REASONS"]
+
+Prompt = str | Sequence[int]
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample; shared by every engine."""
+
+    max_new_tokens: int = 64
+    """Most tokens generated per sample."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 or -1 = off)."""
+    n: int = 1
+    """Samples per prompt."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a sample; the text is cut before the stop string."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample (kept in token_ids), in addition to the tokenizer's EOS."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    seed: int | None = None
+    """Seed of sample 0 (sample j uses seed + j); None draws from the global torch RNG."""
+    logprobs: bool = False
+    """Return the log-probability of every sampled token under the sampling distribution (temperature,
+    top-k and top-p applied)."""
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise VerlConfigError(f"SamplingParams.max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise VerlConfigError(f"SamplingParams.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise VerlConfigError(f"SamplingParams.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < -1:
+            raise VerlConfigError(f"SamplingParams.top_k={self.top_k} must be >= 1, or 0 / -1 for off")
+        if self.n < 1:
+            raise VerlConfigError(f"SamplingParams.n={self.n} must be >= 1")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if any(s == "" for s in self.stop):
+            raise VerlConfigError("SamplingParams.stop contains an empty string; remove it")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def sample_seed(self, j: int) -> int | None:
+        return None if self.seed is None else self.seed + j
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationOutput:
+    """One sample of one prompt."""
+
+    prompt_index: int
+    """Index of the prompt in the `generate` call."""
+    sample_index: int
+    """j in 0..n-1."""
+    prompt_token_ids: list[int]
+    """The prompt as token ids."""
+    token_ids: list[int]
+    """Generated token ids (a final EOS / stop token id included)."""
+    text: str
+    """Decoded generated text (special tokens skipped, cut before a stop string)."""
+    finish_reason: str
+    """"stop" (EOS, stop token or stop string) or "length" (max_new_tokens reached)."""
+    logprobs: list[float] | None = field(default=None)
+    """Log-probability of each generated token when SamplingParams.logprobs, else None."""
+
+
+class RolloutEngine(abc.ABC):
+    """The interface every generation engine implements. Engine failures raise VerlRuntimeError."""
+
+    name: str = "?"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.released = False
+
+    # -- the interface --------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt, sampling_params: SamplingParams | None = None,
+                 ) -> list[GenerationOutput]:
+        """`n` samples per prompt, prompt-major ([p0s0, p0s1, ..., p1s0, ...])."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if self.released:
+            raise VerlRuntimeError(f"the {self.name} rollout engine is released; call resume() before generate()")
+        ids = [self.tokenizer.encode_prompt(p) for p in prompts]
+        for i, p in enumerate(ids):
+            if not p:
+                raise VerlConfigError(f"prompt {i} is empty; every prompt needs at least one token")
+        with self._engine_errors("generate"):
+            return self._generate(ids, params)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Loads HF-named tensors (consumed one by one, so a bucketed stream never piles up); returns the count."""
+        with self._engine_errors("update_weights"):
+            return self._update_weights(named_tensors)
+
+    def weight_names(self) -> set[str] | None:
+        """Every weight name update_weights accepts (None when the engine cannot tell up front)."""
+        return None
+
+    def release(self) -> None:
+        """Frees the engine's memory (KV cache; weights where the engine supports it) for the training phase."""
+        with self._engine_errors("release"):
+            self._release()
+        self.released = True
+
+    def resume(self) -> None:
+        """Takes the memory back after `release`; weights must be pushed again if they were freed."""
+        with self._engine_errors("resume"):
+            self._resume()
+        self.released = False
+
+    # -- implemented by engines -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]: ...
+
+    @abc.abstractmethod
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    @abc.abstractmethod
+    def _release(self) -> None: ...
+
+    @abc.abstractmethod
+    def _resume(self) -> None: ...
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _engine_errors(self, what: str):
+        try:
+            yield
+        except (VerlRuntimeError, VerlConfigError):
+            raise
+        except Exception as e:  # noqa: BLE001 - every engine failure becomes one error type, cause chained
+            raise VerlRuntimeError(f"{self.name} rollout engine failed in {what}: {type(e).__name__}: {e}",
+                                   cause=e) from e
+
+    def _finish(self, prompt_index: int, sample_index: int, prompt: list[int], tokens: list[int], reason: str,
+                logprobs: list[float] | None, stop: Sequence[str]) -> GenerationOutput:
+        """Builds an output; cuts the text before the first stop string."""
+        text = self.tokenizer.decode(tokens)
+        for s in stop:
+            at = text.find(s)
+            if at >= 0:
+                text, reason = text[:at], "stop"
+        return GenerationOutput(prompt_index=prompt_index, sample_index=sample_index, prompt_token_ids=list(prompt),
+                                token_ids=list(tokens), text=text, finish_reason=reason, logprobs=logprobs)

@@ -1,0 +1,212 @@
+"""The `torch` rollout engine: batched sampling with a KV cache on any causal LM.
+
+Works with a transformers model (including one loaded with device_map="auto": the model is never moved,
+inputs go to the device of its input embeddings and each layer runs where `hf_device_map` put it), or any
+module with the same call signature (verl's own models). Prompts are left-padded so that every row's next
+token sits in the last column; positions come from the attention mask, so padding never shifts RoPE.
+Models without a KV cache (`use_cache` unsupported) are run with `kv_cache=False`: the full sequence is
+recomputed each step (slow, but exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from verl.rollout.tokenizer import Tokenizer
+
+__all__ = ["TorchRolloutConfig", "TorchRollout", "process_logits", "sample_tokens"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TorchRolloutConfig:
+    """Settings of the torch engine."""
+
+    max_batch_size: int = 64
+    """Sequences decoded together (prompts × n are split into batches of this size)."""
+    kv_cache: bool = True
+    """Reuse keys/values across steps; False recomputes the whole sequence (models without a cache)."""
+    release_weights: bool = False
+    """release() also moves the weights to the CPU (resume() brings them back)."""
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Float32 logits [B, V] with temperature, top-k and top-p applied (filtered tokens at -inf)."""
+    logits = logits.float()
+    if params.greedy:
+        return logits
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass BEFORE it already reaches top_p; the most likely token always stays.
+        drop = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams,
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of processed logits: argmax when greedy, else the exponential race argmax(p / q)
+    with q ~ Exp(1) in float64 drawn from each row's own generator (one draw per step)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = logits.softmax(-1)
+    q = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+    for i, g in enumerate(generators):
+        q[i].exponential_(generator=g)
+    return (q.reciprocal_() * probs).argmax(-1)
+
+
+class TorchRollout(RolloutEngine):
+    """Batched KV-cache sampling on a causal LM (see the module docstring)."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: TorchRolloutConfig | None = None):
+        super().__init__(Tokenizer.wrap(tokenizer))
+        self.model = model.eval()
+        self.config = config or TorchRolloutConfig()
+        if self.config.max_batch_size < 1:
+            raise VerlConfigError(f"max_batch_size={self.config.max_batch_size} must be >= 1")
+        self._offloaded: dict[str, torch.device] | None = None
+
+    # -- devices ----------------------------------------------------------------------------------------------
+
+    @property
+    def device_map(self) -> dict | None:
+        return getattr(self.model, "hf_device_map", None)
+
+    def _input_device(self) -> torch.device:
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        if emb is not None and hasattr(emb, "weight"):
+            return emb.weight.device
+        return next(self.model.parameters()).device
+
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        jobs = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
+        out: list[GenerationOutput] = []
+        for b in range(0, len(jobs), self.config.max_batch_size):
+            batch = jobs[b:b + self.config.max_batch_size]
+            out += self._generate_batch(batch, prompt_ids, params)
+        return out
+
+    def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return torch.tensor(sorted(ids), dtype=torch.long)
+
+    def _generate_batch(self, batch, prompt_ids, params: SamplingParams) -> list[GenerationOutput]:
+        dev = self._input_device()
+        prompts = [prompt_ids[i] for i, _ in batch]
+        ids, mask = self.tokenizer.pad(prompts, side="left")
+        ids, mask = ids.to(dev), mask.to(dev)
+        gens = [None if params.seed is None else torch.Generator().manual_seed(params.sample_seed(j))
+                for _, j in batch]
+        stop_ids = self._stop_ids(params)
+        B = len(batch)
+        tokens = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        reasons = ["length"] * B
+        cache, step_ids, full_ids = None, ids, ids
+        for step in range(params.max_new_tokens):
+            logits, cache = self._forward(step_ids if self.config.kv_cache else full_ids, mask, cache)
+            processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
+            nxt = sample_tokens(processed, params, gens)
+            if params.logprobs:
+                lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
+            for r in range(B):
+                if done[r]:
+                    continue
+                t = int(nxt[r])
+                tokens[r].append(t)
+                if params.logprobs:
+                    lps[r].append(float(lp[r]))
+                if t in stop_ids or self._hit_stop_string(tokens[r], params):
+                    done[r], reasons[r] = True, "stop"
+            if bool(done.all()):
+                break
+            nxt = torch.where(done, torch.tensor(self.tokenizer.pad_token_id), nxt)
+            step_ids = nxt[:, None].to(dev)
+            full_ids = torch.cat([full_ids, step_ids], 1)
+            mask = torch.cat([mask, (~done).long()[:, None].to(dev)], 1)
+        return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
+                             params.stop) for r, (i, j) in enumerate(batch)]
+
+    def _hit_stop_string(self, tokens: list[int], params: SamplingParams) -> bool:
+        if not params.stop:
+            return False
+        # Only the tail can contain a new match: decode a window wide enough for the longest stop string.
+        tail = self.tokenizer.decode(tokens[-(max(len(s) for s in params.stop) + 8):])
+        return any(s in tail for s in params.stop)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, cache):
+        # Positions follow the mask: left padding does not shift RoPE, and rows stay aligned per step.
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pos = pos[:, -input_ids.shape[1]:]
+        kwargs = dict(input_ids=input_ids, attention_mask=mask, position_ids=pos)
+        if self.config.kv_cache:
+            kwargs.update(use_cache=True, past_key_values=cache)
+        out = self.model(**kwargs)
+        logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+        new_cache = getattr(out, "past_key_values", None) if self.config.kv_cache else None
+        if self.config.kv_cache and new_cache is None:
+            raise VerlRuntimeError("the model returned no past_key_values; build the torch engine with "
+                                   "TorchRolloutConfig(kv_cache=False) for models without a KV cache")
+        return logits[:, -1, :], new_cache
+
+    # -- weights and memory ----------------------------------------------------------------------------------
+
+    def weight_names(self) -> set[str]:
+        return {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+
+    @torch.no_grad()
+    def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        count = 0
+        for name, tensor in named_tensors:
+            dst = params.get(name)
+            if dst is None:
+                near = [k for k in params if k.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
+                raise VerlRuntimeError(f"the torch engine's model has no weight named {name!r}"
+                                       f"{f' (similar: {near})' if near else ''}; the weight stream and the model "
+                                       f"disagree on names")
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise VerlRuntimeError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model's is "
+                                       f"{tuple(dst.shape)}")
+            if dst.device.type == "meta":
+                raise VerlRuntimeError(f"weight {name!r} is offloaded to disk by the model's device_map "
+                                       f"({self.device_map}); weights offloaded to disk cannot be updated in place, "
+                                       f"load the rollout model with a device_map that keeps them in memory")
+            dst.copy_(tensor.to(dst.device, dst.dtype))  # stays on the device hf_device_map chose
+            count += 1
+        return count
+
+    def _release(self) -> None:
+        # The KV cache lives only inside generate(); weights are offloaded only when asked (and when they are
+        # not already on the CPU).
+        if self.config.release_weights and self._offloaded is None:
+            self._offloaded = {n: p.device for n, p in self.model.named_parameters()}
+            for p in self.model.parameters():
+                p.data = p.data.to("cpu")
+
+    def _resume(self) -> None:
+        if self._offloaded is not None:
+            for n, p in self.model.named_parameters():
+                p.data = p.data.to(self._offloaded[n])
+            self._offloaded = None
