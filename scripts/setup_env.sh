@@ -19,6 +19,7 @@ command -v "$py" >/dev/null || { echo "setup_env: $py not found; install Python 
 key=$( (cat "$req"; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
 cache=${VERL_CACHE:-$HOME/.cache/verl}
 venv="$cache/venv-$kind-$key"
+t_install=$SECONDS
 if [ ! -f "$venv/.complete" ]; then
   echo "[setup_env] creating $venv" >&2
   rm -rf "$venv"
@@ -41,6 +42,8 @@ PY
 else
   echo "[setup_env] reusing $venv" >&2
 fi
+echo "[setup_env] $kind environment: $((SECONDS - t_install))s" >&2
+t_build=$SECONDS
 cd "$root"
 export MAX_JOBS=${MAX_JOBS:-2}
 if [ "$kind" = cuda ]; then
@@ -63,4 +66,5 @@ else
   # The package itself (console script `verl`), editable, without building the extension a second time.
   VERL_SKIP_EXT=1 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2
 fi
+echo "[setup_env] $kind build of verl._C: $((SECONDS - t_build))s" >&2
 echo "$venv"
