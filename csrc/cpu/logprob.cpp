@@ -18,6 +18,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "verl/cpu_math.h"
 #include "verl/logprob.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
@@ -36,23 +37,6 @@ constexpr int64_t kBlock = 512;  // floats per block: 2 KiB, stays in L1 between
 constexpr float kMinExpArgF = -87.0f;
 constexpr double kMinExpArgD = -708.0;
 
-// e^x for x in [-87, ~88]: Cody-Waite range reduction by ln 2 and the Cephes degree-6 polynomial;
-// relative error ~1e-7, branch-free so loops calling it vectorise.
-static inline __attribute__((always_inline)) float exp_poly(float x) {
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 VERL_SIMD_CLONES float block_max(const float* z, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();

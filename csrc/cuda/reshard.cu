@@ -69,23 +69,8 @@ void copy_runs(const std::vector<ByteRun>& runs, const at::Device& device) {
 at::Tensor pack_cuda(at::TensorList tensors) {
   check_same_dtype_device(tensors, "reshard_pack", "tensors");
   const c10::cuda::CUDAGuard guard(tensors[0].device());
-  int64_t total = 0;
-  for (const auto& t : tensors) total += t.numel();
-  at::Tensor flat = at::empty({total}, tensors[0].options());
-  const int64_t es = flat.element_size();
-  std::vector<ByteRun> runs;
-  int64_t off = 0;
-  for (const auto& t : tensors) {
-    if (t.numel() == 0) continue;
-    if (t.is_contiguous()) {
-      runs.push_back({static_cast<const char*>(t.data_ptr()), static_cast<char*>(flat.data_ptr()) + off * es,
-                      t.numel() * es});
-    } else {
-      flat.narrow(0, off, t.numel()).view(t.sizes()).copy_(t);
-    }
-    off += t.numel();
-  }
-  copy_runs(runs, flat.device());
+  at::Tensor flat;
+  copy_runs(pack_runs(tensors, flat), tensors[0].device());
   return flat;
 }
 

@@ -99,6 +99,28 @@ inline GatherGeometry check_gather(at::TensorList sources, const at::Tensor& pla
   return g;
 }
 
+// Allocates reshard_pack's flat output and returns its byte runs: one per contiguous non-empty tensor, in
+// order; non-contiguous tensors are copied into their slice of `flat` right here (a strided copy).
+inline std::vector<ByteRun> pack_runs(at::TensorList tensors, at::Tensor& flat) {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  flat = at::empty({total}, tensors[0].options());
+  const int64_t es = flat.element_size();
+  std::vector<ByteRun> runs;
+  int64_t off = 0;
+  for (const auto& t : tensors) {
+    if (t.numel() == 0) continue;
+    if (t.is_contiguous()) {
+      runs.push_back({static_cast<const char*>(t.data_ptr()), static_cast<char*>(flat.data_ptr()) + off * es,
+                      t.numel() * es});
+    } else {
+      flat.narrow(0, off, t.numel()).view(t.sizes()).copy_(t);
+    }
+    off += t.numel();
+  }
+  return runs;
+}
+
 // Byte runs of reshard_gather; `srcs` are the contiguous sources.
 inline std::vector<ByteRun> gather_runs(const std::vector<at::Tensor>& srcs, const at::Tensor& plan, int64_t dim,
                                         const GatherGeometry& g, at::Tensor& out) {

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "verl/checks.h"
+#include "verl/cpu_math.h"
 
 #if defined(__CUDACC__)
 #define VERL_HD __host__ __device__ __forceinline__
@@ -146,27 +147,6 @@ VERL_HD T clampv(T x, T lo, T hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
-#if !defined(__CUDA_ARCH__)
-// exp for float on the CPU without a libm call, so that the per-token loops vectorise: Cody-Waite range
-// reduction x = k ln2 + r and a degree-6 polynomial for exp(r) (Cephes expf coefficients), about 1 ulp.
-// Valid for |x| <= 80; every caller clamps its argument to +-20 first.
-inline float exp_poly(float x) {
-  // Round to nearest by adding and subtracting 1.5 * 2^23 (branch-free; exact for |x log2 e| < 2^22).
-  const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int bits = (static_cast<int>(kf) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-#endif
 
 template <typename T>
 VERL_HD T expv(T x) {
