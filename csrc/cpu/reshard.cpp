@@ -44,20 +44,8 @@ at::Tensor pack_cpu(at::TensorList tensors) {
 std::vector<at::Tensor> unpack_cpu(const at::Tensor& flat_in, at::IntArrayRef shapes, at::IntArrayRef ndims) {
   auto out_shapes = unpack_shapes(flat_in, shapes, ndims);
   at::Tensor flat = flat_in.contiguous();
-  const int64_t es = flat.element_size();
   std::vector<at::Tensor> outs;
-  std::vector<ByteRun> runs;
-  int64_t off = 0;
-  for (const auto& s : out_shapes) {
-    at::Tensor o = at::empty(s, flat.options());
-    if (o.numel() > 0) {
-      runs.push_back({static_cast<const char*>(flat.data_ptr()) + off * es, static_cast<char*>(o.data_ptr()),
-                      o.numel() * es});
-    }
-    off += o.numel();
-    outs.push_back(std::move(o));
-  }
-  copy_runs(runs);
+  copy_runs(unpack_runs(flat, out_shapes, outs));
   return outs;
 }
 

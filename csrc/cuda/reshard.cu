@@ -78,20 +78,8 @@ std::vector<at::Tensor> unpack_cuda(const at::Tensor& flat_in, at::IntArrayRef s
   auto out_shapes = unpack_shapes(flat_in, shapes, ndims);
   const c10::cuda::CUDAGuard guard(flat_in.device());
   at::Tensor flat = flat_in.contiguous();
-  const int64_t es = flat.element_size();
   std::vector<at::Tensor> outs;
-  std::vector<ByteRun> runs;
-  int64_t off = 0;
-  for (const auto& s : out_shapes) {
-    at::Tensor o = at::empty(s, flat.options());
-    if (o.numel() > 0) {
-      runs.push_back({static_cast<const char*>(flat.data_ptr()) + off * es, static_cast<char*>(o.data_ptr()),
-                      o.numel() * es});
-    }
-    off += o.numel();
-    outs.push_back(std::move(o));
-  }
-  copy_runs(runs, flat.device());
+  copy_runs(unpack_runs(flat, out_shapes, outs), flat.device());
   return outs;
 }
 

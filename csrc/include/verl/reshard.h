@@ -121,6 +121,25 @@ inline std::vector<ByteRun> pack_runs(at::TensorList tensors, at::Tensor& flat) 
   return runs;
 }
 
+// Allocates reshard_unpack's outputs (`outs`, one per shape, in order) from the contiguous `flat` and returns
+// the byte runs that fill them.
+inline std::vector<ByteRun> unpack_runs(const at::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes,
+                                        std::vector<at::Tensor>& outs) {
+  const int64_t es = flat.element_size();
+  std::vector<ByteRun> runs;
+  int64_t off = 0;
+  for (const auto& s : shapes) {
+    at::Tensor o = at::empty(s, flat.options());
+    if (o.numel() > 0) {
+      runs.push_back({static_cast<const char*>(flat.data_ptr()) + off * es, static_cast<char*>(o.data_ptr()),
+                      o.numel() * es});
+    }
+    off += o.numel();
+    outs.push_back(std::move(o));
+  }
+  return runs;
+}
+
 // Byte runs of reshard_gather; `srcs` are the contiguous sources.
 inline std::vector<ByteRun> gather_runs(const std::vector<at::Tensor>& srcs, const at::Tensor& plan, int64_t dim,
                                         const GatherGeometry& g, at::Tensor& out) {
