@@ -1,11 +1,12 @@
 // CPU kernels of the log-prob / entropy ops; the chunking, GEMMs and argument checks are shared with
 // CUDA in verl/logprob.h. Rows run in parallel (at::parallel_for); within a row the logits stream through
-// an L1-sized block: convert + scale, block max, then sum exp(z - max) and exp(z - max)(z - max) in one
-// vectorised loop, and the block folds into the row's running state (an online softmax over blocks).
+// an L1-sized block: a max pass, then one pass that sums exp(z - max) and exp(z - max)(z - max) with
+// z = x / temperature formed on the fly, and the block folds into the row's running state (an online
+// softmax over blocks). The backward is one pass per block.
 //
-// float32 / 16-bit inputs compute in float with a polynomial exp that the compiler vectorises (libm's
-// expf is a call per element); float64 inputs use std::exp throughout, so float64 results are exact to
-// rounding and the tests can hold the kernels to tight tolerances there.
+// float32 / 16-bit inputs compute in float, eight lanes at a time (vf8 and the polynomial exp of
+// verl/cpu_math.h; libm's expf is a call per element); float64 inputs use std::exp throughout, so float64
+// results are exact to rounding and the tests can hold the kernels to tight tolerances there.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -31,54 +32,92 @@
 namespace verl {
 namespace {
 
-constexpr int64_t kBlock = 512;  // floats per block: 2 KiB, stays in L1 between the block's passes
+// Floats per block: 16 KiB, so a block read once from L2/L3 by the max pass stays in L1 for the exp pass.
+// LM-head chunks (chunk_v columns) are usually a single block.
+constexpr int64_t kBlock = 4096;
 // exp(-87) is the smallest normal float's order; clamping there keeps exp(d) * d finite for -inf logits
 // (masked vocabulary entries), where the unclamped product would be 0 * -inf = NaN.
 constexpr float kMinExpArgF = -87.0f;
 constexpr double kMinExpArgD = -708.0;
 
+// The float kernels work on raw logits x and scale them (z = x * scale, scale = 1 / temperature > 0) on
+// the fly, so no pass is spent writing z; max z = scale * max x because scale > 0.
 
-VERL_SIMD_CLONES float block_max(const float* z, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < n; ++i) mx = z[i] > mx ? z[i] : mx;
+VERL_SIMD_CLONES float block_max(const float* x, int64_t n) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vf8 m0 = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf}, m1 = m0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // two accumulators: the max pass is load-bound, not latency-bound
+    vf8 a, b;
+    load_vf8(a, x + i);
+    load_vf8(b, x + i + 8);
+    m0 = a > m0 ? a : m0;
+    m1 = b > m1 ? b : m1;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  float mx = hmax(m0);
+  for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
   return mx;
 }
 
-VERL_SIMD_CLONES void block_sums(const float* z, int64_t n, float mx, float* out_s, float* out_t) {
-  float s = 0.0f, t = 0.0f;
-#pragma omp simd reduction(+ : s, t)
-  for (int64_t i = 0; i < n; ++i) {
-    float d = z[i] - mx;
+// S = sum exp(d), T = sum exp(d) d with d = x * scale - mz (clamped), for one block.
+VERL_SIMD_CLONES void block_sums(const float* x, int64_t n, float scale, float mz, float* out_s, float* out_t) {
+  vf8 s = {}, t = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    vf8 d, e;
+    load_vf8(d, x + i);
+    d = d * scale - mz;
     d = d < kMinExpArgF ? kMinExpArgF : d;
-    const float e = exp_poly(d);
+    e = d;
+    exp_poly_inplace(e);
     s += e;
     t += e * d;
   }
-  *out_s = s;
-  *out_t = t;
+  float ss = hsum(s), ts = hsum(t);
+  for (; i < n; ++i) {
+    float d = x[i] * scale - mz;
+    d = d < kMinExpArgF ? kMinExpArgF : d;
+    const float e = exp_poly(d);
+    ss += e;
+    ts += e * d;
+  }
+  *out_s = ss;
+  *out_t = ts;
 }
 
-// z (scaled logits) -> d loss / d x in place, for one row block.
-VERL_SIMD_CLONES void block_grad(float* z, int64_t n, float lse, float ent, float c, float gh, float inv_t) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    float d = z[i] - lse;
+// d loss / d x for one block (formula in logprob.h); out may be x itself.
+VERL_SIMD_CLONES void block_grad(const float* x, float* out, int64_t n, float scale, float lse, float ent, float c,
+                                 float gh) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    vf8 d, e;
+    load_vf8(d, x + i);
+    d = d * scale - lse;
     d = d < kMinExpArgF ? kMinExpArgF : d;
-    z[i] = inv_t * exp_poly(d) * (c - gh * (d + ent));
+    e = d;
+    exp_poly_inplace(e);
+    e = scale * e * (c - gh * (d + ent));
+    store_vf8(out + i, e);
+  }
+  for (; i < n; ++i) {
+    float d = x[i] * scale - lse;
+    d = d < kMinExpArgF ? kMinExpArgF : d;
+    out[i] = scale * exp_poly(d) * (c - gh * (d + ent));
   }
 }
 
-double block_max(const double* z, int64_t n) {
+// float64: std::exp, so float64 results are exact to rounding.
+double block_max(const double* x, int64_t n) {
   double mx = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < n; ++i) mx = z[i] > mx ? z[i] : mx;
+  for (int64_t i = 0; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
   return mx;
 }
 
-void block_sums(const double* z, int64_t n, double mx, double* out_s, double* out_t) {
+void block_sums(const double* x, int64_t n, double scale, double mz, double* out_s, double* out_t) {
   double s = 0.0, t = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    const double d = std::max(z[i] - mx, kMinExpArgD);
+    const double d = std::max(x[i] * scale - mz, kMinExpArgD);
     const double e = std::exp(d);
     s += e;
     t += e * d;
@@ -87,10 +126,10 @@ void block_sums(const double* z, int64_t n, double mx, double* out_s, double* ou
   *out_t = t;
 }
 
-void block_grad(double* z, int64_t n, double lse, double ent, double c, double gh, double inv_t) {
+void block_grad(const double* x, double* out, int64_t n, double scale, double lse, double ent, double c, double gh) {
   for (int64_t i = 0; i < n; ++i) {
-    const double d = std::max(z[i] - lse, kMinExpArgD);
-    z[i] = inv_t * std::exp(d) * (c - gh * (d + ent));
+    const double d = std::max(x[i] * scale - lse, kMinExpArgD);
+    out[i] = scale * std::exp(d) * (c - gh * (d + ent));
   }
 }
 
@@ -114,15 +153,36 @@ inline void merge(double& m, double& S, double& T, double bm, double bS, double 
   }
 }
 
-template <typename scalar_t, typename acc_t>
-inline void load_scaled(const scalar_t* x, int64_t n, acc_t inv_t, acc_t* buf) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<acc_t>(x[i]) * inv_t;
-}
-
 template <typename scalar_t>
 using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
-int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+// A block of a row in the compute type: float32/float64 rows are read in place, 16-bit ones converted into buf.
+template <typename scalar_t, typename acc_t>
+inline const acc_t* as_acc(const scalar_t* x, int64_t n, acc_t* buf) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return x;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<acc_t>(x[i]);
+    return buf;
+  }
+}
+
+// block_grad from scalar_t rows to scalar_t rows: float32/float64 straight into the output row (which may
+// be the input row), 16-bit through buf.
+template <typename scalar_t, typename acc_t>
+inline void grad_block(const scalar_t* x, scalar_t* out, int64_t n, acc_t* buf, acc_t scale, acc_t lse, acc_t ent,
+                       acc_t c, acc_t gh) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    block_grad(x, out, n, scale, lse, ent, c, gh);
+  } else {
+    block_grad(as_acc(x, n, buf), buf, n, scale, lse, ent, c, gh);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(buf[i]);
+  }
+}
+
+// Rows per task: about 64K elements, so each task is worth far more than at::parallel_for's dispatch and
+// a [1024, 1024] chunk still splits into 16 tasks for the threads to share.
+int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1)); }
 
 struct CpuKernels {
   static void stats_update(const at::Tensor& x, const at::Tensor& labels, int64_t col0, int64_t vocab_start,
@@ -144,10 +204,10 @@ struct CpuKernels {
           double rm = pm[r], rS = pS[r], rT = pT[r];
           for (int64_t j = 0; j < cols; j += kBlock) {
             const int64_t len = std::min(kBlock, cols - j);
-            load_scaled(xr + j, len, scale, buf);
-            const acc_t bm = block_max(buf, len);
+            const acc_t* blk = as_acc(xr + j, len, buf);
+            const acc_t bm = block_max(blk, len) * scale;
             acc_t bS, bT;
-            block_sums(buf, len, bm, &bS, &bT);
+            block_sums(blk, len, scale, bm, &bS, &bT);
             merge(rm, rS, rT, bm, bS, bT);
           }
           pm[r] = rm, pS[r] = rS, pT[r] = rT;
@@ -188,21 +248,13 @@ struct CpuKernels {
           const acc_t at_target = owns ? static_cast<acc_t>(xr[local]) : acc_t(0);
           for (int64_t j = 0; j < cols; j += kBlock) {
             const int64_t len = std::min(kBlock, cols - j);
-            if (std::is_same_v<scalar_t, acc_t>) {  // no staging copy: compute in the output row
-              acc_t* o = reinterpret_cast<acc_t*>(orow + j);  // same type on this branch
-              load_scaled(xr + j, len, scale, o);
-              block_grad(o, len, rl, rh, rc, rg, scale);
-            } else {
-              load_scaled(xr + j, len, scale, buf);
-              block_grad(buf, len, rl, rh, rc, rg, scale);
-              for (int64_t i = 0; i < len; ++i) orow[j + i] = static_cast<scalar_t>(buf[i]);
-            }
+            grad_block(xr + j, orow + j, len, buf, scale, rl, rh, rc, rg);
           }
           if (owns) {
             // The target's entry gets the extra inv_t * g_logprob; recomputed from its saved logit so the
             // sum happens in acc_t, not in a 16-bit output.
-            acc_t one = at_target * scale;
-            block_grad(&one, 1, rl, rh, rc, rg, scale);
+            acc_t one;
+            block_grad(&at_target, &one, 1, scale, rl, rh, rc, rg);
             orow[local] = static_cast<scalar_t>(one + scale * static_cast<acc_t>(pglp[r]));
           }
         }

@@ -43,6 +43,12 @@ def sample_inputs(device, dtype=torch.float32):
     masked = rnd(4, 300)
     masked[:, 100:200] = float("-inf")  # masked-out vocabulary entries
     cases.append((masked, lab(4, 100), 1.0))
+    # Rows longer than the CPU kernel's 4096-float block: several blocks fold into one online softmax,
+    # including a block that is entirely -inf and a row whose maximum sits in its last, partial block.
+    long_rows = rnd(3, 9001)
+    long_rows[:, 4096:8192] = float("-inf")
+    long_rows[1, 8999] = 50.0
+    cases.append((long_rows, lab(3, 4096), 1.1))
     return cases
 
 

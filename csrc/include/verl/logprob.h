@@ -255,9 +255,11 @@ Tensor3 linear_logprob_entropy_shard(const Tensor& hidden, const Tensor& weight,
 }
 
 // Recomputes each [chunk_n, chunk_v] block of logits, turns it into d loss / d logits in place and
-// accumulates grad_hidden += G W_c and grad_weight_c += G^T h_c. The vocab loop is outermost so each
-// weight chunk's gradient is finished (and, for 16-bit inputs, rounded) once. 16-bit inputs accumulate in
-// float32 buffers: summing many bfloat16 partial products would lose the small ones.
+// accumulates grad_hidden += G W_c and grad_weight_c += G^T h_c, both GEMMs reading the same G while it is
+// still in cache. The vocab loop is outermost so each weight chunk's gradient is finished (and, for 16-bit
+// inputs, rounded) once. The first product into each gradient block overwrites it (beta = 0), so no pass
+// is spent zeroing. 16-bit inputs accumulate in float32 buffers: summing many bfloat16 partial products
+// would lose the small ones.
 template <class K>
 std::tuple<Tensor, Tensor> linear_logprob_entropy_backward(
     const std::optional<Tensor>& grad_logprob, const std::optional<Tensor>& grad_entropy,
@@ -270,18 +272,18 @@ std::tuple<Tensor, Tensor> linear_logprob_entropy_backward(
   const Linear L = checked_linear(hidden, weight, op);
   const Tensor lab = checked_labels(labels, L.n, std::numeric_limits<int64_t>::max(), ignore_index, L.h, op, "hidden");
   const RowGrads g = row_grads(grad_logprob, grad_entropy, grad_lse, lse, entropy, L.n, L.h, op);
+  if (L.n == 0) return {at::empty({0, L.hdim}, L.h.options()), at::zeros({L.v, L.hdim}, L.w.options())};
   const bool wide = L.h.scalar_type() == at::kFloat || L.h.scalar_type() == at::kDouble;
   const auto acc_opts = L.h.options().dtype(wide ? L.h.scalar_type() : at::kFloat);
-  Tensor grad_h = at::zeros({L.n, L.hdim}, acc_opts);
+  Tensor grad_h = at::empty({L.n, L.hdim}, acc_opts);
   Tensor grad_w = at::empty({L.v, L.hdim}, L.w.options());
-  const int64_t cn = std::min(chunk_n, std::max<int64_t>(L.n, 1)), cv = std::min(chunk_v, L.v);
+  const int64_t cn = std::min(chunk_n, L.n), cv = std::min(chunk_v, L.v);
   const Tensor scratch = at::empty({cn * cv}, L.h.options());
   const double inv_t = 1.0 / temperature;
   for (int64_t v0 = 0; v0 < L.v; v0 += cv) {
     const int64_t rv = std::min(cv, L.v - v0);
     const Tensor wc = L.w.narrow(0, v0, rv);
     Tensor gw = wide ? grad_w.narrow(0, v0, rv) : at::empty({rv, L.hdim}, acc_opts);
-    gw.zero_();
     for (int64_t n0 = 0; n0 < L.n; n0 += cn) {
       const int64_t rn = std::min(cn, L.n - n0);
       const Tensor hc = L.h.narrow(0, n0, rn);
@@ -292,11 +294,15 @@ std::tuple<Tensor, Tensor> linear_logprob_entropy_backward(
                     gc.glp);
       Tensor gh_rows = grad_h.narrow(0, n0, rn);
       if (wide) {
-        gh_rows.addmm_(z, wc);
-        gw.addmm_(z.t(), hc);
+        if (v0 == 0) at::mm_out(gh_rows, z, wc);
+        else gh_rows.addmm_(z, wc);
+        if (n0 == 0) at::mm_out(gw, z.t(), hc);
+        else gw.addmm_(z.t(), hc);
       } else {
-        gh_rows.add_(at::mm(z, wc));
-        gw.add_(at::mm(z.t(), hc));
+        if (v0 == 0) gh_rows.copy_(at::mm(z, wc));
+        else gh_rows.add_(at::mm(z, wc));
+        if (n0 == 0) gw.copy_(at::mm(z.t(), hc));
+        else gw.add_(at::mm(z.t(), hc));
       }
     }
     if (!wide) grad_w.narrow(0, v0, rv).copy_(gw);
