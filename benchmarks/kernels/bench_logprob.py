@@ -12,9 +12,16 @@ to the OS and the peak resident set (VmHWM, reset through /proc/self/clear_refs 
 the resident set before it is the variant's peak extra memory: activations, workspaces, outputs and
 gradients, excluding the inputs. CPU only; on a GPU use torch.cuda.max_memory_allocated instead.
 
-    python benchmarks/kernels/bench_logprob.py            # --quick (default): 2 sizes, ~5-8 min on 2 cores
-    python benchmarks/kernels/bench_logprob.py --full     # the issue's grid where it fits in 24 GiB
-Writes benchmarks/results/bench_logprob.json and .png.
+Time: one thread by default, and the figure compared is the thread's CPU time (time.thread_time), with
+wall time recorded beside it. The machine is shared by several jobs: a descheduled thread's wall time
+measures the neighbours, and with 2 threads one descheduled OpenMP thread stalls the other at every
+barrier (earlier 2-thread runs here took 2-3x the 1-thread time). `--threads 2` measures wall time.
+
+    python benchmarks/kernels/bench_logprob.py            # --quick (default): N=4096, H=896, V 32k and 152k
+    python benchmarks/kernels/bench_logprob.py --full     # adds H=2048
+    python benchmarks/kernels/bench_logprob.py --sizes 256x64x1000   # a smoke run of one small size
+Sizes whose eager run would not fit in the memory available at start are scaled down in N (the output
+says which). Writes benchmarks/results/bench_logprob.json and .png.
 """
 
 from __future__ import annotations
@@ -32,13 +39,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, ROOT)
 VARIANTS = ("eager", "compiled", "fused_logits", "fused_linear")
-# The issue asks for N in {4096, 16384}, H in {896, 2048}, V in {32k, 152k}. Eager fp32 holds ~4 [N, V]
-# tensors at its peak: N=16384 x V=32k (~8 GiB) or N=4096 x V=152k (~10 GiB) does not fit a 24 GiB machine
-# shared by several jobs, so the 152k rows use a smaller N and N=16384 is not run.
-QUICK = [(4096, 896, 32768), (1024, 896, 151936)]
-FULL = [(4096, 896, 32768), (4096, 2048, 32768), (2048, 896, 151936), (2048, 2048, 151936)]
-SCALED_NOTE = ("scaled down for a shared 24 GiB / 2-core CPU machine: N=16384 dropped and N<=2048 at V=151936 "
-               "(eager would need ~8-10 GiB per run); H and V are the issue's")
+# The issue asks for N in {4096, 16384}, H in {896, 2048}, V in {32k, 152k}. Eager fp32 holds ~5 [N, V]
+# tensors at its peak (measured: 2.5 GiB at N=4096, V=32k), so N=16384 (10-48 GiB) never fits this 24 GiB
+# machine; N=4096 at V=152k (~12 GiB) is run when the memory available at start allows, else N is halved
+# until it does.
+QUICK = [(4096, 896, 32768), (4096, 896, 151936)]
+FULL = QUICK + [(4096, 2048, 32768), (4096, 2048, 151936)]
+EAGER_NV_TENSORS = 5.5  # [N, V] float32 tensors live at eager's fwd+bwd peak, with margin
+SCALED_NOTE = "N=16384 dropped: eager would need 10-48 GiB on this shared 24 GiB / 2-core CPU machine"
+
+
+def _mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return int(re.search(r"MemAvailable:\s+(\d+)", f.read()).group(1)) / 2**20
+
+
+def _fit(n: int, h: int, v: int, avail_gib: float) -> int:
+    """Largest N <= n (halving) whose eager fwd+bwd plus inputs fit in 80% of the available memory."""
+    def need(rows):
+        return (EAGER_NV_TENSORS * rows * v + 4 * v * h + 4 * rows * h) * 4 / 2**30
+    while n > 256 and need(n) > 0.8 * avail_gib:
+        n //= 2
+    return n
 
 
 # ----------------------------------------------------------------------------------------- child process
@@ -57,17 +79,23 @@ def _reset_peak() -> float:
     return _rss_mib()[1]
 
 
-def _steps(variant: str, n: int, h: int, v: int, temperature: float):
-    """(train_step, forward_only) closures of one variant over fixed random inputs."""
+def _inputs(n: int, h: int, v: int) -> dict:
+    """Fixed random inputs, shared by every variant in a process (at V=152k the weight alone is 0.5 GiB)."""
     import torch
-
-    import verl.ops as O
 
     torch.manual_seed(0)
     hidden = torch.randn(n, h) * 0.5
     weight = torch.randn(v, h) * (1.0 / h**0.5)
-    labels = torch.randint(0, v, (n,))
-    a, b = torch.randn(n), torch.randn(n)
+    return {"hidden": hidden, "weight": weight, "labels": torch.randint(0, v, (n,)), "a": torch.randn(n),
+            "b": torch.randn(n), "leaf_h": hidden.clone().requires_grad_(),
+            "leaf_w": weight.clone().requires_grad_()}
+
+
+def _steps(variant: str, x: dict, temperature: float):
+    """(train_step, forward_only) closures of one variant over the shared inputs `x`."""
+    import torch
+
+    import verl.ops as O
 
     def eager(hd, w, y):
         logits = hd @ w.t()
@@ -83,7 +111,7 @@ def _steps(variant: str, n: int, h: int, v: int, temperature: float):
         "fused_logits": lambda: (lambda hd, w, y: O.logprob_entropy(hd @ w.t(), y, temperature)),
         "fused_linear": lambda: (lambda hd, w, y: O.linear_logprob_entropy(hd, w, y, temperature)),
     }[variant]()
-    leaf_h, leaf_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    leaf_h, leaf_w, labels, a, b = x["leaf_h"], x["leaf_w"], x["labels"], x["a"], x["b"]
 
     def train_step():
         with O.backend("fused"):
@@ -94,9 +122,14 @@ def _steps(variant: str, n: int, h: int, v: int, temperature: float):
 
     def forward_only():
         with O.backend("fused"), torch.no_grad():
-            return fn(hidden, weight, labels)[0]
+            return fn(x["hidden"], x["weight"], labels)[0]
 
     return train_step, forward_only
+
+
+def _clock(threads: int):
+    """CPU time of this thread with one thread (immune to time slicing by other jobs), else wall time."""
+    return time.thread_time if threads == 1 else time.perf_counter
 
 
 def _compile_warmup(variant, train_step, forward_only):
@@ -110,9 +143,11 @@ def _compile_warmup(variant, train_step, forward_only):
 
 def _child_mem(variant: str, n: int, h: int, v: int, temperature: float) -> dict:
     """Peak extra resident memory of one fwd+bwd and one forward-only run (subprocess per variant)."""
-    train_step, forward_only = _steps(variant, n, h, v, temperature)
+    x = _inputs(n, h, v)
+    train_step, forward_only = _steps(variant, x, temperature)
     res = {"compile_s": _compile_warmup(variant, train_step, forward_only)}
     for name, step in (("fwd_bwd", train_step), ("fwd", forward_only)):
+        x["leaf_h"].grad = x["leaf_w"].grad = None
         base = _reset_peak()
         out = step()
         res[f"{name}_peak_mib"] = _rss_mib()[0] - base
@@ -124,19 +159,27 @@ def _child_mem(variant: str, n: int, h: int, v: int, temperature: float) -> dict
     return res
 
 
-def _child_time(n: int, h: int, v: int, temperature: float, reps: int) -> dict:
+def _child_time(n: int, h: int, v: int, temperature: float, reps: int, threads: int) -> dict:
     """Seconds per fwd+bwd and per forward, min over `reps` rounds that interleave the variants, so a
-    burst of load from other jobs on the shared machine hits every variant alike."""
-    steps = {var: _steps(var, n, h, v, temperature) for var in VARIANTS}
-    res = {var: {"fwd_bwd_s": float("inf"), "fwd_s": float("inf")} for var in VARIANTS}
+    burst of load from other jobs on the shared machine hits every variant alike. `*_s` is the compared
+    figure (thread CPU time with 1 thread, else wall time); `*_wall_s` is always wall time."""
+    clock = _clock(threads)
+    x = _inputs(n, h, v)
+    steps = {var: _steps(var, x, temperature) for var in VARIANTS}
+    res = {var: {k: float("inf") for k in ("fwd_bwd_s", "fwd_s", "fwd_bwd_wall_s", "fwd_wall_s")}
+           for var in VARIANTS}
     for var, (tr, fw) in steps.items():
         res[var]["compile_s"] = _compile_warmup(var, tr, fw)
     for _ in range(reps):
         for var, (tr, fw) in steps.items():
             for name, step in (("fwd_bwd", tr), ("fwd", fw)):
-                t0 = time.perf_counter()
-                step()
-                res[var][f"{name}_s"] = min(res[var][f"{name}_s"], time.perf_counter() - t0)
+                x["leaf_h"].grad = x["leaf_w"].grad = None  # the previous variant's gradients
+                w0, c0 = time.perf_counter(), clock()
+                out = step()
+                c1, w1 = clock(), time.perf_counter()
+                del out
+                res[var][f"{name}_s"] = min(res[var][f"{name}_s"], c1 - c0)
+                res[var][f"{name}_wall_s"] = min(res[var][f"{name}_wall_s"], w1 - w0)
     return res
 
 
@@ -180,7 +223,7 @@ def _plot(rows, path):
 
 
 def _ratios(num: dict, den: dict) -> dict:
-    keys = ("fwd_bwd_peak_mib", "fwd_peak_mib", "fwd_bwd_s", "fwd_s")
+    keys = ("fwd_bwd_peak_mib", "fwd_peak_mib", "fwd_bwd_s", "fwd_s", "fwd_bwd_wall_s", "fwd_wall_s")
     return {k: num[k] / den[k] for k in keys if k in num and k in den and den[k]}
 
 
@@ -189,8 +232,8 @@ def _measure_size(n, h, v, args) -> dict:
     for var in VARIANTS:
         r = _run_child(["mem", var, n, h, v, args.temperature], args.threads, args.timeout, malloc_mmap=True)
         row["variants"][var].update(r)
-    t = _run_child(["time", "-", n, h, v, args.temperature, args.reps], args.threads, args.timeout * 2,
-                   malloc_mmap=False)
+    t = _run_child(["time", "-", n, h, v, args.temperature, args.reps, args.threads], args.threads,
+                   args.timeout * 2, malloc_mmap=False)
     for var in VARIANTS:
         row["variants"][var].update(t.get(var, {"time_error": t.get("error", "missing")}))
     for var, r in row["variants"].items():
@@ -199,7 +242,8 @@ def _measure_size(n, h, v, args) -> dict:
                   flush=True)
             continue
         print(f"  N={n} H={h} V={v} {var:13s} fwd+bwd {r['fwd_bwd_s']:7.2f}s peak {r['fwd_bwd_peak_mib']:8.0f} MiB"
-              f" | fwd {r['fwd_s']:6.2f}s peak {r['fwd_peak_mib']:7.0f} MiB", flush=True)
+              f" | fwd {r['fwd_s']:6.2f}s peak {r['fwd_peak_mib']:7.0f} MiB | wall {r['fwd_bwd_wall_s']:7.2f}s"
+              f" {r['fwd_wall_s']:6.2f}s", flush=True)
     e, c, f = (row["variants"][k] for k in ("eager", "compiled", "fused_linear"))
     row["fused_linear_vs_eager"] = _ratios(f, e)
     row["fused_linear_vs_compiled"] = _ratios(f, c)
@@ -217,38 +261,63 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         kind, variant = sys.argv[2], sys.argv[3]
         n, h, v, t = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
-        out = _child_mem(variant, n, h, v, t) if kind == "mem" else _child_time(n, h, v, t, int(sys.argv[8]))
+        out = (_child_mem(variant, n, h, v, t) if kind == "mem"
+               else _child_time(n, h, v, t, int(sys.argv[8]), int(sys.argv[9])))
         print(json.dumps(out))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="two sizes (default)")
     mode.add_argument("--full", action="store_true", help="the issue's grid, scaled where it does not fit")
+    mode.add_argument("--sizes", nargs="+", metavar="NxHxV", help="explicit sizes, e.g. 256x64x1000 (smoke runs)")
     ap.add_argument("--temperature", type=float, default=0.9)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 (default) compares CPU time, more compares wall time")
     ap.add_argument("--reps", type=int, default=2, help="interleaved timing rounds (min is reported)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per subprocess")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
-    sizes = FULL if args.full else QUICK
-    print(f"[bench_logprob] {SCALED_NOTE}", flush=True)
+    if args.sizes:
+        asked = [tuple(int(d) for d in s.split("x")) for s in args.sizes]
+    else:
+        asked = FULL if args.full else QUICK
+    avail = _mem_available_gib()
+    sizes, notes = [], [SCALED_NOTE] if not args.sizes else []
+    for n, h, v in asked:
+        fit = _fit(n, h, v, avail)
+        if fit != n:
+            notes.append(f"N={n} H={h} V={v} scaled to N={fit}: eager would not fit in the {avail:.1f} GiB "
+                         f"available at start")
+        sizes.append((fit, h, v))
+    note = "; ".join(notes) or "no size scaled down"
+    print(f"[bench_logprob] sizes {sizes}; {note}", flush=True)
     t0 = time.time()
-    rows = [_measure_size(n, h, v, args) for n, h, v in sizes]
+    rows = []
+    for i, (n, h, v) in enumerate(sizes):
+        rows.append(_measure_size(n, h, v, args))
+        # Written after every size, so a run cut short by its time limit still leaves the finished rows.
+        _write(rows, args, note, avail, t0, complete=i == len(sizes) - 1)
+
+
+def _write(rows, args, note, avail, t0, complete):
     import torch
-    meta = {"command": "python benchmarks/kernels/bench_logprob.py" + (" --full" if args.full else ""),
-            "note": SCALED_NOTE, "dtype": "float32", "device": "cpu", "threads": args.threads,
+
+    import verl.ops as O
+    meta = {"command": "python " + " ".join(["benchmarks/kernels/bench_logprob.py", *sys.argv[1:]]),
+            "note": note, "complete": complete, "mem_available_gib_at_start": avail, "dtype": "float32",
+            "device": "cpu", "threads": args.threads,
             "temperature": args.temperature, "torch": torch.__version__, "machine": platform.processor() or
             platform.machine(), "load_avg_1m_at_end": os.getloadavg()[0], "wall_s": time.time() - t0,
             "memory": "peak extra resident set per variant in its own process (MALLOC_MMAP_THRESHOLD_=65536)",
-            "timing": f"min over {args.reps} interleaved rounds in one process; the machine is shared, so "
-                      "expect noise of tens of percent", "fused_linear_chunks": "chunk_n=1024, chunk_v=4096"}
+            "timing": (f"min over {args.reps} interleaved rounds in one process; *_s = "
+                       + ("thread CPU time" if args.threads == 1 else "wall time") + ", *_wall_s = wall time"),
+            "fused_linear_chunks": f"chunk_n={O.DEFAULT_CHUNK_N}, chunk_v={O.DEFAULT_CHUNK_V} (the defaults)"}
     os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.join(args.out_dir, "bench_logprob.json")
     with open(out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=2)
     _plot(rows, os.path.join(args.out_dir, "bench_logprob.png"))
-    print(f"[bench_logprob] wrote {out} and bench_logprob.png ({time.time() - t0:.0f}s)")
-
+    print(f"[bench_logprob] wrote {out} and bench_logprob.png ({time.time() - t0:.0f}s)", flush=True)
 
 if __name__ == "__main__":
     main()
