@@ -152,6 +152,7 @@ def test_gradients_match_reference(device, dtype):
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(h1.grad.double(), h2.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(w1.grad.double(), w2.grad, atol=tol, rtol=tol)
+    assert (h1.grad[y == -100] == 0).all()  # ignored rows are skipped by the GEMMs, not just zeroed
 
 
 @needs_ext

@@ -26,6 +26,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "verl/checks.h"
 
@@ -208,6 +209,35 @@ inline Tensor chunk_view(const Tensor& scratch, int64_t rows, int64_t cols) {
   return scratch.narrow(0, 0, rows * cols).view({rows, cols});
 }
 
+// Rows whose label is ignore_index give zeros and get no gradient, so the GEMMs skip them (padding and
+// prompt tokens can be half the batch in RL): when some rows are ignored, the valid rows of hidden are
+// gathered once ([N_valid, H], independent of V, no larger than grad_hidden) and results are scattered
+// back. When every row is valid, nothing is copied (one nonzero; a host sync on CUDA).
+struct Rows {
+  Tensor index;   // positions of the computed rows in [0, N); undefined when every row is valid
+  Tensor h, lab;  // the computed rows of hidden and their labels
+};
+
+inline Rows valid_rows(const Tensor& h, const Tensor& lab, int64_t ignore_index) {
+  const Tensor idx = lab.ne(ignore_index).nonzero().view({-1});
+  if (idx.size(0) == lab.size(0)) return {Tensor(), h, lab};
+  return {idx, h.index_select(0, idx), lab.index_select(0, idx)};
+}
+
+inline RowGrads select_rows(const RowGrads& g, const Rows& r) {
+  if (!r.index.defined()) return g;
+  return {g.lse.index_select(0, r.index), g.H.index_select(0, r.index), g.c.index_select(0, r.index),
+          g.gh.index_select(0, r.index), g.glp.index_select(0, r.index)};
+}
+
+// x [N_valid, ...] -> [N, ...] with zeros on the skipped rows.
+inline Tensor scatter_rows(const Rows& r, const Tensor& x, int64_t n) {
+  if (!r.index.defined()) return x;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes[0] = n;
+  return at::zeros(sizes, x.options()).index_copy_(0, r.index, x);
+}
+
 template <class K>
 Tensor3 linear_shard_stats(const Tensor& hidden, const Tensor& weight, const Tensor& labels, double temperature,
                            int64_t vocab_start, int64_t vocab_size, int64_t ignore_index, int64_t chunk_n,
@@ -218,14 +248,16 @@ Tensor3 linear_shard_stats(const Tensor& hidden, const Tensor& weight, const Ten
   TORCH_CHECK(vocab_start >= 0 && vocab_start + L.v <= vocab_size, op, ": the shard [vocab_start=", vocab_start,
               ", vocab_start + V=", vocab_start + L.v, ") does not fit in the vocabulary of vocab_size=", vocab_size);
   const Tensor lab = checked_labels(labels, L.n, vocab_size, ignore_index, L.h, op, "hidden");
-  State st = new_state(L.n, L.h);
-  const int64_t cn = std::min(chunk_n, std::max<int64_t>(L.n, 1)), cv = std::min(chunk_v, L.v);
+  const Rows R = valid_rows(L.h, lab, ignore_index);
+  const int64_t nr = R.h.size(0);
+  State st = new_state(nr, L.h);
+  const int64_t cn = std::min(chunk_n, std::max<int64_t>(nr, 1)), cv = std::min(chunk_v, L.v);
   const Tensor scratch = at::empty({cn * cv}, L.h.options());
   const double inv_t = 1.0 / temperature;
-  for (int64_t n0 = 0; n0 < L.n; n0 += cn) {
-    const int64_t rn = std::min(cn, L.n - n0);
-    const Tensor hc = L.h.narrow(0, n0, rn);
-    const Tensor lc = lab.narrow(0, n0, rn);
+  for (int64_t n0 = 0; n0 < nr; n0 += cn) {
+    const int64_t rn = std::min(cn, nr - n0);
+    const Tensor hc = R.h.narrow(0, n0, rn);
+    const Tensor lc = R.lab.narrow(0, n0, rn);
     Tensor m = st.m.narrow(0, n0, rn), S = st.S.narrow(0, n0, rn), T = st.T.narrow(0, n0, rn),
            tg = st.target.narrow(0, n0, rn);
     for (int64_t v0 = 0; v0 < L.v; v0 += cv) {
@@ -235,7 +267,8 @@ Tensor3 linear_shard_stats(const Tensor& hidden, const Tensor& weight, const Ten
       K::stats_update(z, lc, v0, vocab_start, ignore_index, inv_t, m, S, T, tg);
     }
   }
-  return finish(st, lab, ignore_index, out_dtype(L.h.scalar_type()));
+  const auto [tgt, lse, ent] = finish(st, R.lab, ignore_index, out_dtype(L.h.scalar_type()));
+  return {scatter_rows(R, tgt, L.n), scatter_rows(R, lse, L.n), scatter_rows(R, ent, L.n)};
 }
 
 template <class K>
@@ -271,26 +304,28 @@ std::tuple<Tensor, Tensor> linear_logprob_entropy_backward(
   check_chunks(chunk_n, chunk_v, op);
   const Linear L = checked_linear(hidden, weight, op);
   const Tensor lab = checked_labels(labels, L.n, std::numeric_limits<int64_t>::max(), ignore_index, L.h, op, "hidden");
-  const RowGrads g = row_grads(grad_logprob, grad_entropy, grad_lse, lse, entropy, L.n, L.h, op);
-  if (L.n == 0) return {at::empty({0, L.hdim}, L.h.options()), at::zeros({L.v, L.hdim}, L.w.options())};
+  const Rows R = valid_rows(L.h, lab, ignore_index);
+  const int64_t nr = R.h.size(0);
+  const RowGrads g = select_rows(row_grads(grad_logprob, grad_entropy, grad_lse, lse, entropy, L.n, L.h, op), R);
+  if (nr == 0) return {at::zeros({L.n, L.hdim}, L.h.options()), at::zeros({L.v, L.hdim}, L.w.options())};
   const bool wide = L.h.scalar_type() == at::kFloat || L.h.scalar_type() == at::kDouble;
   const auto acc_opts = L.h.options().dtype(wide ? L.h.scalar_type() : at::kFloat);
-  Tensor grad_h = at::empty({L.n, L.hdim}, acc_opts);
+  Tensor grad_h = at::empty({nr, L.hdim}, acc_opts);  // the computed rows
   Tensor grad_w = at::empty({L.v, L.hdim}, L.w.options());
-  const int64_t cn = std::min(chunk_n, L.n), cv = std::min(chunk_v, L.v);
+  const int64_t cn = std::min(chunk_n, nr), cv = std::min(chunk_v, L.v);
   const Tensor scratch = at::empty({cn * cv}, L.h.options());
   const double inv_t = 1.0 / temperature;
   for (int64_t v0 = 0; v0 < L.v; v0 += cv) {
     const int64_t rv = std::min(cv, L.v - v0);
     const Tensor wc = L.w.narrow(0, v0, rv);
     Tensor gw = wide ? grad_w.narrow(0, v0, rv) : at::empty({rv, L.hdim}, acc_opts);
-    for (int64_t n0 = 0; n0 < L.n; n0 += cn) {
-      const int64_t rn = std::min(cn, L.n - n0);
-      const Tensor hc = L.h.narrow(0, n0, rn);
+    for (int64_t n0 = 0; n0 < nr; n0 += cn) {
+      const int64_t rn = std::min(cn, nr - n0);
+      const Tensor hc = R.h.narrow(0, n0, rn);
       Tensor z = chunk_view(scratch, rn, rv);
       at::mm_out(z, hc, wc.t());
       const RowGrads gc = narrow_rows(g, n0, rn);
-      K::grad_chunk(z, z, lab.narrow(0, n0, rn), v0, vocab_start, ignore_index, inv_t, gc.lse, gc.H, gc.c, gc.gh,
+      K::grad_chunk(z, z, R.lab.narrow(0, n0, rn), v0, vocab_start, ignore_index, inv_t, gc.lse, gc.H, gc.c, gc.gh,
                     gc.glp);
       Tensor gh_rows = grad_h.narrow(0, n0, rn);
       if (wide) {
@@ -307,7 +342,7 @@ std::tuple<Tensor, Tensor> linear_logprob_entropy_backward(
     }
     if (!wide) grad_w.narrow(0, v0, rv).copy_(gw);
   }
-  return {wide ? grad_h : grad_h.to(L.h.scalar_type()), grad_w};
+  return {scatter_rows(R, wide ? grad_h : grad_h.to(L.h.scalar_type()), L.n), grad_w};
 }
 
 }  // namespace logprob
