@@ -173,41 +173,66 @@ struct ScanStats {
   double n = 0.0, mean = 0.0, m2 = 0.0;
 };
 
-// Reverse scan of one row over the valid positions only: a masked position neither updates the running
-// advantage nor the next value, so left/right padding and holes leave the valid outputs unchanged.
+template <typename T>
+struct GaeState {
+  T next_v = 0, run = 0;  // carried across chunks of a row
+  int64_t bad = 0;
+  double s = 0.0, q = 0.0, n = 0.0;  // sum, sum of squares and count of the valid advantages
+};
+
+// Reverse scan over [0, len) of a row (continuing `st` from the positions after it), over the valid positions
+// only: a masked position neither updates the running advantage nor the next value, so left/right padding and
+// holes leave the valid outputs unchanged. The statistics are of the advantages rounded to the output dtype R
+// (what whitening then reads), so a constant advantage whitens to exactly 0.
+template <typename R, typename T, typename O>
+VERL_INLINE void gae_span(const T* rp, const T* vp, const bool* mp, int64_t len, T g, T gl, GaeState<T>& st, O* ap,
+                          O* tp) {
+  for (int64_t t = len - 1; t >= 0; --t) {
+    if (!mp[t]) {
+      ap[t] = O(0);
+      tp[t] = O(0);
+      continue;
+    }
+    const T rt = rp[t];
+    const T vt = vp ? vp[t] : T(0);
+    st.bad += (std::isfinite(rt) && std::isfinite(vt)) ? 0 : 1;
+    st.run = rt + g * st.next_v - vt + gl * st.run;
+    st.next_v = vt;
+    ap[t] = static_cast<O>(st.run);
+    tp[t] = static_cast<O>(st.run + vt);
+    const double o = static_cast<double>(static_cast<R>(st.run));
+    st.s += o;
+    st.q += o * o;
+    st.n += 1.0;
+  }
+}
+
+// One row: float32 / float64 in place; bf16 / half through float chunks (vectorised conversions), from the end.
 template <typename scalar_t>
 ScanStats gae_row(const scalar_t* rp, const scalar_t* vp, const bool* mp, int64_t T, double gamma, double lam,
                   scalar_t* ap, scalar_t* tp) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const acc_t g = static_cast<acc_t>(gamma), gl = static_cast<acc_t>(gamma * lam);
-  acc_t next_v = 0, run = 0;
-  int64_t nbad = 0;
-  double s = 0.0, q = 0.0, n = 0.0;
-  for (int64_t t = T - 1; t >= 0; --t) {
-    if (!mp[t]) {
-      ap[t] = scalar_t(0);
-      tp[t] = scalar_t(0);
-      continue;
+  using T_ = comp_t<scalar_t>;
+  const T_ g = static_cast<T_>(gamma), gl = static_cast<T_>(gamma * lam);
+  GaeState<T_> st;
+  if constexpr (std::is_same_v<scalar_t, T_>) {
+    gae_span<scalar_t>(rp, vp, mp, T, g, gl, st, ap, tp);
+  } else {
+    T_ rb[kChunk], vb[kChunk], ab[kChunk], tb[kChunk];
+    for (int64_t end = T; end > 0; end -= kChunk) {
+      const int64_t t0 = std::max<int64_t>(0, end - kChunk), len = end - t0;
+      load_chunk(rp + t0, rb, len);
+      if (vp) load_chunk(vp + t0, vb, len);
+      gae_span<scalar_t>(rb, vp ? vb : nullptr, mp + t0, len, g, gl, st, ab, tb);
+      store_chunk(ab, ap + t0, len);
+      store_chunk(tb, tp + t0, len);
     }
-    const acc_t rt = static_cast<acc_t>(rp[t]);
-    const acc_t vt = vp ? static_cast<acc_t>(vp[t]) : acc_t(0);
-    nbad += (std::isfinite(rt) && std::isfinite(vt)) ? 0 : 1;
-    run = rt + g * next_v - vt + gl * run;
-    next_v = vt;
-    const scalar_t out = static_cast<scalar_t>(run);
-    ap[t] = out;
-    tp[t] = static_cast<scalar_t>(run + vt);
-    const double o = static_cast<double>(out);
-    s += o;
-    q += o * o;
-    n += 1.0;
   }
-  ScanStats st;
-  st.bad = nbad;
-  st.n = n;
-  st.mean = n > 0.0 ? s / n : 0.0;
-  st.m2 = n > 0.0 ? std::max(0.0, q - s * st.mean) : 0.0;
-  return st;
+  ScanStats out;
+  out.bad = st.bad;
+  out.n = st.n;
+  out.mean = st.n > 0.0 ? st.s / st.n : 0.0;
+  out.m2 = st.n > 0.0 ? std::max(0.0, st.q - st.s * out.mean) : 0.0;
+  return out;
 }
 
 struct GaeOut {
