@@ -5,8 +5,9 @@
     python benchmarks/e2e/bench_grpo_vs_trl.py --quick         # ~5 steps each side
     python benchmarks/e2e/bench_grpo_vs_trl.py --full          # more steps, and the 1/2/4-process scaling
 
-Both sides sample exactly 32 tokens per response (EOS ignored), learn with lr 1e-4, no KL term, one PPO
-epoch (on-policy: no extra old-log-prob pass on either side). tokens/s = generated tokens / step wall time.
+Both sides sample exactly 32 tokens per response (EOS ignored), learn with lr 1e-4, no KL term (TRL's beta=0,
+verl's actor.use_kl_loss=false: neither runs a reference model), one PPO epoch (on-policy: no extra
+old-log-prob pass on either side). tokens/s = generated tokens / step wall time.
 In each round the two sides run at the same time, one single-threaded process each, so on a shared
 machine they see the same outside load; only steps that end inside the window where both are training
 count (verl runs more steps so that it covers TRL's whole run despite starting faster). s/step is the
@@ -49,7 +50,7 @@ def verl_args(model_dir: Path, prompts: Path, steps: int, out: Path, per_rank_pr
     return [f"model.path={model_dir}", f"data.train_files={prompts}", f"data.train_batch_size={per_rank_prompts}",
             f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.ignore_eos=true",
             f"actor.mini_batch_size={per_rank_prompts}", f"actor.micro_batch_size={PROMPTS * SAMPLES}",
-            "actor.optim.lr=1e-4", "warmup.steps=0", f"trainer.total_steps={steps}", "trainer.threads=1",
+            "actor.optim.lr=1e-4", "actor.use_kl_loss=false", "warmup.steps=0", f"trainer.total_steps={steps}", "trainer.threads=1",
             "trainer.device=cpu", "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false",
             "trainer.tensorboard=false", "trainer.progress_bar=false", "data.max_prompt_length=64",
             f"trainer.output_dir={out}"]
