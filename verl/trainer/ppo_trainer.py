@@ -132,17 +132,17 @@ class PPOTrainer:
                                                              optim=cfg.critic.optim, total_steps=steps), cfg.critic)
 
     def _checkpointed(self) -> tuple[dict, dict]:
-        """(torch modules saved with DCP, megatron engines saving their own per-rank state)."""
+        """(torch modules and optimizers, megatron engines with their own per-rank layout): both go to DCP."""
         workers = {"actor": self.actor, "ref": self.ref, "critic": self.critic}
-        modules, savers = {}, {}
+        modules, sharded = {}, {}
         for name, w in workers.items():
             if w is None:
                 continue
             if isinstance(w.engine, TorchEngine):
                 modules[name] = (w.engine.module, w.engine.optimizer)
             else:
-                savers[name] = w.engine
-        return modules, savers
+                sharded[name] = w.engine
+        return modules, sharded
 
     def _scheduler_state(self, worker):
         sched = getattr(getattr(worker, "engine", None), "scheduler", None)
