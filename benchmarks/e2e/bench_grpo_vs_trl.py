@@ -160,6 +160,11 @@ def plot(result: dict, path: Path) -> None:
     names = ["verl", "TRL"]
     vals = [result["verl"]["tokens_per_s"], result["trl"]["tokens_per_s"]]
     axes[0].bar(names, vals, color=["tab:blue", "tab:gray"])
+    if result.get("compute_floor"):
+        ceiling = PROMPTS * SAMPLES * NEW_TOKENS / result["compute_floor"]["floor_s_per_step"]
+        axes[0].axhline(ceiling, color="tab:red", linestyle="--", label="compute floor (matmul FLOPs / GEMM rate)")
+        axes[0].axhline(2 * vals[1], color="tab:green", linestyle=":", label="target: 2x TRL")
+        axes[0].legend(fontsize=7, loc="lower right")
     axes[0].set_title(f"GRPO tokens/s, 1 proc 1 thread, median (x{result['ratio_tokens_per_s']:.2f})")
     if result.get("scaling"):
         ns = [r["nproc"] for r in result["scaling"]]
