@@ -33,6 +33,10 @@
 #include "verl/rl.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
+#include <immintrin.h>
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
 #define VERL_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define VERL_SIMD_CLONES
@@ -207,6 +211,16 @@ VERL_INLINE void gae_span(const T* rp, const T* vp, const bool* mp, int64_t len,
   }
 }
 
+template <typename T>
+ScanStats finish_scan(const GaeState<T>& st) {
+  ScanStats out;
+  out.bad = st.bad;
+  out.n = st.n;
+  out.mean = st.n > 0.0 ? st.s / st.n : 0.0;
+  out.m2 = st.n > 0.0 ? std::max(0.0, st.q - st.s * out.mean) : 0.0;
+  return out;
+}
+
 // One row: float32 / float64 in place; bf16 / half through float chunks (vectorised conversions), from the end.
 template <typename scalar_t>
 ScanStats gae_row(const scalar_t* rp, const scalar_t* vp, const bool* mp, int64_t T, double gamma, double lam,
@@ -227,13 +241,191 @@ ScanStats gae_row(const scalar_t* rp, const scalar_t* vp, const bool* mp, int64_
       store_chunk(tb, tp + t0, len);
     }
   }
-  ScanStats out;
-  out.bad = st.bad;
-  out.n = st.n;
-  out.mean = st.n > 0.0 ? st.s / st.n : 0.0;
-  out.m2 = st.n > 0.0 ? std::max(0.0, st.q - st.s * out.mean) : 0.0;
-  return out;
+  return finish_scan(st);
 }
+
+// ---- GAE, 8 rows per AVX2 vector
+//
+// The scan is serial in t, so one row per thread is latency-bound (~5 cycles per token on the fma + select chain).
+// Here 8 rows advance together, one per vector lane: blocks of 8 rows x 8 timesteps are loaded row-wise,
+// transposed in registers (8x8), scanned as 8 vector steps backwards in time, transposed back and stored. Only
+// compiled for AVX2+FMA and used when the CPU has it (gae_rows8 below); other CPUs take the row scan.
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
+#define VERL_HAVE_GAE8 1
+#define VERL_AVX2 __attribute__((target("avx2,fma")))
+#define VERL_AVX2_INLINE inline __attribute__((target("avx2,fma"), always_inline))
+
+VERL_AVX2_INLINE void transpose8(__m256 (&r)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+template <typename S>
+VERL_AVX2_INLINE __m256 load8(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(p);
+  } else {  // bf16: the high half of a float
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+// float -> bf16 bits (round to nearest even, NaN -> 0x7FC0) in the low 16 bits of each 32-bit lane.
+VERL_AVX2_INLINE __m256i bf16_bits(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+template <typename S>
+VERL_AVX2_INLINE void store8(S* p, __m256 x) {
+  if constexpr (std::is_same_v<S, float>) {
+    _mm256_storeu_ps(p, x);
+  } else {
+    const __m256i b = bf16_bits(x);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
+}
+
+// The value whitening will read back: x rounded to the output dtype.
+template <typename S>
+VERL_AVX2_INLINE __m256 as_stored(__m256 x) {
+  if constexpr (std::is_same_v<S, float>) return x;
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16));
+}
+
+VERL_AVX2_INLINE __m256 load_mask8(const bool* m) {
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(w, _mm256_setzero_si256()));
+}
+
+// Rows [0, 8) starting at rp / vp / mp / ap / tp (row stride T). Blocks of 8 timesteps from the end; the first
+// T % 8 timesteps of each row finish in the scalar scan, continuing each lane's state.
+template <typename S>
+VERL_AVX2 void gae_group8(const S* rp, const S* vp, const bool* mp, int64_t T, float gamma, float gl, S* ap, S* tp,
+                          ScanStats* out) {
+  const __m256 G = _mm256_set1_ps(gamma), GL = _mm256_set1_ps(gl), zero = _mm256_setzero_ps();
+  __m256 nv = zero, run = zero;
+  __m256i nbad = _mm256_setzero_si256(), cnt = _mm256_setzero_si256();
+  __m256d s_lo = _mm256_setzero_pd(), s_hi = s_lo, q_lo = s_lo, q_hi = s_lo;
+  const int64_t head = T % 8;
+  for (int64_t tb = T - 8; tb >= head; tb -= 8) {
+    __m256 R[8], V[8], M[8];
+    for (int r = 0; r < 8; ++r) {
+      R[r] = load8(rp + r * T + tb);
+      V[r] = vp ? load8(vp + r * T + tb) : zero;
+      M[r] = load_mask8(mp + r * T + tb);
+    }
+    transpose8(R);
+    transpose8(V);
+    transpose8(M);
+    for (int j = 7; j >= 0; --j) {
+      const __m256 keep = M[j];
+      const __m256 nw = _mm256_fmadd_ps(GL, run, _mm256_sub_ps(_mm256_fmadd_ps(G, nv, R[j]), V[j]));
+      run = _mm256_blendv_ps(run, nw, keep);
+      nv = _mm256_blendv_ps(nv, V[j], keep);
+      const __m256 fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(R[j], R[j]), zero, _CMP_EQ_OQ),
+                                       _mm256_cmp_ps(_mm256_sub_ps(V[j], V[j]), zero, _CMP_EQ_OQ));
+      nbad = _mm256_sub_epi32(nbad, _mm256_castps_si256(_mm256_andnot_ps(fin, keep)));
+      cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(keep));
+      const __m256 a = _mm256_and_ps(nw, keep);
+      R[j] = a;  // R and V now hold the outputs of step j
+      V[j] = _mm256_and_ps(_mm256_add_ps(nw, V[j]), keep);
+      const __m256 st = as_stored<S>(a);
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(st)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(st, 1));
+      s_lo = _mm256_add_pd(s_lo, lo);
+      s_hi = _mm256_add_pd(s_hi, hi);
+      q_lo = _mm256_fmadd_pd(lo, lo, q_lo);
+      q_hi = _mm256_fmadd_pd(hi, hi, q_hi);
+    }
+    transpose8(R);
+    transpose8(V);
+    for (int r = 0; r < 8; ++r) {
+      store8(ap + r * T + tb, R[r]);
+      store8(tp + r * T + tb, V[r]);
+    }
+  }
+  alignas(32) float nvl[8], runl[8];
+  alignas(32) int32_t badl[8], cntl[8];
+  alignas(32) double sl[8], ql[8];
+  _mm256_store_ps(nvl, nv);
+  _mm256_store_ps(runl, run);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(badl), nbad);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(cntl), cnt);
+  _mm256_store_pd(sl, s_lo);
+  _mm256_store_pd(sl + 4, s_hi);
+  _mm256_store_pd(ql, q_lo);
+  _mm256_store_pd(ql + 4, q_hi);
+  for (int r = 0; r < 8; ++r) {
+    GaeState<float> st;
+    st.next_v = nvl[r];
+    st.run = runl[r];
+    st.bad = badl[r];
+    st.s = sl[r];
+    st.q = ql[r];
+    st.n = cntl[r];
+    if (head > 0) {
+      float rb[8], vb[8], ab[8], tb[8];
+      for (int64_t t = 0; t < head; ++t) {
+        rb[t] = static_cast<float>(rp[r * T + t]);
+        vb[t] = vp ? static_cast<float>(vp[r * T + t]) : 0.0f;
+      }
+      gae_span<S>(rb, vp ? vb : nullptr, mp + r * T, head, gamma, gl, st, ab, tb);
+      for (int64_t t = 0; t < head; ++t) {
+        ap[r * T + t] = static_cast<S>(ab[t]);
+        tp[r * T + t] = static_cast<S>(tb[t]);
+      }
+    }
+    out[r] = finish_scan(st);
+  }
+}
+
+bool cpu_has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// Scans rows [0, 8 * (B / 8)) in groups of 8 when the CPU has AVX2+FMA; returns how many rows it did.
+template <typename S>
+int64_t gae_rows8(const S* rp, const S* vp, const bool* mp, int64_t B, int64_t T, double gamma, double lam, S* ap,
+                  S* tp, std::vector<ScanStats>& rows) {
+  if constexpr (!(std::is_same_v<S, float> || std::is_same_v<S, c10::BFloat16>)) {
+    return 0;
+  } else {
+    if (!cpu_has_avx2_fma() || T < 8) return 0;
+    const int64_t groups = B / 8;
+    const float g = static_cast<float>(gamma), gl = static_cast<float>(gamma * lam);
+    at::parallel_for(0, groups, std::max<int64_t>(1, row_grain(T) / 8), [&](int64_t g0, int64_t g1) {
+      for (int64_t k = g0; k < g1; ++k) {
+        const int64_t off = k * 8 * T;
+        gae_group8(rp + off, vp ? vp + off : nullptr, mp + off, T, g, gl, ap + off, tp + off, rows.data() + k * 8);
+      }
+    });
+    return groups * 8;
+  }
+}
+#endif
 
 struct GaeOut {
   at::Tensor adv, ret, m;
@@ -261,7 +453,11 @@ GaeOut gae_scan(const at::Tensor& rewards, const std::optional<at::Tensor>& valu
     const bool* mp = o.m.data_ptr<bool>();
     scalar_t* ap = o.adv.data_ptr<scalar_t>();
     scalar_t* tp = o.ret.data_ptr<scalar_t>();
-    at::parallel_for(0, B, row_grain(T), [&](int64_t b0, int64_t b1) {
+    int64_t done = 0;
+#if VERL_HAVE_GAE8
+    done = gae_rows8(rp, vp, mp, B, T, gamma, lam, ap, tp, o.rows);
+#endif
+    at::parallel_for(done, B, row_grain(T), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t off = b * T;
         o.rows[b] = gae_row(rp + off, vp ? vp + off : nullptr, mp + off, T, gamma, lam, ap + off, tp + off);
