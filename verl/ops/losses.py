@@ -339,16 +339,9 @@ def _register() -> None:
     torch.library.register_autograd(lib + "kl_loss_with_grad", _with_grad_backward(9, (1, -1)),
                                     setup_context=_setup_with_grad)
 
-    # Each forward returns row_weight [B] (float64) so that backward is one elementwise pass.
-    def _setup_agg(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], output[1])
-        ctx.mark_non_differentiable(output[1])
-
-    def _agg_backward(ctx, grad, _grad_rw):
-        mask, rw = ctx.saved_tensors
-        return torch.ops.verl.agg_loss_backward(grad, mask, rw), None, None, None, None, None, None
-
-    torch.library.register_autograd(lib + "agg_loss", _agg_backward, setup_context=_setup_agg)
+    # Each forward returns row_weight [B] (float64) so that backward is one elementwise pass. agg_loss's autograd
+    # kernel is C++ (csrc/cpu/rl.cpp, same saved tensors and backward op): this op is cheap enough that the Python
+    # wrapper's fixed cost dominated it.
 
     def _setup_kl(ctx, inputs, output):
         logprob, ref_logprob, mask, kind = inputs[:4]
