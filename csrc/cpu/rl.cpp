@@ -154,10 +154,14 @@ template <typename T>
 VERL_INLINE void whiten_chunk_impl(T* a, const bool* m, int64_t n, T mean, T rstd) {
   using K = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
   const uint8_t* m8 = reinterpret_cast<const uint8_t*>(m);
+  alignas(64) K mk[kChunk];  // widened first: a loop mixing byte and float lanes vectorises poorly
+  for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
+    const int64_t len = std::min<int64_t>(kChunk, n - j0);
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const K keep = K(0) - static_cast<K>(m8[j] != 0);
-    a[j] = std::bit_cast<T>(static_cast<K>(std::bit_cast<K>((a[j] - mean) * rstd) & keep));
+    for (int64_t j = 0; j < len; ++j) mk[j] = K(0) - static_cast<K>(m8[j0 + j] != 0);
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j)
+      a[j0 + j] = std::bit_cast<T>(static_cast<K>(std::bit_cast<K>((a[j0 + j] - mean) * rstd) & mk[j]));
   }
 }
 VERL_SIMD_CLONES void whiten_chunk(float* a, const bool* m, int64_t n, float mean, float rstd) {
@@ -352,6 +356,7 @@ VERL_AVX2 void gae_group8(const S* rp, const S* vp, const bool* mp, int64_t T, f
       const __m256 a = _mm256_and_ps(nw, keep);
       R[j] = a;  // R and V now hold the outputs of step j
       V[j] = _mm256_and_ps(_mm256_add_ps(nw, V[j]), keep);
+      // Sums in double per step: float partial sums lose the variance of advantages with a large common offset.
       const __m256 st = as_stored<S>(a);
       const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(st)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(st, 1));
       s_lo = _mm256_add_pd(s_lo, lo);

@@ -244,6 +244,21 @@ def test_gae_whitened_matches_gae_then_masked_whiten(dtype):
 
 
 @needs_ext
+@pytest.mark.parametrize("offset,spread", [(100.0, 1e-2), (10.0, 1e-3)])
+def test_gae_whitened_with_a_large_common_offset(offset, spread):
+    """Advantages ~ offset + small noise: the whitening statistics must not cancel (mean/std = 1e4)."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 37, 203  # groups of 8 rows and a row tail, 8-step blocks and a head
+    r = offset + torch.randn(B, T, generator=g) * spread
+    m = torch.rand(B, T, generator=g) > 0.1
+    adv, _, _ = torch.ops.verl.gae_whitened(r, torch.zeros(B, T), m, 0.0, 0.0, 1e-8)
+    raw = O.compute_gae_ref(r.double(), None, m, 0.0, 0.0)
+    want = O.masked_whiten_ref(raw.advantages, m, eps=1e-8)
+    # float32 inputs carry offset * 6e-8 of rounding, i.e. ~1e-3 of the spread: compare at that level
+    torch.testing.assert_close(adv.double(), want, atol=2e-2, rtol=0)
+
+
+@needs_ext
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_with_grad_ops_match_forward_and_backward_ops(dtype):
     """The one-pass *_with_grad ops give the plain forward's outputs and the backward op's gradient (grad = 1)."""
