@@ -67,6 +67,21 @@ TORCH_LIBRARY(verl, m) {
         "(Tensor loss, Tensor clipfrac, Tensor row_weight)");
   m.def("value_loss_backward(Tensor grad, Tensor values, Tensor old_values, Tensor returns, Tensor mask, "
         "Tensor row_weight, float clip) -> Tensor");
+  // GAE with the advantages whitened over the mask (verl.ops.masked_whiten semantics), one op.
+  m.def("gae_whitened(Tensor rewards, Tensor? values, Tensor mask, float gamma, float lam, float eps) -> "
+        "(Tensor advantages, Tensor returns, Tensor num_nonfinite)");
+  // *_with_grad: the forward op of the autograd path. It also returns d loss / d input (at grad_output = 1),
+  // written in the same pass over the inputs; the backward is loss_grad_scale(grad, saved grad).
+  m.def("policy_loss_with_grad(Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, str loss_type, "
+        "float clip_low, float clip_high, float clip_c, str mode, float? global_tokens, float? global_seqs, "
+        "int dp_size, float? norm_len) -> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor ppo_kl, "
+        "Tensor grad_logprob)");
+  m.def("value_loss_with_grad(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, str mode, "
+        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len) -> "
+        "(Tensor loss, Tensor clipfrac, Tensor grad_values)");
+  m.def("kl_loss_with_grad(Tensor logprob, Tensor ref_logprob, Tensor mask, str kind, str mode, float? global_tokens, "
+        "float? global_seqs, int dp_size, float? norm_len) -> (Tensor loss, Tensor grad_logprob)");
+  m.def("loss_grad_scale(Tensor grad, Tensor saved_grad) -> Tensor");
 
   // ---- log-prob and entropy (verl/ops/logprob.py) ---------------------------------------------
   // logits [N, V] (any float dtype; rows may be strided), labels [N] int64/int32, z = logits / temperature.

@@ -50,10 +50,13 @@ def cuda_archs() -> list[str]:
 
 
 def has_kernel(op: str, dispatch_key: str) -> bool:
-    """Whether `verl::op` has a kernel registered for `dispatch_key` ("CPU", "CUDA")."""
+    """Whether `verl::op` has a kernel for `dispatch_key` ("CPU", "CUDA"): its own, or a
+    CompositeExplicitAutograd one (device-generic ATen code, e.g. loss_grad_scale), which serves every device."""
     if not available():
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"verl::{op}", dispatch_key)
+    name = f"verl::{op}"
+    return (torch._C._dispatch_has_kernel_for_dispatch_key(name, dispatch_key)
+            or torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"))
 
 
 def op_names() -> list[str]:

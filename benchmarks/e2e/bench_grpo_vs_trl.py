@@ -5,11 +5,14 @@
     python benchmarks/e2e/bench_grpo_vs_trl.py --quick         # ~5 steps each side
     python benchmarks/e2e/bench_grpo_vs_trl.py --full          # more steps, and the 1/2/4-process scaling
 
-Both sides sample exactly 32 tokens per response (EOS ignored), learn with lr 1e-4, no KL term, one PPO
-epoch (on-policy: no extra old-log-prob pass on either side). tokens/s = generated tokens / step wall time.
+Both sides sample exactly 32 tokens per response (EOS ignored), learn with lr 1e-4, no KL term (TRL's beta=0,
+verl's actor.use_kl_loss=false: neither runs a reference model), one PPO epoch (on-policy: no extra
+old-log-prob pass on either side). tokens/s = generated tokens / step wall time.
 In each round the two sides run at the same time, one single-threaded process each, so on a shared
 machine they see the same outside load; only steps that end inside the window where both are training
-count (verl runs more steps so that it covers TRL's whole run despite starting faster). s/step is the
+count (verl runs more steps so that it covers TRL's whole run despite starting faster). The compute floor (the
+step's matmul FLOPs at this machine's measured single-thread GEMM rate) bounds the ratio any implementation of
+the same fp32 step could reach against TRL; it is reported beside the ratio. s/step is the
 median over those steps of all rounds (the first step of every run excluded), the minimum is reported too. Writes
 benchmarks/results/e2e_grpo_vs_trl.{json,png}.
 """
@@ -49,7 +52,7 @@ def verl_args(model_dir: Path, prompts: Path, steps: int, out: Path, per_rank_pr
     return [f"model.path={model_dir}", f"data.train_files={prompts}", f"data.train_batch_size={per_rank_prompts}",
             f"rollout.n={SAMPLES}", f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.ignore_eos=true",
             f"actor.mini_batch_size={per_rank_prompts}", f"actor.micro_batch_size={PROMPTS * SAMPLES}",
-            "actor.optim.lr=1e-4", "warmup.steps=0", f"trainer.total_steps={steps}", "trainer.threads=1",
+            "actor.optim.lr=1e-4", "actor.use_kl_loss=false", "warmup.steps=0", f"trainer.total_steps={steps}", "trainer.threads=1",
             "trainer.device=cpu", "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false",
             "trainer.tensorboard=false", "trainer.progress_bar=false", "data.max_prompt_length=64",
             f"trainer.output_dir={out}"]
@@ -106,6 +109,38 @@ def side_by_side(model_dir, prompts, steps, work: Path, tag: str, python: str) -
     return verl, trl
 
 
+def compute_floor(model_dir: Path, prompts: Path) -> dict:
+    """The least time any implementation needs per step on this machine at one thread: the matmul FLOPs of the
+    step (rollout forward over prompt + response, training forward + backward = 3 forwards; attention and
+    everything else ignored, so a lower bound) at the single-thread fp32 GEMM rate measured here on the
+    model's own projection shapes."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    prompt_len = 1 + max(len(tok(r["prompt"], add_special_tokens=False).input_ids) for r in rows)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    matmul_params = sum(m.weight.numel() for m in linears)
+    tokens = PROMPTS * SAMPLES * (prompt_len + NEW_TOKENS)
+    flops = 2 * matmul_params * tokens * (1 + 3)
+    rates = []
+    for lin in {(m.in_features, m.out_features) for m in linears}:
+        x, w = torch.randn(tokens, lin[0]), torch.randn(lin[1], lin[0])
+        best = float("inf")
+        for _ in range(10):  # best of 10: a preempted GEMM is slower, never faster
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+        rates.append(2 * tokens * lin[0] * lin[1] / best)
+    rate = max(rates)
+    return {"matmul_params": matmul_params, "tokens_per_sequence": prompt_len + NEW_TOKENS,
+            "gflop_per_step": flops / 1e9, "gemm_gflops_1thread": rate / 1e9, "floor_s_per_step": flops / rate}
+
+
 def summarise(runs: list[list[float]], nproc: int = 1, skip_first: bool = True) -> dict:
     steady = [s for run in runs for s in (run[1:] if skip_first and len(run) > 1 else run)]
     if not steady:
@@ -125,6 +160,11 @@ def plot(result: dict, path: Path) -> None:
     names = ["verl", "TRL"]
     vals = [result["verl"]["tokens_per_s"], result["trl"]["tokens_per_s"]]
     axes[0].bar(names, vals, color=["tab:blue", "tab:gray"])
+    if result.get("compute_floor"):
+        ceiling = PROMPTS * SAMPLES * NEW_TOKENS / result["compute_floor"]["floor_s_per_step"]
+        axes[0].axhline(ceiling, color="tab:red", linestyle="--", label="compute floor (matmul FLOPs / GEMM rate)")
+        axes[0].axhline(2 * vals[1], color="tab:green", linestyle=":", label="target: 2x TRL")
+        axes[0].legend(fontsize=7, loc="lower right")
     axes[0].set_title(f"GRPO tokens/s, 1 proc 1 thread, median (x{result['ratio_tokens_per_s']:.2f})")
     if result.get("scaling"):
         ns = [r["nproc"] for r in result["scaling"]]
@@ -162,6 +202,10 @@ def main() -> None:
                   "trl": {**summarise([t["overlap_step_s"] for t in trl_runs], skip_first=False), "raw": trl_runs}}
         result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         result["ratio_tokens_per_s_best"] = result["verl"]["tokens_per_s_best"] / result["trl"]["tokens_per_s_best"]
+        floor = compute_floor(model_dir, prompts)
+        floor["max_ratio_vs_trl"] = result["trl"]["s_per_step"] / floor["floor_s_per_step"]
+        floor["verl_fraction_of_floor"] = floor["floor_s_per_step"] / result["verl"]["s_per_step"]
+        result["compute_floor"] = floor
         if args.full:
             result["scaling"] = []
             for nproc in (1, 2, 4):
@@ -171,7 +215,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({k: result[k] for k in ("ratio_tokens_per_s", "ratio_tokens_per_s_best")} |
+    print(json.dumps({k: result[k] for k in ("ratio_tokens_per_s", "ratio_tokens_per_s_best", "compute_floor")} |
                      {s: {k: round(v, 3) for k, v in result[s].items() if k != "raw"} for s in ("verl", "trl")}))
     for r in result.get("scaling", []):
         print(f"nproc={r['nproc']}: {r['tokens_per_s']:.0f} tokens/s total, {r['s_per_step']:.2f} s/step")

@@ -67,15 +67,18 @@ __device__ __forceinline__ at::opmath_type<scalar_t> ld(const scalar_t* p, int64
 
 // ------------------------------------------------------------------------------------------ GAE
 
+// row_stats (optional, whitening): per row (count, mean, centred sum of squares) of the stored advantages.
 template <typename scalar_t>
 __global__ void gae_kernel(const scalar_t* __restrict__ r, const scalar_t* __restrict__ v, const bool* __restrict__ m,
                            int64_t B, int64_t T, double gamma, double lam, scalar_t* __restrict__ adv,
-                           scalar_t* __restrict__ ret, unsigned long long* __restrict__ bad) {
+                           scalar_t* __restrict__ ret, unsigned long long* __restrict__ bad,
+                           double* __restrict__ row_stats) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t b = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (b >= B) return;
   const acc_t g = static_cast<acc_t>(gamma), gl = static_cast<acc_t>(gamma * lam);
   acc_t next_v = 0, run = 0;
+  double sn = 0.0, ss = 0.0, sq = 0.0;
   unsigned long long nbad = 0;
   for (int64_t t = T - 1; t >= 0; --t) {
     const int64_t i = b * T + t;
@@ -89,16 +92,59 @@ __global__ void gae_kernel(const scalar_t* __restrict__ r, const scalar_t* __res
     nbad += (isfinite(rt) && isfinite(vt)) ? 0ull : 1ull;
     run = rt + g * next_v - vt + gl * run;
     next_v = vt;
-    adv[i] = static_cast<scalar_t>(run);
+    const scalar_t out = static_cast<scalar_t>(run);
+    adv[i] = out;
     ret[i] = static_cast<scalar_t>(run + vt);
+    const double o = static_cast<double>(out);
+    sn += 1.0;
+    ss += o;
+    sq += o * o;
   }
   if (nbad) atomicAdd(bad, nbad);
+  if (row_stats) {
+    const double mean = sn > 0.0 ? ss / sn : 0.0;
+    row_stats[3 * b] = sn;
+    row_stats[3 * b + 1] = mean;
+    row_stats[3 * b + 2] = sn > 0.0 ? fmax(0.0, sq - ss * mean) : 0.0;
+  }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rewards,
-                                                        const std::optional<at::Tensor>& values,
-                                                        const at::Tensor& mask, double gamma, double lam) {
-  const char* op = "gae";
+// One block: the rows' (count, mean, M2) merged exactly (total mean first, then M2 + n (mean_b - mean)^2), so
+// rows with different means do not cancel; out = (mean, 1 / sqrt(unbiased var + eps)).
+__global__ void whiten_stats_kernel(const double* __restrict__ rs, int64_t B, double eps, double* __restrict__ out) {
+  double a[2] = {0.0, 0.0};
+  for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
+    a[0] += rs[3 * b];
+    a[1] += rs[3 * b] * rs[3 * b + 1];
+  }
+  block_sum<2>(a);
+  const double n = a[0], mean = n > 0.0 ? a[1] / n : 0.0;
+  double c[1] = {0.0};
+  for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
+    const double d = rs[3 * b + 1] - mean;
+    c[0] += rs[3 * b + 2] + rs[3 * b] * d * d;
+  }
+  block_sum<1>(c);
+  if (threadIdx.x == 0) {
+    const double var = n > 1.0 ? c[0] / (n - 1.0) : 0.0;
+    out[0] = mean;
+    out[1] = 1.0 / sqrt(var + eps);
+  }
+}
+
+template <typename scalar_t>
+__global__ void whiten_kernel(scalar_t* __restrict__ a, const bool* __restrict__ m, int64_t n,
+                              const double* __restrict__ st) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t mean = static_cast<acc_t>(st[0]), rstd = static_cast<acc_t>(st[1]);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    a[i] = m[i] ? static_cast<scalar_t>((static_cast<acc_t>(a[i]) - mean) * rstd) : scalar_t(0);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_common(const at::Tensor& rewards,
+                                                          const std::optional<at::Tensor>& values,
+                                                          const at::Tensor& mask, double gamma, double lam,
+                                                          std::optional<double> whiten_eps, const char* op) {
   check_bt(rewards, op, "rewards");
   if (values) check_like(rewards, *values, op, "rewards", "values");
   check_mask_of(rewards, mask, op, "rewards");
@@ -112,16 +158,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_cuda(const at::Tensor& reward
   at::Tensor adv = at::empty({B, T}, rewards.options());
   at::Tensor ret = at::empty({B, T}, rewards.options());
   at::Tensor bad = at::zeros({}, rewards.options().dtype(at::kLong));
+  at::Tensor rs = at::empty({whiten_eps ? 3 * B : 0}, rewards.options().dtype(at::kDouble));
+  at::Tensor st = at::empty({whiten_eps ? 2 : 0}, rewards.options().dtype(at::kDouble));
   auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rewards.scalar_type(), "verl_gae", [&] {
     const int threads = 128;
     gae_kernel<scalar_t><<<(B + threads - 1) / threads, threads, 0, stream>>>(
         r.data_ptr<scalar_t>(), values ? v.data_ptr<scalar_t>() : nullptr, m.data_ptr<bool>(), B, T, gamma, lam,
         adv.data_ptr<scalar_t>(), ret.data_ptr<scalar_t>(),
-        reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()));
+        reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()), whiten_eps ? rs.data_ptr<double>() : nullptr);
+    if (whiten_eps) {
+      whiten_stats_kernel<<<1, 1024, 0, stream>>>(rs.data_ptr<double>(), B, *whiten_eps, st.data_ptr<double>());
+      whiten_kernel<scalar_t><<<grid_for(B * T), kThreads, 0, stream>>>(adv.data_ptr<scalar_t>(), m.data_ptr<bool>(),
+                                                                        B * T, st.data_ptr<double>());
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {adv, ret, bad};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_cuda(const at::Tensor& rewards,
+                                                        const std::optional<at::Tensor>& values,
+                                                        const at::Tensor& mask, double gamma, double lam) {
+  return gae_common(rewards, values, mask, gamma, lam, std::nullopt, "gae");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gae_whitened_cuda(const at::Tensor& rewards,
+                                                                 const std::optional<at::Tensor>& values,
+                                                                 const at::Tensor& mask, double gamma, double lam,
+                                                                 double eps) {
+  TORCH_CHECK(eps >= 0.0, "gae_whitened: `eps` must be >= 0, got ", eps);
+  return gae_common(rewards, values, mask, gamma, lam, eps, "gae_whitened");
 }
 
 // ------------------------------------------------------------------------------------------ outcome advantages
@@ -330,14 +397,22 @@ struct VfTok {
   __device__ at::opmath_type<scalar_t> grad(int64_t i, int64_t) const { return eval(i).grad; }
 };
 
-// acc[b * 5 + k] = (loss sum, count, s0, s1, s2) of row b.
-template <typename Tok>
-__global__ void loss_rows_kernel(const bool* __restrict__ m, int64_t T, Tok tok, double* __restrict__ acc) {
+// acc[b * 5 + k] = (loss sum, count, s0, s1, s2) of row b. With grad (the *_with_grad ops; w = row weights from
+// weights_kernel), grad[i] = mask ? w_b * d loss / d x : 0 is written in the same pass.
+template <typename scalar_t, typename Tok>
+__global__ void loss_rows_kernel(const bool* __restrict__ m, int64_t T, Tok tok, double* __restrict__ acc,
+                                 const double* __restrict__ w, scalar_t* __restrict__ grad) {
+  using acc_t = at::opmath_type<scalar_t>;
   const int64_t b = blockIdx.x;
+  const acc_t wb = grad ? static_cast<acc_t>(w[b]) : acc_t(0);
   double v[5] = {0.0, 0.0, 0.0, 0.0, 0.0};
   for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
     const int64_t i = b * T + t;
-    if (!m[i]) continue;
+    if (!m[i]) {
+      if (grad) grad[i] = scalar_t(0);
+      continue;
+    }
+    if (grad) grad[i] = static_cast<scalar_t>(wb * tok.grad(i, b));
     const TokStats s = tok(i, b);
     v[0] += s.loss;
     v[1] += 1.0;
@@ -366,6 +441,27 @@ __global__ void seq_log_ratio_kernel(const scalar_t* __restrict__ lp, const scal
   }
   block_sum<2>(v);
   if (threadIdx.x == 0) seq_lr[b] = v[1] > 0.0 ? v[0] / v[1] : 0.0;
+}
+
+// counts[b] = valid tokens of row b (the *_with_grad ops need the row weights before the token pass).
+__global__ void row_count_kernel(const bool* __restrict__ m, int64_t T, double* __restrict__ counts) {
+  const int64_t b = blockIdx.x;
+  double c[1] = {0.0};
+  for (int64_t t = threadIdx.x; t < T; t += blockDim.x) c[0] += m[b * T + t] ? 1.0 : 0.0;
+  block_sum<1>(c);
+  if (threadIdx.x == 0) counts[b] = c[0];
+}
+
+// One block: w[b] = row_weight(p, counts[b]) with the local counts filled in (as finish_kernel does).
+__global__ void weights_kernel(const double* __restrict__ counts, int64_t B, AggParams p, double* __restrict__ w) {
+  double tot[2] = {0.0, 0.0};
+  for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
+    tot[0] += counts[b];
+    tot[1] += counts[b] > 0.0 ? 1.0 : 0.0;
+  }
+  block_sum<2>(tot);
+  fill_local_counts(p, tot[0], tot[1]);
+  for (int64_t b = threadIdx.x; b < B; b += blockDim.x) w[b] = row_weight(p, counts[b]);
 }
 
 // One block: local counts -> normalisers -> row weights, loss and token-mean statistics.
@@ -414,12 +510,14 @@ __global__ void loss_backward_kernel(const scalar_t* __restrict__ g, const doubl
 }
 
 struct LossOut {
-  at::Tensor loss, s0, s1, s2, row_weight;
+  at::Tensor loss, s0, s1, s2, row_weight, grad;
 };
 
-// Runs the row kernel and the finish kernel; `nstats` float32 statistics are produced (0..3).
+// Runs the row kernel and the finish kernel; `nstats` float32 statistics are produced (0..3). with_grad: the
+// row weights come first (mask counts), and the row kernel also writes d loss / d x (LossOut::grad).
 template <typename scalar_t, typename Tok>
-LossOut run_loss(const at::Tensor& like, const at::Tensor& m, const AggParams& p, const Tok& tok, int nstats) {
+LossOut run_loss(const at::Tensor& like, const at::Tensor& m, const AggParams& p, const Tok& tok, int nstats,
+                 bool with_grad = false) {
   const int64_t B = like.size(0), T = like.size(1);
   auto stream = at::cuda::getCurrentCUDAStream();
   LossOut o;
@@ -428,7 +526,17 @@ LossOut run_loss(const at::Tensor& like, const at::Tensor& m, const AggParams& p
   o.loss = at::empty({}, like.options());
   at::Tensor st[3];
   for (int k = 0; k < nstats; ++k) st[k] = at::empty({}, like.options().dtype(at::kFloat));
-  loss_rows_kernel<Tok><<<B, kThreads, 0, stream>>>(m.data_ptr<bool>(), T, tok, acc.data_ptr<double>());
+  at::Tensor w;
+  if (with_grad) {
+    at::Tensor counts = at::empty({B}, like.options().dtype(at::kDouble));
+    w = at::empty({B}, like.options().dtype(at::kDouble));
+    o.grad = at::empty({B, T}, like.options());
+    row_count_kernel<<<B, kThreads, 0, stream>>>(m.data_ptr<bool>(), T, counts.data_ptr<double>());
+    weights_kernel<<<1, 1024, 0, stream>>>(counts.data_ptr<double>(), B, p, w.data_ptr<double>());
+  }
+  loss_rows_kernel<scalar_t, Tok><<<B, kThreads, 0, stream>>>(m.data_ptr<bool>(), T, tok, acc.data_ptr<double>(),
+                                                              with_grad ? w.data_ptr<double>() : nullptr,
+                                                              with_grad ? o.grad.data_ptr<scalar_t>() : nullptr);
   finish_kernel<scalar_t><<<1, 1024, 0, stream>>>(acc.data_ptr<double>(), B, p, o.row_weight.data_ptr<double>(),
                                                   o.loss.data_ptr<scalar_t>(),
                                                   nstats > 0 ? st[0].data_ptr<float>() : nullptr,
@@ -489,11 +597,10 @@ at::Tensor agg_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& mask
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> kl_loss_cuda(const at::Tensor& logprob, const at::Tensor& ref_logprob,
-                                                const at::Tensor& mask, c10::string_view kind, c10::string_view mode,
-                                                std::optional<double> global_tokens, std::optional<double> global_seqs,
-                                                int64_t dp_size, std::optional<double> norm_len) {
-  const char* op = "kl_loss";
+LossOut kl_loss_impl(const at::Tensor& logprob, const at::Tensor& ref_logprob, const at::Tensor& mask,
+                     c10::string_view kind, c10::string_view mode, std::optional<double> global_tokens,
+                     std::optional<double> global_seqs, int64_t dp_size, std::optional<double> norm_len,
+                     bool with_grad, const char* op) {
   const Kl k = parse_kl(kind, op);
   check_bt(logprob, op, "logprob");
   check_like(logprob, ref_logprob, op, "logprob", "ref_logprob");
@@ -504,9 +611,29 @@ std::tuple<at::Tensor, at::Tensor> kl_loss_cuda(const at::Tensor& logprob, const
   const at::Tensor m = mask_as_bool(mask);
   LossOut o;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logprob.scalar_type(), "verl_kl_loss", [&] {
-    o = run_loss<scalar_t>(a, m, p, KlTok<scalar_t>{a.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), k}, 0);
+    o = run_loss<scalar_t>(a, m, p, KlTok<scalar_t>{a.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), k}, 0,
+                           with_grad);
   });
+  return o;
+}
+
+std::tuple<at::Tensor, at::Tensor> kl_loss_cuda(const at::Tensor& logprob, const at::Tensor& ref_logprob,
+                                                const at::Tensor& mask, c10::string_view kind, c10::string_view mode,
+                                                std::optional<double> global_tokens, std::optional<double> global_seqs,
+                                                int64_t dp_size, std::optional<double> norm_len) {
+  const LossOut o = kl_loss_impl(logprob, ref_logprob, mask, kind, mode, global_tokens, global_seqs, dp_size,
+                                 norm_len, false, "kl_loss");
   return {o.loss, o.row_weight};
+}
+
+std::tuple<at::Tensor, at::Tensor> kl_loss_with_grad_cuda(const at::Tensor& logprob, const at::Tensor& ref_logprob,
+                                                          const at::Tensor& mask, c10::string_view kind,
+                                                          c10::string_view mode, std::optional<double> global_tokens,
+                                                          std::optional<double> global_seqs, int64_t dp_size,
+                                                          std::optional<double> norm_len) {
+  const LossOut o = kl_loss_impl(logprob, ref_logprob, mask, kind, mode, global_tokens, global_seqs, dp_size,
+                                 norm_len, true, "kl_loss_with_grad");
+  return {o.loss, o.grad};
 }
 
 at::Tensor kl_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& logprob, const at::Tensor& ref_logprob,
@@ -528,12 +655,11 @@ at::Tensor kl_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& logpr
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
-    const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& advantages, const at::Tensor& mask,
-    c10::string_view loss_type, double clip_low, double clip_high, double clip_c, c10::string_view mode,
-    std::optional<double> global_tokens, std::optional<double> global_seqs, int64_t dp_size,
-    std::optional<double> norm_len) {
-  const char* op = "policy_loss";
+LossOut policy_loss_impl(const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& advantages,
+                         const at::Tensor& mask, c10::string_view loss_type, double clip_low, double clip_high,
+                         double clip_c, c10::string_view mode, std::optional<double> global_tokens,
+                         std::optional<double> global_seqs, int64_t dp_size, std::optional<double> norm_len,
+                         bool with_grad, const char* op) {
   const PgParams pg = make_pg(loss_type, clip_low, clip_high, clip_c, op);
   check_pg_inputs(logprob, old_logprob, advantages, mask, op);
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, logprob.size(1), op);
@@ -549,9 +675,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_lo
           lp.data_ptr<scalar_t>(), olp.data_ptr<scalar_t>(), m.data_ptr<bool>(), T, seq_lr.data_ptr<double>());
     const PgTok<scalar_t> tok{lp.data_ptr<scalar_t>(), olp.data_ptr<scalar_t>(), ad.data_ptr<scalar_t>(),
                               pg.type == Pg::Gspo ? seq_lr.data_ptr<double>() : nullptr, pg};
-    o = run_loss<scalar_t>(lp, m, p, tok, 3);
+    o = run_loss<scalar_t>(lp, m, p, tok, 3, with_grad);
   });
+  return o;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_cuda(
+    const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& advantages, const at::Tensor& mask,
+    c10::string_view loss_type, double clip_low, double clip_high, double clip_c, c10::string_view mode,
+    std::optional<double> global_tokens, std::optional<double> global_seqs, int64_t dp_size,
+    std::optional<double> norm_len) {
+  const LossOut o = policy_loss_impl(logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c,
+                                     mode, global_tokens, global_seqs, dp_size, norm_len, false, "policy_loss");
   return {o.loss, o.s0, o.s1, o.s2, o.row_weight};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_loss_with_grad_cuda(
+    const at::Tensor& logprob, const at::Tensor& old_logprob, const at::Tensor& advantages, const at::Tensor& mask,
+    c10::string_view loss_type, double clip_low, double clip_high, double clip_c, c10::string_view mode,
+    std::optional<double> global_tokens, std::optional<double> global_seqs, int64_t dp_size,
+    std::optional<double> norm_len) {
+  const LossOut o = policy_loss_impl(logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c,
+                                     mode, global_tokens, global_seqs, dp_size, norm_len, true,
+                                     "policy_loss_with_grad");
+  return {o.loss, o.s0, o.s1, o.s2, o.grad};
 }
 
 at::Tensor policy_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& logprob, const at::Tensor& old_logprob,
@@ -579,11 +726,10 @@ at::Tensor policy_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& l
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(
-    const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& mask,
-    double clip, c10::string_view mode, std::optional<double> global_tokens, std::optional<double> global_seqs,
-    int64_t dp_size, std::optional<double> norm_len) {
-  const char* op = "value_loss";
+LossOut value_loss_impl(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
+                        const at::Tensor& mask, double clip, c10::string_view mode,
+                        std::optional<double> global_tokens, std::optional<double> global_seqs, int64_t dp_size,
+                        std::optional<double> norm_len, bool with_grad, const char* op) {
   check_vf_inputs(values, old_values, returns, mask, clip, op);
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, values.size(1), op);
   c10::cuda::CUDAGuard guard(values.device());
@@ -592,9 +738,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(
   LossOut o;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "verl_value_loss", [&] {
     const VfTok<scalar_t> tok{v.data_ptr<scalar_t>(), ov.data_ptr<scalar_t>(), rt.data_ptr<scalar_t>(), clip};
-    o = run_loss<scalar_t>(v, m, p, tok, 1);
+    o = run_loss<scalar_t>(v, m, p, tok, 1, with_grad);
   });
+  return o;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_cuda(
+    const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& mask,
+    double clip, c10::string_view mode, std::optional<double> global_tokens, std::optional<double> global_seqs,
+    int64_t dp_size, std::optional<double> norm_len) {
+  const LossOut o = value_loss_impl(values, old_values, returns, mask, clip, mode, global_tokens, global_seqs,
+                                    dp_size, norm_len, false, "value_loss");
   return {o.loss, o.s0, o.row_weight};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> value_loss_with_grad_cuda(
+    const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns, const at::Tensor& mask,
+    double clip, c10::string_view mode, std::optional<double> global_tokens, std::optional<double> global_seqs,
+    int64_t dp_size, std::optional<double> norm_len) {
+  const LossOut o = value_loss_impl(values, old_values, returns, mask, clip, mode, global_tokens, global_seqs,
+                                    dp_size, norm_len, true, "value_loss_with_grad");
+  return {o.loss, o.s0, o.grad};
 }
 
 at::Tensor value_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& values, const at::Tensor& old_values,
@@ -618,6 +782,10 @@ at::Tensor value_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& va
 
 TORCH_LIBRARY_IMPL(verl, CUDA, m) {
   m.impl("gae", &gae_cuda);
+  m.impl("gae_whitened", &gae_whitened_cuda);
+  m.impl("kl_loss_with_grad", &kl_loss_with_grad_cuda);
+  m.impl("policy_loss_with_grad", &policy_loss_with_grad_cuda);
+  m.impl("value_loss_with_grad", &value_loss_with_grad_cuda);
   m.impl("outcome_advantage", &outcome_advantage_cuda);
   m.impl("kl_penalty", &kl_penalty_cuda);
   m.impl("kl_penalty_backward", &kl_penalty_backward_cuda);

@@ -228,6 +228,90 @@ def test_gspo_and_straight_through_gradients_follow_their_definitions():
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_gae_whitened_matches_gae_then_masked_whiten(dtype):
+    for t, m in sample_inputs("cpu", dtype):
+        for values in (t["b"], None):
+            adv, ret, bad = torch.ops.verl.gae_whitened(t["a"], values, m, 0.97, 0.9, 1e-8)
+            raw = O.compute_gae_ref(t["a"].double(), None if values is None else values.double(), m, 0.97, 0.9)
+            want = O.masked_whiten_ref(raw.advantages, m, eps=1e-8)
+            # bf16 whitens its rounded raw advantages: allow the rounding of the raw values, scaled by 1/std
+            scale = max(1.0, float(want.abs().max()))
+            _close(adv, want, dtype, scale=scale if dtype != torch.bfloat16 else 4 * scale)
+            _close(ret, raw.returns, dtype)
+            assert int(bad) == 0
+            assert torch.equal(adv[~m], torch.zeros_like(adv[~m]))
+
+
+@needs_ext
+@pytest.mark.parametrize("offset,spread", [(100.0, 1e-2), (10.0, 1e-3)])
+def test_gae_whitened_with_a_large_common_offset(offset, spread):
+    """Advantages ~ offset + small noise: the whitening statistics must not cancel (mean/std = 1e4)."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 37, 203  # groups of 8 rows and a row tail, 8-step blocks and a head
+    r = offset + torch.randn(B, T, generator=g) * spread
+    m = torch.rand(B, T, generator=g) > 0.1
+    adv, _, _ = torch.ops.verl.gae_whitened(r, torch.zeros(B, T), m, 0.0, 0.0, 1e-8)
+    raw = O.compute_gae_ref(r.double(), None, m, 0.0, 0.0)
+    want = O.masked_whiten_ref(raw.advantages, m, eps=1e-8)
+    # float32 inputs carry offset * 6e-8 of rounding, i.e. ~1e-3 of the spread: compare at that level
+    torch.testing.assert_close(adv.double(), want, atol=2e-2, rtol=0)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_with_grad_ops_match_forward_and_backward_ops(dtype):
+    """The one-pass *_with_grad ops give the plain forward's outputs and the backward op's gradient (grad = 1)."""
+    one = torch.ones((), dtype=dtype)
+    for t, m in sample_inputs("cpu", dtype)[::3]:
+        for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            agg = (mode, None, None, 1, None)
+            for pg_type in ("vanilla", "gspo", "reinforce"):
+                pargs = (t["a"], t["b"], t["c"], m, pg_type, 0.2, 0.28, 3.0)
+                plain = torch.ops.verl.policy_loss(*pargs, *agg)
+                fused = torch.ops.verl.policy_loss_with_grad(*pargs, *agg)
+                for got, want in zip(fused[:4], plain[:4]):
+                    _close(got, want, dtype)
+                want_g = torch.ops.verl.policy_loss_backward(one, *pargs[:4], plain[4], *pargs[4:])
+                _close(fused[4], want_g, dtype)
+            for kind in ("kl", "abs", "mse", "low_var_kl", "k1+", "k3+"):
+                plain = torch.ops.verl.kl_loss(t["a"], t["b"], m, kind, *agg)
+                fused = torch.ops.verl.kl_loss_with_grad(t["a"], t["b"], m, kind, *agg)
+                _close(fused[0], plain[0], dtype)
+                _close(fused[1], torch.ops.verl.kl_loss_backward(one, t["a"], t["b"], m, plain[1], kind), dtype)
+            vargs = (t["a"], t["b"], t["d"], m, 0.3)
+            plain = torch.ops.verl.value_loss(*vargs, *agg)
+            fused = torch.ops.verl.value_loss_with_grad(*vargs, *agg)
+            _close(fused[0], plain[0], dtype)
+            _close(fused[1], plain[1], dtype)
+            _close(fused[2], torch.ops.verl.value_loss_backward(one, *vargs[:4], plain[2], 0.3), dtype)
+
+
+@needs_ext
+def test_one_pass_gradients_scaled_and_to_both_kl_inputs_match_reference():
+    """The wrappers' autograd path (saved gradient x incoming scalar) against the references' autograd, with a
+    loss coefficient != 1 and gradients to logprob and ref_logprob."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 6, 40
+    m = torch.rand(B, T, generator=g) > 0.3
+    lp0, ref0, adv, old = (torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 for _ in range(4))
+    v0, ret = torch.randn(B, T, generator=g, dtype=torch.float64), torch.randn(B, T, generator=g, dtype=torch.float64)
+    agg = O.Aggregation(mode="seq-mean-token-mean")
+
+    def grads(fused):
+        lp, ref, v = (x.clone().requires_grad_() for x in (lp0, ref0, v0))
+        with O.backend("fused" if fused else "reference"):
+            pg = O.policy_loss(lp, old, adv, m, "vanilla", agg=agg).loss
+            kl = O.kl_loss(lp, ref, m, "low_var_kl", agg)
+            vf = O.value_loss(v, v0 + 0.1, ret, m, 0.2, agg=agg).loss
+        (-2.5 * pg + 0.3 * kl + 0.7 * vf).backward()
+        return lp.grad, ref.grad, v.grad
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@needs_ext
 def test_opcheck():
     B, T = 3, 5
     g = torch.Generator().manual_seed(7)
@@ -255,6 +339,14 @@ def test_opcheck():
         (torch.ops.verl.policy_loss_backward.default, (one, r(), r(), r(), m, rw, "reinforce", 0.2, 0.2, 3.0)),
         (torch.ops.verl.value_loss.default, (x, r(), r(), m, 0.5) + agg),
         (torch.ops.verl.value_loss_backward.default, (one, r(), r(), r(), m, rw, 0.5)),
+        (torch.ops.verl.gae_whitened.default, (r(), r(), m, 0.99, 0.95, 1e-8)),
+        (torch.ops.verl.gae_whitened.default, (r(), None, m.float(), 0.9, 1.0, 0.0)),
+        (torch.ops.verl.policy_loss_with_grad.default, (x, r(), r(), m, "vanilla", 0.2, 0.28, 3.0) + agg),
+        (torch.ops.verl.policy_loss_with_grad.default, (x, r(), r(), m, "gspo", 0.2, 0.28, 3.0, "token-mean", 30.0,
+                                                        6.0, 2, None)),
+        (torch.ops.verl.value_loss_with_grad.default, (x, r(), r(), m, 0.5) + agg),
+        (torch.ops.verl.kl_loss_with_grad.default, (x, r().requires_grad_(), m, "low_var_kl") + agg),
+        (torch.ops.verl.loss_grad_scale.default, (one, r())),
     ]
     for op, args in checks:
         torch.library.opcheck(op, args)
@@ -391,6 +483,7 @@ def test_reference_backend_runs_without_kernels():
 @needs_ext
 def test_dispatcher_has_cpu_kernels_for_rl_ops():
     rl_ops = ["gae", "outcome_advantage", "kl_penalty", "kl_penalty_backward", "agg_loss", "agg_loss_backward",
-              "kl_loss", "kl_loss_backward", "policy_loss", "policy_loss_backward", "value_loss", "value_loss_backward"]
+              "kl_loss", "kl_loss_backward", "policy_loss", "policy_loss_backward", "value_loss", "value_loss_backward",
+              "gae_whitened", "kl_loss_with_grad", "policy_loss_with_grad", "value_loss_with_grad"]
     missing = [op for op in rl_ops if not _extension.has_kernel(op, "CPU")]
     assert not missing

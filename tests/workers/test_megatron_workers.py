@@ -90,10 +90,12 @@ def test_megatron_ppo_resume_equals_uninterrupted(tmp_path):
                 for r in recs if "reward/mean" in r}
     full, part = steps(tmp_path / "full"), steps(tmp_path / "part")
     assert sorted(part) == [1, 2, 3] and part == full
+    ckpt = tmp_path / "part" / "checkpoints" / "step_000003"
+    assert (ckpt / ".metadata").is_file() and not any(p.is_dir() for p in ckpt.iterdir())  # all of it in DCP
     assert "critic/vf_loss" in full[3] and "actor/kl_loss" in full[3]
 
 
-def _tp2_run(rank, world_size, overrides):
+def _tp2_fit(overrides):
     from verl.config import PPOConfig, load_config
     from verl.distributed import destroy_process_groups
     from verl.trainer.ppo_trainer import PPOTrainer
@@ -107,14 +109,23 @@ def _tp2_run(rank, world_size, overrides):
     return out
 
 
+def _tp2_run(rank, world_size, overrides, root):
+    full = _tp2_fit([*overrides, "trainer.total_steps=3", "trainer.save_final=false", f"trainer.output_dir={root}/full"])
+    _tp2_fit([*overrides, "trainer.total_steps=2", f"trainer.output_dir={root}/part"])
+    resumed = _tp2_fit([*overrides, "trainer.total_steps=3", "trainer.resume=auto", "trainer.save_final=false",
+                        f"trainer.output_dir={root}/part"])
+    return {**full, "resumed": resumed["rollout"]}
+
+
 @pytest.mark.multiprocess
 def test_megatron_tensor_parallel_two_ranks(tmp_path):
-    """TP=2 over two gloo ranks: one data-parallel replica, identical rollout weights after the HF sync."""
+    """TP=2 over two gloo ranks: one data-parallel replica, identical rollout weights after the HF sync, and a
+    resume from the DCP checkpoint (each rank's TP shard under its own key) equal to the uninterrupted run."""
     from verl.testing import run_distributed
     args = [*TINY, "actor.engine=megatron", "actor.megatron.tp=2", "reward.name=tests.trainer.test_multiprocess:length_reward",
-            "actor.optim.lr=1e-2", "trainer.export_hf=false", "trainer.plot=false", "trainer.save_final=false",
-            f"trainer.output_dir={tmp_path}"]
-    r0, r1 = run_distributed(_tp2_run, 2, args=(args,), timeout=300)
+            "actor.optim.lr=1e-2", "trainer.export_hf=false", "trainer.plot=false"]
+    r0, r1 = run_distributed(_tp2_run, 2, args=(args, str(tmp_path)), timeout=600)
     assert r0["dp"] == r1["dp"] == (0, 1)
     assert torch.equal(r0["rollout"], r1["rollout"]) and r0["reward"] == r1["reward"]
     assert r0["grad_norm"] > 0
+    assert torch.equal(r0["resumed"], r0["rollout"]) and torch.equal(r1["resumed"], r1["rollout"])

@@ -68,3 +68,16 @@ def test_sync_weights_from_a_separate_actor(engine, tok):
     assert r.sync_weights(separate) > 0
     for k, v in rollout_model.state_dict().items():
         torch.testing.assert_close(v, actor_model.state_dict()[k])
+def test_fast_decoder_setting_changes_the_path_not_the_samples(tok):
+    pytest.importorskip("verl.rollout")
+    from verl.workers.torch_rollout import TorchEngineRollout
+    model = build_tiny_llama(SHAPE, tok, seed=1)
+    batches = {}
+    for fast in (True, False):
+        r = TorchEngineRollout(model, tok, RolloutConfig(n=3, max_new_tokens=6, fast_decoder=fast), 16,
+                               torch.device("cpu"))
+        assert (r.engine._fast is not None) == fast
+        torch.manual_seed(7)
+        batches[fast] = r.generate(ROWS)
+    assert torch.equal(batches[True].input_ids, batches[False].input_ids)
+    assert torch.equal(batches[True].response_mask, batches[False].response_mask)

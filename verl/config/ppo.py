@@ -105,6 +105,9 @@ class RolloutConfig:
     """Top-k sampling (0 disables)."""
     ignore_eos: bool = False
     """Keep sampling past EOS up to max_new_tokens (fixed-length responses, e.g. for benchmarks)."""
+    fast_decoder: bool = True
+    """torch engine: decode Llama-family models with verl's static-cache decoder (same results, less per-token
+    overhead); false uses the model's own forward. Other architectures always use their own forward."""
 
 
 @dataclass(kw_only=True, slots=True)

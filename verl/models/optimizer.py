@@ -138,34 +138,23 @@ def _mean_metrics(model: MegatronGPT, outs: list[dict]) -> dict:
     return dict(zip(keys, vals.cpu().tolist(), strict=False))
 
 
-def save_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> Path:
-    """Saves this rank's model shard, optimizer state (incl. the distributed optimizer's DP shard) and the
-    LR schedule to `directory/rank_XXXXX.pt` (collective; resume with the same TP/PP/DP layout)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+def training_state(model: MegatronGPT, opt: Optimizer) -> dict:
+    """This rank's model shard, optimizer state (incl. the distributed optimizer's DP shard), LR schedule and
+    the (tp, pp, dp) layout, as one dict (what `save_training_state` writes and the trainer puts into DCP)."""
     opt_state = opt.optimizer.state_dict()
     if opt.config.use_distributed_optimizer:
         # The distributed optimizer keeps Adam moments in DP-sharded buffers outside state_dict().
         opt_state = {"base": opt_state, "param_state": _dist_opt_param_state(opt)}
-    state = {"model": {k: v.detach().clone() for k, v in model.gpt.state_dict().items() if torch.is_tensor(v)},
-             "optimizer": opt_state, "scheduler": opt.scheduler.state_dict(),
-             "layout": (model.pg.tp_size, model.pg.pp_size, model.pg.dp_size)}
-    path = directory / f"rank_{dist.get_rank() if dist.is_initialized() else 0:05d}.pt"
-    torch.save(state, path)
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+    return {"model": {k: v.detach().clone() for k, v in model.gpt.state_dict().items() if torch.is_tensor(v)},
+            "optimizer": opt_state, "scheduler": opt.scheduler.state_dict(),
+            "layout": (model.pg.tp_size, model.pg.pp_size, model.pg.dp_size)}
 
 
-def load_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> None:
-    """Restores what `save_training_state` wrote (same layout required)."""
-    path = Path(directory) / f"rank_{dist.get_rank() if dist.is_initialized() else 0:05d}.pt"
-    if not path.exists():
-        raise VerlConfigError(f"no training state for this rank at {path}")
-    state = torch.load(path, weights_only=False)
+def restore_training_state(model: MegatronGPT, opt: Optimizer, state: dict, source: str) -> None:
+    """Restores a `training_state` dict (same layout required; `source` names where it came from)."""
     layout = (model.pg.tp_size, model.pg.pp_size, model.pg.dp_size)
     if tuple(state["layout"]) != layout:
-        raise VerlConfigError(f"training state in {directory} was saved with (tp, pp, dp)={tuple(state['layout'])}, "
+        raise VerlConfigError(f"training state in {source} was saved with (tp, pp, dp)={tuple(state['layout'])}, "
                               f"this run has {layout}; resume with the same layout or export/load HF weights")
     missing, unexpected = model.gpt.load_state_dict(state["model"], strict=False)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -179,6 +168,25 @@ def load_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Pat
     # Master params (fp32 copies) must follow the restored model weights.
     opt.optimizer.reload_model_params()
     opt.scheduler.load_state_dict(state["scheduler"])
+
+
+def save_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> Path:
+    """Saves `training_state` to `directory/rank_XXXXX.pt` (collective; resume with the same TP/PP/DP layout)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank_{dist.get_rank() if dist.is_initialized() else 0:05d}.pt"
+    torch.save(training_state(model, opt), path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def load_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Path) -> None:
+    """Restores what `save_training_state` wrote (same layout required)."""
+    path = Path(directory) / f"rank_{dist.get_rank() if dist.is_initialized() else 0:05d}.pt"
+    if not path.exists():
+        raise VerlConfigError(f"no training state for this rank at {path}")
+    restore_training_state(model, opt, torch.load(path, weights_only=False), str(directory))
 
 
 def _dist_opt_param_state(opt: Optimizer) -> dict:

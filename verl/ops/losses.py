@@ -173,6 +173,15 @@ def kl_loss_ref(logprob, ref_logprob, mask, kind: str = "low_var_kl",
 
 
 # ---------------------------------------------------------------------------------------------- public wrappers
+#
+# With autograd recording and a differentiable input, the wrappers call the ops' *_with_grad forms: they
+# write d loss / d input (at grad_output = 1) in the same pass over memory as the loss, and the backward op
+# only scales it (one pass over the inputs for forward + backward, instead of one each). The saved gradient
+# costs one [B, T] tensor of the input's dtype until backward. Without grad the plain forward ops run.
+
+def _wants_grad(*xs: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+
 
 def agg_loss(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | None = None) -> torch.Tensor:
     """Aggregates a per-token loss [B, T] over `mask` [B, T] into a 0-d tensor (e.g. the entropy bonus)."""
@@ -188,6 +197,8 @@ def kl_loss(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor
     check_name(kind, KL_KINDS, "KL kind")
     a = _agg(agg)
     if use_fused("kl_loss", logprob, ref_logprob):
+        if _wants_grad(logprob, ref_logprob):
+            return torch.ops.verl.kl_loss_with_grad(logprob, ref_logprob, mask, kind, *a.args())[0]
         return torch.ops.verl.kl_loss(logprob, ref_logprob, mask, kind, *a.args())[0]
     return kl_loss_ref(logprob, ref_logprob, mask, kind, a)
 
@@ -206,8 +217,9 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
     a = _agg(agg)
     ch = clip_low if clip_high is None else clip_high
     if use_fused("policy_loss", logprob):
-        out = torch.ops.verl.policy_loss(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type,
-                                         float(clip_low), float(ch), float(clip_c), *a.args())
+        op = torch.ops.verl.policy_loss_with_grad if _wants_grad(logprob) else torch.ops.verl.policy_loss
+        out = op(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type, float(clip_low), float(ch),
+                 float(clip_c), *a.args())
         return PolicyLossOutput(*out[:4])
     return policy_loss_ref(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type, clip_low, ch, clip_c, a)
 
@@ -217,7 +229,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """Clipped value loss 0.5 * max((v - R)^2, (old + clamp(v - old, +-clip) - R)^2) aggregated; [B, T] -> 0-d."""
     a = _agg(agg)
     if use_fused("value_loss", values):
-        out = torch.ops.verl.value_loss(values, old_values.detach(), returns.detach(), mask, float(clip), *a.args())
+        op = torch.ops.verl.value_loss_with_grad if _wants_grad(values) else torch.ops.verl.value_loss
+        out = op(values, old_values.detach(), returns.detach(), mask, float(clip), *a.args())
         return ValueLossOutput(*out[:2])
     return value_loss_ref(values, old_values.detach(), returns.detach(), mask, clip, a)
 
@@ -279,16 +292,56 @@ def _register() -> None:
     def _(grad, values, old_values, returns, mask, row_weight, clip):
         return _grad_like(values)
 
-    # Each forward returns row_weight [B] (float64) so that backward is one elementwise pass.
-    def _setup_agg(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], output[1])
-        ctx.mark_non_differentiable(output[1])
+    @torch.library.register_fake(lib + "kl_loss_with_grad")
+    def _(logprob, ref_logprob, mask, kind, mode, global_tokens, global_seqs, dp_size, norm_len):
+        _fake_like(logprob, ref_logprob, mask)
+        return _scalar(logprob), _grad_like(logprob)
 
-    def _agg_backward(ctx, grad, _grad_rw):
-        mask, rw = ctx.saved_tensors
-        return torch.ops.verl.agg_loss_backward(grad, mask, rw), None, None, None, None, None, None
+    @torch.library.register_fake(lib + "policy_loss_with_grad")
+    def _(logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c, mode, global_tokens,
+          global_seqs, dp_size, norm_len):
+        _fake_like(logprob, old_logprob, advantages, mask)
+        f32 = torch.float32
+        return (_scalar(logprob), _scalar(logprob, f32), _scalar(logprob, f32), _scalar(logprob, f32),
+                _grad_like(logprob))
 
-    torch.library.register_autograd(lib + "agg_loss", _agg_backward, setup_context=_setup_agg)
+    @torch.library.register_fake(lib + "value_loss_with_grad")
+    def _(values, old_values, returns, mask, clip, mode, global_tokens, global_seqs, dp_size, norm_len):
+        _fake_like(values, old_values, returns, mask)
+        return _scalar(values), _scalar(values, torch.float32), _grad_like(values)
+
+    @torch.library.register_fake(lib + "loss_grad_scale")
+    def _(grad, saved_grad):
+        torch._check(grad.numel() == 1, lambda: f"`grad` must be the scalar loss's gradient, got {tuple(grad.shape)}")
+        return torch.empty_like(saved_grad)
+
+    # *_with_grad: the last output is d loss / d input at grad_output = 1; backward scales it.
+    def _setup_with_grad(ctx, inputs, output):
+        ctx.save_for_backward(output[-1])
+        ctx.mark_non_differentiable(*output[1:])
+
+    def _with_grad_backward(n_inputs, signs):
+        def backward(ctx, grad, *_unused):
+            (saved,) = ctx.saved_tensors
+            g = torch.ops.verl.loss_grad_scale(grad, saved)
+            out = [None] * n_inputs
+            for i, sign in enumerate(signs):
+                if ctx.needs_input_grad[i]:
+                    out[i] = g if sign > 0 else -g
+            return tuple(out)
+        return backward
+
+    torch.library.register_autograd(lib + "policy_loss_with_grad", _with_grad_backward(13, (1,)),
+                                    setup_context=_setup_with_grad)
+    torch.library.register_autograd(lib + "value_loss_with_grad", _with_grad_backward(10, (1,)),
+                                    setup_context=_setup_with_grad)
+    # The KL estimators depend on logprob - ref_logprob only: d/d ref = -d/d logprob.
+    torch.library.register_autograd(lib + "kl_loss_with_grad", _with_grad_backward(9, (1, -1)),
+                                    setup_context=_setup_with_grad)
+
+    # Each forward returns row_weight [B] (float64) so that backward is one elementwise pass. agg_loss's autograd
+    # kernel is C++ (csrc/cpu/rl.cpp, same saved tensors and backward op): this op is cheap enough that the Python
+    # wrapper's fixed cost dominated it.
 
     def _setup_kl(ctx, inputs, output):
         logprob, ref_logprob, mask, kind = inputs[:4]

@@ -87,6 +87,8 @@ def _raise_if_nonfinite(num: torch.Tensor, what: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- GAE
 
+_WHITEN_EPS = 1e-8  # masked_whiten's default
+
 def compute_gae_ref(rewards: torch.Tensor, values: torch.Tensor | None, mask: torch.Tensor, gamma: float,
                     lam: float) -> AdvantageResult:
     """Per-timestep loop over T (vectorised over B): the way most RL frameworks write GAE. Not whitened."""
@@ -121,14 +123,17 @@ def compute_gae(token_level_rewards: torch.Tensor, values: torch.Tensor | None, 
     the mask (masked_whiten: mean 0, unbiased variance 1) when `whiten`.
     """
     args = (token_level_rewards.detach(), None if values is None else values.detach(), response_mask)
-    if use_fused("gae", token_level_rewards):
+    fused = use_fused("gae", token_level_rewards)
+    if fused and whiten:  # the whitening statistics come out of the scan: one extra elementwise pass
+        out = AdvantageResult(*torch.ops.verl.gae_whitened(*args, float(gamma), float(lam), _WHITEN_EPS))
+    elif fused:
         out = AdvantageResult(*torch.ops.verl.gae(*args, float(gamma), float(lam)))
     else:
         out = compute_gae_ref(*args, gamma, lam)
     if check_finite:
         _raise_if_nonfinite(out.num_nonfinite, "token_level_rewards or values (GAE)")
-    if whiten:
-        out = out._replace(advantages=masked_whiten(out.advantages, response_mask))
+    if whiten and not fused:
+        out = out._replace(advantages=masked_whiten(out.advantages, response_mask, eps=_WHITEN_EPS))
     return out
 
 
@@ -267,6 +272,14 @@ def _register() -> None:
 
     @torch.library.register_fake(lib + "gae")
     def _(rewards, values, mask, gamma, lam):
+        _fake_bt(rewards, mask)
+        if values is not None:
+            torch._check(values.shape == rewards.shape, lambda: "`values` must have the shape of `rewards`")
+        new = torch.empty_like(rewards, memory_format=torch.contiguous_format)
+        return new, torch.empty_like(new), rewards.new_empty((), dtype=torch.int64)
+
+    @torch.library.register_fake(lib + "gae_whitened")
+    def _(rewards, values, mask, gamma, lam, eps):
         _fake_bt(rewards, mask)
         if values is not None:
             torch._check(values.shape == rewards.shape, lambda: "`values` must have the shape of `rewards`")

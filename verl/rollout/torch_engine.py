@@ -10,6 +10,7 @@ recomputed each step (slow, but exact).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import torch
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from verl.rollout.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TorchRolloutConfig", "TorchRollout", "process_logits", "sample_tokens"]
 
@@ -32,6 +35,10 @@ class TorchRolloutConfig:
     """Reuse keys/values across steps; False recomputes the whole sequence (models without a cache)."""
     release_weights: bool = False
     """release() also moves the weights to the CPU (resume() brings them back)."""
+    fast_decoder: bool = True
+    """Decode Llama-family models (Llama, Qwen2, Mistral without sliding window) with verl's static-cache
+    decoder (`verl.rollout.fast_decoder`), which runs the same math with far less per-token overhead; other
+    models, and `kv_cache=False`, use the model's own forward."""
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -79,6 +86,14 @@ class TorchRollout(RolloutEngine):
         if self.config.max_batch_size < 1:
             raise VerlConfigError(f"max_batch_size={self.config.max_batch_size} must be >= 1")
         self._offloaded: dict[str, torch.device] | None = None
+        self._fast = None
+        if self.config.fast_decoder and self.config.kv_cache:
+            from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
+            reason = unsupported_reason(model)
+            if reason is None:
+                self._fast = LlamaFamilyDecoder(model)
+            else:
+                logger.info("torch engine: decoding with the model's own forward (%s)", reason)
 
     # -- devices ----------------------------------------------------------------------------------------------
 
@@ -103,11 +118,11 @@ class TorchRollout(RolloutEngine):
             out += self._generate_batch(batch, prompt_ids, params)
         return out
 
-    def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             ids |= set(self.tokenizer.eos_token_ids)
-        return torch.tensor(sorted(ids), dtype=torch.long)
+        return ids
 
     def _generate_batch(self, batch, prompt_ids, params: SamplingParams) -> list[GenerationOutput]:
         dev = self._input_device()
@@ -120,30 +135,32 @@ class TorchRollout(RolloutEngine):
         B = len(batch)
         tokens = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool)
+        done = [False] * B
         reasons = ["length"] * B
-        cache, step_ids, full_ids = None, ids, ids
+        forward = self._forward_fn(B, ids.shape[1] + params.max_new_tokens)
+        step_ids, full_ids = ids, ids
         for step in range(params.max_new_tokens):
-            logits, cache = self._forward(step_ids if self.config.kv_cache else full_ids, mask, cache)
+            logits = forward(step_ids if self.config.kv_cache else full_ids, mask)
             processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
             nxt = sample_tokens(processed, params, gens)
             if params.logprobs:
-                lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
-            for r in range(B):
+                lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist()
+            for r, t in enumerate(nxt.tolist()):
                 if done[r]:
                     continue
-                t = int(nxt[r])
                 tokens[r].append(t)
                 if params.logprobs:
-                    lps[r].append(float(lp[r]))
+                    lps[r].append(lp[r])
                 if t in stop_ids or self._hit_stop_string(tokens[r], params):
                     done[r], reasons[r] = True, "stop"
-            if bool(done.all()):
+            if all(done):
                 break
-            nxt = torch.where(done, torch.tensor(self.tokenizer.pad_token_id), nxt)
+            live = ~torch.tensor(done)
+            nxt = torch.where(live, nxt, torch.tensor(self.tokenizer.pad_token_id))
             step_ids = nxt[:, None].to(dev)
-            full_ids = torch.cat([full_ids, step_ids], 1)
-            mask = torch.cat([mask, (~done).long()[:, None].to(dev)], 1)
+            if not self.config.kv_cache:
+                full_ids = torch.cat([full_ids, step_ids], 1)
+            mask = torch.cat([mask, live.long()[:, None].to(dev)], 1)
         return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
                              params.stop) for r, (i, j) in enumerate(batch)]
 
@@ -153,6 +170,20 @@ class TorchRollout(RolloutEngine):
         # Only the tail can contain a new match: decode a window wide enough for the longest stop string.
         tail = self.tokenizer.decode(tokens[-(max(len(s) for s in params.stop) + 8):])
         return any(s in tail for s in params.stop)
+
+    def _forward_fn(self, batch: int, max_len: int):
+        """`forward(ids, mask) -> last logits [B, V]` for one batch: the fast decoder, or the model's forward
+        with the cache it returns threaded through."""
+        if self._fast is not None:
+            self._fast.start(batch, max_len)
+            return self._fast.step
+        cache = None
+
+        def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            nonlocal cache
+            logits, cache = self._forward(ids, mask, cache)
+            return logits
+        return forward
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, cache):
         # Positions follow the mask: left padding does not shift RoPE, and rows stay aligned per step.

@@ -19,7 +19,7 @@ from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
-from verl.utils.distributed import World, barrier, comm_device, ensure_process_group
+from verl.utils.distributed import World, barrier, comm_device, ensure_process_group, reduce_metrics
 from verl.utils.metrics import MetricsLogger, plot_curves
 from verl.workers import ActorWorker, CriticWorker, ReferenceWorker, TorchEngine, ValueModel, build_reward, build_rollout
 
@@ -132,17 +132,17 @@ class PPOTrainer:
                                                              optim=cfg.critic.optim, total_steps=steps), cfg.critic)
 
     def _checkpointed(self) -> tuple[dict, dict]:
-        """(torch modules saved with DCP, megatron engines saving their own per-rank state)."""
+        """(torch modules and optimizers, megatron engines with their own per-rank layout): both go to DCP."""
         workers = {"actor": self.actor, "ref": self.ref, "critic": self.critic}
-        modules, savers = {}, {}
+        modules, sharded = {}, {}
         for name, w in workers.items():
             if w is None:
                 continue
             if isinstance(w.engine, TorchEngine):
                 modules[name] = (w.engine.module, w.engine.optimizer)
             else:
-                savers[name] = w.engine
-        return modules, savers
+                sharded[name] = w.engine
+        return modules, sharded
 
     def _scheduler_state(self, worker):
         sched = getattr(getattr(worker, "engine", None), "scheduler", None)
@@ -211,16 +211,11 @@ class PPOTrainer:
         m["advantage/mean"] = float((adv * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
         if "actor/kl" not in m and "actor/ppo_kl" in m:
             m["actor/kl"] = m["actor/ppo_kl"]
-        dev = comm_device()
         local = torch.tensor([float(batch.num_tokens()), float(batch.response_mask.sum())], dtype=torch.float64,
-                             device=dev)
-        keys = sorted(m)
-        vec = torch.tensor([m[k] for k in keys], dtype=torch.float64, device=dev)
+                             device=comm_device())
+        m = reduce_metrics(m, self.world, maxed=("reward/max",), mined=("reward/min",))
         if self.world.distributed:
-            torch.distributed.all_reduce(vec)
-            vec /= self.world.world_size
             torch.distributed.all_reduce(local)
-        m = dict(zip(keys, vec.tolist()))
         m["perf/step_time_s"] = elapsed
         m["perf/wall_time"] = time.time()  # when the step ended (aligns runs that share a machine)
         m["perf/tokens_per_s"] = float(local[0]) / elapsed

@@ -3,7 +3,8 @@
 Layout of ``<output_dir>/checkpoints``::
 
     step_000010/            # complete checkpoints only (renamed into place when fully written)
-        .metadata, __*_*.distcp    # DCP: every model and optimizer (sharded / de-duplicated across ranks)
+        .metadata, __*_*.distcp    # DCP: every model and optimizer (torch engines: de-duplicated across
+                                   # ranks; megatron engines: each rank's TP/PP shard and optimizer state)
         trainer_state.pt    # step, data position, KL controller, LR schedulers (rank 0)
         rng_rank{r}.pt      # each rank's torch / CUDA / Python / NumPy RNG states
     latest                  # name of the newest complete checkpoint (replaced atomically)
@@ -88,9 +89,9 @@ class CheckpointManager:
         return path
 
     def save(self, step: int, modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
-             savers: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
-        """`modules` go through DCP; each of `savers` (engines with their own sharded format, e.g. megatron's
-        per-rank training state) writes `save(dir)` into its own sub-directory of the same atomic checkpoint."""
+             sharded: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
+        """`modules` (torch models and optimizers) and `sharded` (engines that lay out their own per-rank
+        state, e.g. megatron's: `dcp_state()` / `load_dcp_state(state, source)`) go into one DCP checkpoint."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
         if self.world.is_main:
@@ -100,9 +101,8 @@ class CheckpointManager:
         barrier(self.world)
         with warnings.catch_warnings():  # DCP warns that a lone process saves without a process group
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(_dcp_state(modules), checkpoint_id=str(tmp))
-        for name, saver in savers.items():
-            saver.save(tmp / name)
+            dcp.save({**_dcp_state(modules), **{name: eng.dcp_state() for name, eng in sharded.items()}},
+                     checkpoint_id=str(tmp))
         torch.save(rng_state(), tmp / f"rng_rank{self.world.rank}.pt")
         if self.world.is_main:
             torch.save(trainer_state, tmp / "trainer_state.pt")
@@ -124,21 +124,26 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: str | Path, modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
-             savers: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Restores `modules` in place and this rank's RNG; returns the trainer state saved with them."""
+             sharded: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Restores `modules` and `sharded` engines in place and this rank's RNG; returns the trainer state."""
         path = Path(path)
-        state = _dcp_state(modules)
+        sharded = sharded or {}
+        state = {**_dcp_state(modules), **{name: eng.dcp_state() for name, eng in sharded.items()}}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=str(path))
+            try:
+                dcp.load(state, checkpoint_id=str(path))
+            except Exception as e:  # DCP names the missing keys; a different layout is the usual cause
+                raise VerlConfigError(f"checkpoint {str(path)!r} does not fit this run ({e}); resume with the same "
+                                      f"number of processes and the same model/parallel layout") from e
         for name, (model, optim) in modules.items():
             if optim is None:
                 model.load_state_dict(state[name]["model"])
             else:
                 set_state_dict(model, optim, model_state_dict=state[name]["model"],
                                optim_state_dict=state[name]["optim"])
-        for name, saver in (savers or {}).items():
-            saver.load(path / name)
+        for name, eng in sharded.items():
+            eng.load_dcp_state(state[name], str(path))
         rng_file = path / f"rng_rank{self.world.rank}.pt"
         if not rng_file.is_file():
             raise VerlConfigError(f"checkpoint {str(path)!r} has no RNG state for rank {self.world.rank}: it was "

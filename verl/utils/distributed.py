@@ -68,6 +68,26 @@ def all_reduce_mean_(t: torch.Tensor, world: World) -> torch.Tensor:
     return t
 
 
+def reduce_metrics(metrics: dict[str, float], world: World, maxed: tuple[str, ...] = (),
+                   mined: tuple[str, ...] = ()) -> dict[str, float]:
+    """Per-rank scalar metrics -> the same on every rank: the mean over ranks, except the keys in `maxed`
+    (maximum over ranks) and `mined` (minimum). Two collectives whatever the number of keys."""
+    if not world.distributed:
+        return dict(metrics)
+    extremes = [(k, 1.0) for k in maxed if k in metrics] + [(k, -1.0) for k in mined if k in metrics]
+    names = {k for k, _ in extremes}
+    means = sorted(k for k in metrics if k not in names)
+    dev = comm_device()
+    vec = torch.tensor([metrics[k] for k in means], dtype=torch.float64, device=dev)
+    ext = torch.tensor([sign * metrics[k] for k, sign in extremes], dtype=torch.float64, device=dev)
+    dist.all_reduce(vec)
+    vec /= world.world_size
+    dist.all_reduce(ext, op=dist.ReduceOp.MAX)  # the minimum is minus the maximum of the negated values
+    out = dict(zip(means, vec.tolist()))
+    out.update({k: sign * v for (k, sign), v in zip(extremes, ext.tolist())})
+    return out
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()

@@ -4,11 +4,12 @@ Chosen with ``actor.engine=megatron``. The models are built from a Hugging Face 
 policy, written by the trainer) with `verl.models`; the rollout keeps a Hugging Face copy that
 ``sync_weights`` refreshes each step from the megatron shards (gathered to HF names, then broadcast over the
 model-parallel group). Same calls as the torch workers: ``compute_log_probs``, ``update``,
-``compute_values``; checkpoints use megatron's per-rank training state inside verl's atomic directory.
+``compute_values``; checkpoints put each rank's model shard and optimizer state into the trainer's DCP checkpoint.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -68,22 +69,33 @@ class MegatronModel:
         # megatron divides each micro-batch loss by their number; the aggregation already sums to the step loss
         return train_step(self.model, self.opt, mbs, lambda out, mb: loss_fn(out, mb, n))
 
-    def save(self, directory: Path) -> None:
-        from verl.models.optimizer import save_training_state
+    def dcp_state(self) -> dict:
+        """This rank's part of the trainer's DCP checkpoint, under a rank-unique key (TP/PP shards share
+        parameter names, so plain names would be de-duplicated across ranks): the model shard as DCP tensors,
+        the optimizer and LR schedule as one opaque blob (their tensors only exist after the first step, and
+        DCP loads tensors into existing ones)."""
+        state = {"model": {k: v for k, v in self.model.gpt.state_dict().items() if torch.is_tensor(v)}}
         if self.opt is not None:
-            save_training_state(self.model, self.opt, directory)
-        else:
-            directory.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v for k, v in self.model.gpt.state_dict().items() if torch.is_tensor(v)},
-                       directory / f"rank_{dist.get_rank():05d}.pt")
+            from verl.models.optimizer import training_state
+            rest = training_state(self.model, self.opt)
+            state["model"] = rest.pop("model")
+            blob = io.BytesIO()
+            torch.save(rest, blob)
+            blob.seek(0)
+            state["train_state"] = blob
+        return {f"rank{dist.get_rank():05d}": state}
 
-    def load(self, directory: Path) -> None:
-        from verl.models.optimizer import load_training_state
-        if self.opt is not None:
-            load_training_state(self.model, self.opt, directory)
-        else:
-            state = torch.load(directory / f"rank_{dist.get_rank():05d}.pt", weights_only=False)
-            self.model.gpt.load_state_dict(state, strict=False)
+    def load_dcp_state(self, state: dict, source: str) -> None:
+        """Restores what `dcp_state` saved (DCP has filled the tensors and hands the blob back as a stream)."""
+        mine = state[f"rank{dist.get_rank():05d}"]
+        if self.opt is None:
+            self.model.gpt.load_state_dict(mine["model"], strict=False)
+            return
+        from verl.models.optimizer import restore_training_state
+        blob = mine["train_state"]
+        blob.seek(0)
+        rest = torch.load(blob, weights_only=False)
+        restore_training_state(self.model, self.opt, {"model": mine["model"], **rest}, source)
 
     @property
     def lr(self) -> float:

@@ -17,7 +17,8 @@ class TorchEngineRollout:
         from verl.rollout import TorchRollout, TorchRolloutConfig
         self.module, self.tokenizer, self.cfg = module, tokenizer, cfg
         self.max_prompt_length, self.device = max_prompt_length, device
-        self.engine = TorchRollout(module, tokenizer, TorchRolloutConfig(max_batch_size=1 << 16))
+        self.engine = TorchRollout(module, tokenizer, TorchRolloutConfig(max_batch_size=1 << 16,
+                                                                        fast_decoder=cfg.fast_decoder))
 
     @torch.no_grad()
     def generate(self, rows: list[dict], n: int | None = None, greedy: bool = False) -> RolloutBatch:

@@ -17,6 +17,10 @@
 
 #if defined(__CUDACC__)
 #define VERL_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+// always_inline: the CPU token loops are compiled once per ISA (target_clones in csrc/cpu/rl.cpp), and only
+// inlined per-token math is compiled for the clone's ISA.
+#define VERL_HD inline __attribute__((always_inline))
 #else
 #define VERL_HD inline
 #endif

@@ -1,0 +1,142 @@
+"""A lean decode path for Llama-family transformers models (Llama, Qwen2, Mistral without a sliding window).
+
+Hugging Face's forward pays, per layer and per generated token, for its generic machinery: mask building,
+cache objects, attention-interface dispatch, separate q/k/v and gate/up projections. For the small models an
+RL rollout decodes thousands of times per step that bookkeeping costs more than the arithmetic. This decoder
+runs the same math on the model's own parameters (nothing is copied that training could change behind its
+back: fused projection weights are rebuilt at every `start`) with
+
+- one preallocated key/value buffer per layer, written in place (no cache objects, no concatenation);
+- q/k/v as one GEMM and gate/up as one GEMM;
+- a cos/sin table for every position of the batch computed once by the model's own rotary module;
+- `scaled_dot_product_attention` with grouped-query heads and a boolean padding mask.
+
+Numerically it is the model's forward (checked against it in tests/rollout); models it does not know are
+reported by `unsupported_reason` and keep using their own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LlamaFamilyDecoder", "unsupported_reason"]
+
+_MODEL_TYPES = {"llama", "qwen2", "mistral"}
+_STATIC_ROPE = {"default", "linear", "llama3"}
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None when `LlamaFamilyDecoder` reproduces the model's forward, else why not (for the log)."""
+    cfg = getattr(model, "config", None)
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in _MODEL_TYPES:
+        return f"model_type {mtype!r} is not one of {sorted(_MODEL_TYPES)}"
+    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window attention"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type not in _STATIC_ROPE:
+        return f"rope_type {rope_type!r} changes with the sequence length"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        return "the module does not have the Llama layout (model.layers, model.rotary_emb)"
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "the model is split across devices by its device_map"
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
+                not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return f"layer {type(layer).__name__} does not have the Llama projections"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return "per-head q/k norms"
+    return None
+
+
+def _fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([lin.weight for lin in linears])
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    return weight, torch.cat([lin.bias if lin.bias is not None else weight.new_zeros(lin.out_features)
+                              for lin in linears])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaFamilyDecoder:
+    """Prefill + per-token decode on a Llama-family model with a static KV cache.
+
+    Usage per batch: `start(batch, max_len)`, then `step(ids, mask)` with the prompt (left-padded [B, P]) and
+    afterwards one token per row ([B, 1]); `mask` [B, L] covers every position so far (0 = padding or a
+    finished row). Returns the last position's logits [B, V].
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LlamaFamilyDecoder cannot run this model: {reason}")
+        self.model, self.base = model, model.model
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.layers: list[dict] = []
+        self.length = 0
+
+    @torch.no_grad()
+    def start(self, batch: int, max_len: int) -> None:
+        """Fuses the current weights and allocates the cache for `batch` rows of at most `max_len` positions."""
+        emb = self.base.embed_tokens.weight
+        self.layers = []
+        for layer in self.base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
+            gu_w, gu_b = _fused([mlp.gate_proj, mlp.up_proj])
+            shape = (batch, self.n_kv, max_len, self.head_dim)
+            self.layers.append(dict(
+                ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
+                qkv_w=qkv_w, qkv_b=qkv_b, o=attn.o_proj, gu_w=gu_w, gu_b=gu_b, down=mlp.down_proj,
+                act=mlp.act_fn, k=emb.new_empty(shape), v=emb.new_empty(shape)))
+        # the model's own rotary module gives cos/sin for every position a row can reach
+        positions = torch.arange(max_len, device=emb.device)[None]
+        cos, sin = self.base.rotary_emb(emb[:1, None], positions)
+        self.cos, self.sin = cos[0], sin[0]
+        self.length = 0
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * weight
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, S = ids.shape
+        t0, t1 = self.length, self.length + S
+        if t1 > self.cos.shape[0]:
+            raise ValueError(f"decoding position {t1} exceeds the max_len {self.cos.shape[0]} given to start()")
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, t0:t1]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, S, d]
+        keys = mask[:, None, None, :t1].bool()  # [B, 1, 1, L]
+        if S > 1:  # prefill: causal, and a padded query attends to itself so that no row is all -inf
+            causal = torch.ones(S, t1, dtype=torch.bool, device=ids.device).tril(t0)
+            own = torch.arange(S, device=ids.device)[:, None] + t0 == torch.arange(t1, device=ids.device)
+            keys = (keys & causal) | own
+        x = self.base.embed_tokens(ids)
+        H, KV, d = self.n_heads, self.n_kv, self.head_dim
+        for L in self.layers:
+            h = self._norm(x, L["ln1"])
+            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])
+            q, k, v = qkv.split((H * d, KV * d, KV * d), dim=-1)
+            q = _rotate(q.view(B, S, H, d).transpose(1, 2), cos, sin)
+            L["k"][:, :, t0:t1] = _rotate(k.view(B, S, KV, d).transpose(1, 2), cos, sin)
+            L["v"][:, :, t0:t1] = v.view(B, S, KV, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, L["k"][:, :, :t1], L["v"][:, :, :t1], attn_mask=keys,
+                                               enable_gqa=KV != H)
+            x = x + L["o"](o.transpose(1, 2).reshape(B, S, H * d))
+            gate, up = F.linear(self._norm(x, L["ln2"]), L["gu_w"], L["gu_b"]).chunk(2, dim=-1)
+            x = x + L["down"](L["act"](gate) * up)
+        self.length = t1
+        return self.model.lm_head(self._norm(x[:, -1], self.base.norm.weight))
