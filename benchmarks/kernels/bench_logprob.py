@@ -276,6 +276,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="interleaved timing rounds (min is reported)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per subprocess")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of an existing bench_logprob.json (a size measured again is replaced)")
     args = ap.parse_args()
     if args.sizes:
         asked = [tuple(int(d) for d in s.split("x")) for s in args.sizes]
@@ -292,14 +294,28 @@ def main() -> None:
     note = "; ".join(notes) or "no size scaled down"
     print(f"[bench_logprob] sizes {sizes}; {note}", flush=True)
     t0 = time.time()
-    rows = []
+    rows, prior = [], _prior_rows(args) if args.append else []
     for i, (n, h, v) in enumerate(sizes):
         rows.append(_measure_size(n, h, v, args))
+        prior = [r for r in prior if (r["N"], r["H"], r["V"]) != (n, h, v)]
         # Written after every size, so a run cut short by its time limit still leaves the finished rows.
-        _write(rows, args, note, avail, t0, complete=i == len(sizes) - 1)
+        _write(prior + rows, args, note, avail, t0, complete=i == len(sizes) - 1)
+
+
+def _prior_rows(args) -> list:
+    """Rows of an earlier run (--append), each tagged with the command and note that produced it."""
+    path = os.path.join(args.out_dir, "bench_logprob.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        old = json.load(fh)
+    for r in old["rows"]:
+        r.setdefault("run", {k: old["meta"].get(k) for k in ("command", "note", "threads", "timing")})
+    return old["rows"]
 
 
 def _write(rows, args, note, avail, t0, complete):
+    """JSON + PNG of all rows; meta describes this run, rows from an --append'ed run carry their own "run"."""
     import torch
 
     import verl.ops as O

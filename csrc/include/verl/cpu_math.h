@@ -27,6 +27,7 @@ static inline __attribute__((always_inline)) float exp_poly(float x) {
   return p * scale;
 }
 
+#if !defined(__CUDACC__)  // CPU kernels only; nvcc's front end need not parse GCC vector builtins
 // Eight floats at a time, written with the GCC/Clang vector extension rather than at::vec: at::vec only
 // emits AVX2 in a translation unit compiled with -mavx2 and ATen's CPU_CAPABILITY macros (a per-file build
 // flag), whereas these types follow the target of the function they are inlined into, so one portable build
@@ -67,5 +68,6 @@ static inline __attribute__((always_inline)) float hmax(const vf8& v) {
   for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
+#endif  // !defined(__CUDACC__)
 
 }  // namespace verl
