@@ -93,6 +93,22 @@ def test_running_past_max_len_is_an_error_naming_the_limit():
         dec.step(ids[:, :1], torch.cat([mask, mask[:, :1]], 1))
 
 
+def test_finish_frees_the_cache_and_step_needs_start():
+    model = MODELS["llama-gqa"]()
+    ids, mask = _left_padded([3, 2], 64)
+    dec = LlamaFamilyDecoder(model)
+    with pytest.raises(ValueError, match="before start"):
+        dec.step(ids, mask)
+    dec.start(2, 6)
+    dec.step(ids, mask)
+    dec.finish()
+    assert dec.layers == [] and dec.cos is None
+    tok = toy_tokenizer()
+    engine = TorchRollout(toy_llama(len(tok), hidden=64, heads=4, kv_heads=2, ffn=96), tok)
+    engine.generate(["what"], SamplingParams(max_new_tokens=3, temperature=0))
+    assert engine._fast.layers == []  # nothing of the rollout's KV cache outlives generate()
+
+
 def test_unsupported_models_are_named_and_keep_their_own_forward():
     from transformers import GPT2Config, GPT2LMHeadModel
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()

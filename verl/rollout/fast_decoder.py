@@ -72,7 +72,7 @@ class LlamaFamilyDecoder:
 
     Usage per batch: `start(batch, max_len)`, then `step(ids, mask)` with the prompt (left-padded [B, P]) and
     afterwards one token per row ([B, 1]); `mask` [B, L] covers every position so far (0 = padding or a
-    finished row). Returns the last position's logits [B, V].
+    finished row). Returns the last position's logits [B, V]. `finish()` frees the cache.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -108,6 +108,11 @@ class LlamaFamilyDecoder:
         self.cos, self.sin = cos[0], sin[0]
         self.length = 0
 
+    def finish(self) -> None:
+        """Drops the KV buffers and fused weights (the memory goes back before training runs)."""
+        self.layers, self.length = [], 0
+        self.cos = self.sin = None
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype) * weight
 
@@ -115,6 +120,8 @@ class LlamaFamilyDecoder:
     def step(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, S = ids.shape
         t0, t1 = self.length, self.length + S
+        if not self.layers:
+            raise ValueError("LlamaFamilyDecoder.step() before start(): call start(batch, max_len) first")
         if t1 > self.cos.shape[0]:
             raise ValueError(f"decoding position {t1} exceeds the max_len {self.cos.shape[0]} given to start()")
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, t0:t1]

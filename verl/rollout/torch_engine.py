@@ -138,29 +138,33 @@ class TorchRollout(RolloutEngine):
         done = [False] * B
         reasons = ["length"] * B
         forward = self._forward_fn(B, ids.shape[1] + params.max_new_tokens)
-        step_ids, full_ids = ids, ids
-        for step in range(params.max_new_tokens):
-            logits = forward(step_ids if self.config.kv_cache else full_ids, mask)
-            processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
-            nxt = sample_tokens(processed, params, gens)
-            if params.logprobs:
-                lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist()
-            for r, t in enumerate(nxt.tolist()):
-                if done[r]:
-                    continue
-                tokens[r].append(t)
+        try:
+            step_ids, full_ids = ids, ids
+            for step in range(params.max_new_tokens):
+                logits = forward(step_ids if self.config.kv_cache else full_ids, mask)
+                processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
+                nxt = sample_tokens(processed, params, gens)
                 if params.logprobs:
-                    lps[r].append(lp[r])
-                if t in stop_ids or self._hit_stop_string(tokens[r], params):
-                    done[r], reasons[r] = True, "stop"
-            if all(done):
-                break
-            live = ~torch.tensor(done)
-            nxt = torch.where(live, nxt, torch.tensor(self.tokenizer.pad_token_id))
-            step_ids = nxt[:, None].to(dev)
-            if not self.config.kv_cache:
-                full_ids = torch.cat([full_ids, step_ids], 1)
-            mask = torch.cat([mask, live.long()[:, None].to(dev)], 1)
+                    lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist()
+                for r, t in enumerate(nxt.tolist()):
+                    if done[r]:
+                        continue
+                    tokens[r].append(t)
+                    if params.logprobs:
+                        lps[r].append(lp[r])
+                    if t in stop_ids or self._hit_stop_string(tokens[r], params):
+                        done[r], reasons[r] = True, "stop"
+                if all(done):
+                    break
+                live = ~torch.tensor(done)
+                nxt = torch.where(live, nxt, torch.tensor(self.tokenizer.pad_token_id))
+                step_ids = nxt[:, None].to(dev)
+                if not self.config.kv_cache:
+                    full_ids = torch.cat([full_ids, step_ids], 1)
+                mask = torch.cat([mask, live.long()[:, None].to(dev)], 1)
+        finally:
+            if self._fast is not None:
+                self._fast.finish()  # the KV buffers go back before anything else (training) runs
         return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
                              params.stop) for r, (i, j) in enumerate(batch)]
 
