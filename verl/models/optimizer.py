@@ -138,16 +138,27 @@ def _mean_metrics(model: MegatronGPT, outs: list[dict]) -> dict:
     return dict(zip(keys, vals.cpu().tolist(), strict=False))
 
 
-def training_state(model: MegatronGPT, opt: Optimizer) -> dict:
-    """This rank's model shard, optimizer state (incl. the distributed optimizer's DP shard), LR schedule and
-    the (tp, pp, dp) layout, as one dict (what `save_training_state` writes and the trainer puts into DCP)."""
+def model_tensors(model: MegatronGPT) -> dict[str, torch.Tensor]:
+    """This rank's model shard: the state-dict tensors (sharing storage with the parameters)."""
+    return {k: v for k, v in model.gpt.state_dict().items() if torch.is_tensor(v)}
+
+
+def optimizer_state(model: MegatronGPT, opt: Optimizer) -> dict:
+    """This rank's optimizer state (incl. the distributed optimizer's DP shard), LR schedule and the
+    (tp, pp, dp) layout: everything of `training_state` but the model."""
     opt_state = opt.optimizer.state_dict()
     if opt.config.use_distributed_optimizer:
         # The distributed optimizer keeps Adam moments in DP-sharded buffers outside state_dict().
         opt_state = {"base": opt_state, "param_state": _dist_opt_param_state(opt)}
-    return {"model": {k: v.detach().clone() for k, v in model.gpt.state_dict().items() if torch.is_tensor(v)},
-            "optimizer": opt_state, "scheduler": opt.scheduler.state_dict(),
+    return {"optimizer": opt_state, "scheduler": opt.scheduler.state_dict(),
             "layout": (model.pg.tp_size, model.pg.pp_size, model.pg.dp_size)}
+
+
+def training_state(model: MegatronGPT, opt: Optimizer) -> dict:
+    """This rank's model shard (copied), optimizer state, LR schedule and layout, as one dict (what
+    `save_training_state` writes)."""
+    return {"model": {k: v.detach().clone() for k, v in model_tensors(model).items()},
+            **optimizer_state(model, opt)}
 
 
 def restore_training_state(model: MegatronGPT, opt: Optimizer, state: dict, source: str) -> None:

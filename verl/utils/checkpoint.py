@@ -49,8 +49,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _dcp_state(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]]) -> dict[str, Any]:
-    out = {}
+def _dcp_state(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
+               sharded: dict[str, Any], for_load: bool) -> dict[str, Any]:
+    """The one state dict DCP saves / loads into: torch modules by state-dict names, sharded engines' own."""
+    out = {name: eng.dcp_state(for_load=for_load) for name, eng in sharded.items()}
     for name, (model, optim) in modules.items():
         if optim is None:
             out[name] = {"model": model.state_dict()}
@@ -91,7 +93,7 @@ class CheckpointManager:
     def save(self, step: int, modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
              sharded: dict[str, Any], trainer_state: dict[str, Any]) -> Path:
         """`modules` (torch models and optimizers) and `sharded` (engines that lay out their own per-rank
-        state, e.g. megatron's: `dcp_state()` / `load_dcp_state(state, source)`) go into one DCP checkpoint."""
+        state, e.g. megatron's: `dcp_state(for_load)` / `load_dcp_state(state, source)`) go into one DCP checkpoint."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
         if self.world.is_main:
@@ -101,8 +103,7 @@ class CheckpointManager:
         barrier(self.world)
         with warnings.catch_warnings():  # DCP warns that a lone process saves without a process group
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save({**_dcp_state(modules), **{name: eng.dcp_state() for name, eng in sharded.items()}},
-                     checkpoint_id=str(tmp))
+            dcp.save(_dcp_state(modules, sharded, for_load=False), checkpoint_id=str(tmp))
         torch.save(rng_state(), tmp / f"rng_rank{self.world.rank}.pt")
         if self.world.is_main:
             torch.save(trainer_state, tmp / "trainer_state.pt")
@@ -128,7 +129,7 @@ class CheckpointManager:
         """Restores `modules` and `sharded` engines in place and this rank's RNG; returns the trainer state."""
         path = Path(path)
         sharded = sharded or {}
-        state = {**_dcp_state(modules), **{name: eng.dcp_state() for name, eng in sharded.items()}}
+        state = _dcp_state(modules, sharded, for_load=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:

@@ -80,8 +80,7 @@ def reduce_metrics(metrics: dict[str, float], world: World, maxed: tuple[str, ..
     dev = comm_device()
     vec = torch.tensor([metrics[k] for k in means], dtype=torch.float64, device=dev)
     ext = torch.tensor([sign * metrics[k] for k, sign in extremes], dtype=torch.float64, device=dev)
-    dist.all_reduce(vec)
-    vec /= world.world_size
+    all_reduce_mean_(vec, world)
     dist.all_reduce(ext, op=dist.ReduceOp.MAX)  # the minimum is minus the maximum of the negated values
     out = dict(zip(means, vec.tolist()))
     out.update({k: sign * v for (k, sign), v in zip(extremes, ext.tolist())})

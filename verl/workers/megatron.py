@@ -69,19 +69,19 @@ class MegatronModel:
         # megatron divides each micro-batch loss by their number; the aggregation already sums to the step loss
         return train_step(self.model, self.opt, mbs, lambda out, mb: loss_fn(out, mb, n))
 
-    def dcp_state(self) -> dict:
+    def dcp_state(self, for_load: bool = False) -> dict:
         """This rank's part of the trainer's DCP checkpoint, under a rank-unique key (TP/PP shards share
-        parameter names, so plain names would be de-duplicated across ranks): the model shard as DCP tensors,
-        the optimizer and LR schedule as one opaque blob (their tensors only exist after the first step, and
-        DCP loads tensors into existing ones)."""
-        state = {"model": {k: v for k, v in self.model.gpt.state_dict().items() if torch.is_tensor(v)}}
+        parameter names, so plain names would be de-duplicated across ranks): the model shard as DCP tensors
+        (the live ones: DCP reads them on save and loads into them in place), the optimizer and LR schedule as
+        one opaque blob (their tensors only exist after the first step, and DCP loads tensors into existing
+        ones). `for_load` leaves the blob empty: DCP replaces it with the saved one."""
+        from verl.models.optimizer import model_tensors, optimizer_state
+        state = {"model": model_tensors(self.model)}
         if self.opt is not None:
-            from verl.models.optimizer import training_state
-            rest = training_state(self.model, self.opt)
-            state["model"] = rest.pop("model")
             blob = io.BytesIO()
-            torch.save(rest, blob)
-            blob.seek(0)
+            if not for_load:
+                torch.save(optimizer_state(self.model, self.opt), blob)
+                blob.seek(0)
             state["train_state"] = blob
         return {f"rank{dist.get_rank():05d}": state}
 
@@ -94,8 +94,8 @@ class MegatronModel:
         from verl.models.optimizer import restore_training_state
         blob = mine["train_state"]
         blob.seek(0)
-        rest = torch.load(blob, weights_only=False)
-        restore_training_state(self.model, self.opt, {"model": mine["model"], **rest}, source)
+        restore_training_state(self.model, self.opt, {"model": mine["model"], **torch.load(blob, weights_only=False)},
+                               source)
 
     @property
     def lr(self) -> float:
