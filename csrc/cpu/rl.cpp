@@ -1051,10 +1051,7 @@ Reduced kl_loss_impl(const at::Tensor& logprob, const at::Tensor& ref_logprob, c
                      c10::string_view kind, c10::string_view mode, std::optional<double> global_tokens,
                      std::optional<double> global_seqs, int64_t dp_size, std::optional<double> norm_len,
                      bool with_grad, const char* op) {
-  const Kl k = parse_kl(kind, op);
-  check_bt(logprob, op, "logprob");
-  check_like(logprob, ref_logprob, op, "logprob", "ref_logprob");
-  check_mask_of(logprob, mask, op, "logprob");
+  const Kl k = check_kl_inputs(logprob, ref_logprob, mask, kind, op);
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, logprob.size(1), op);
   const at::Tensor a = logprob.contiguous(), r = ref_logprob.contiguous();
   const at::Tensor m = mask_as_bool(mask);
@@ -1087,10 +1084,7 @@ std::tuple<at::Tensor, at::Tensor> kl_loss_with_grad_cpu(const at::Tensor& logpr
 at::Tensor kl_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& logprob, const at::Tensor& ref_logprob,
                                 const at::Tensor& mask, const at::Tensor& row_weight, c10::string_view kind) {
   const char* op = "kl_loss_backward";
-  const Kl k = parse_kl(kind, op);
-  check_bt(logprob, op, "logprob");
-  check_like(logprob, ref_logprob, op, "logprob", "ref_logprob");
-  check_mask_of(logprob, mask, op, "logprob");
+  const Kl k = check_kl_inputs(logprob, ref_logprob, mask, kind, op);
   check_row_weight(row_weight, logprob.size(0), op);
   const at::Tensor a = logprob.contiguous(), r = ref_logprob.contiguous();
   const at::Tensor m = mask_as_bool(mask);

@@ -601,10 +601,7 @@ LossOut kl_loss_impl(const at::Tensor& logprob, const at::Tensor& ref_logprob, c
                      c10::string_view kind, c10::string_view mode, std::optional<double> global_tokens,
                      std::optional<double> global_seqs, int64_t dp_size, std::optional<double> norm_len,
                      bool with_grad, const char* op) {
-  const Kl k = parse_kl(kind, op);
-  check_bt(logprob, op, "logprob");
-  check_like(logprob, ref_logprob, op, "logprob", "ref_logprob");
-  check_mask_of(logprob, mask, op, "logprob");
+  const Kl k = check_kl_inputs(logprob, ref_logprob, mask, kind, op);
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, logprob.size(1), op);
   c10::cuda::CUDAGuard guard(logprob.device());
   const at::Tensor a = logprob.contiguous(), r = ref_logprob.contiguous();
@@ -639,10 +636,7 @@ std::tuple<at::Tensor, at::Tensor> kl_loss_with_grad_cuda(const at::Tensor& logp
 at::Tensor kl_loss_backward_cuda(const at::Tensor& grad, const at::Tensor& logprob, const at::Tensor& ref_logprob,
                                  const at::Tensor& mask, const at::Tensor& row_weight, c10::string_view kind) {
   const char* op = "kl_loss_backward";
-  const Kl k = parse_kl(kind, op);
-  check_bt(logprob, op, "logprob");
-  check_like(logprob, ref_logprob, op, "logprob", "ref_logprob");
-  check_mask_of(logprob, mask, op, "logprob");
+  const Kl k = check_kl_inputs(logprob, ref_logprob, mask, kind, op);
   check_row_weight(row_weight, logprob.size(0), op);
   c10::cuda::CUDAGuard guard(logprob.device());
   const at::Tensor a = logprob.contiguous(), r = ref_logprob.contiguous();

@@ -344,6 +344,16 @@ inline void check_pg_inputs(const at::Tensor& logprob, const at::Tensor& old_log
   check_mask_of(logprob, mask, op, "logprob");
 }
 
+// Checks the kl_loss arguments (the forward's and the backward's); returns the parsed KL kind.
+inline Kl check_kl_inputs(const at::Tensor& logprob, const at::Tensor& ref_logprob, const at::Tensor& mask,
+                          c10::string_view kind, const char* op) {
+  const Kl k = parse_kl(kind, op);
+  check_bt(logprob, op, "logprob");
+  check_like(logprob, ref_logprob, op, "logprob", "ref_logprob");
+  check_mask_of(logprob, mask, op, "logprob");
+  return k;
+}
+
 inline void check_vf_inputs(const at::Tensor& values, const at::Tensor& old_values, const at::Tensor& returns,
                      const at::Tensor& mask, double clip, const char* op) {
   check_bt(values, op, "values");
