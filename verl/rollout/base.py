@@ -7,8 +7,9 @@
     engine.release(); ...train...; engine.resume()
 
 Seeding convention, identical in every engine so that their outputs can be compared: sample j of prompt i
-(of `n`) is generated with seed `seed + j`, by its own random stream; a sampled token is the Gumbel-max
-(exponential race) winner argmax(p / q), q ~ Exp(1) in float64 drawn from that stream, one draw per step.
+(of `n`) is generated with seed `seed + i·n + j`, by its own random stream (so no two samples of one call share
+noise); a sampled token is the Gumbel-max (exponential race) winner argmax(p / q), q ~ Exp(1) in float64 drawn
+from that stream, one draw per step.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
     seed: int | None = None
-    """Seed of sample 0 (sample j uses seed + j); None draws from the global torch RNG."""
+    """Seed of the call's first sample (sample j of prompt i uses seed + i·n + j); None draws from the global
+    torch RNG (torch engine) or the engine's own generator."""
     logprobs: bool = False
     """Return the log-probability of every sampled token under the sampling distribution (temperature,
     top-k and top-p applied)."""
@@ -76,8 +78,9 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def sample_seed(self, j: int) -> int | None:
-        return None if self.seed is None else self.seed + j
+    def sample_seed(self, i: int, j: int) -> int | None:
+        """The seed of sample j of prompt i (None when the call is unseeded)."""
+        return None if self.seed is None else self.seed + i * self.n + j
 
 
 @dataclass(kw_only=True, slots=True)

@@ -72,7 +72,7 @@ class SGLangRollout(RolloutEngine):
         sp = [dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k if params.top_k > 0 else -1, stop=list(params.stop) or None,
                    stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
-                   sampling_seed=params.sample_seed(j)) for _, j in jobs]
+                   sampling_seed=params.sample_seed(i, j)) for i, j in jobs]
         res = self.engine.generate(input_ids=[prompt_ids[i] for i, _ in jobs], sampling_params=sp,
                                    return_logprob=params.logprobs)
         outs = []

@@ -129,8 +129,8 @@ class TorchRollout(RolloutEngine):
         prompts = [prompt_ids[i] for i, _ in batch]
         ids, mask = self.tokenizer.pad(prompts, side="left")
         ids, mask = ids.to(dev), mask.to(dev)
-        gens = [None if params.seed is None else torch.Generator().manual_seed(params.sample_seed(j))
-                for _, j in batch]
+        gens = [None if params.seed is None else torch.Generator().manual_seed(params.sample_seed(i, j))
+                for i, j in batch]
         stop_ids = self._stop_ids(params)
         B = len(batch)
         tokens = [[] for _ in range(B)]

@@ -150,17 +150,17 @@ class VLLMRollout(RolloutEngine):
 
     # -- generation ---------------------------------------------------------------------------------------------
 
-    def _vllm_params(self, params: SamplingParams, j: int):
+    def _vllm_params(self, params: SamplingParams, i: int, j: int):
         from vllm import SamplingParams as VSP
         return VSP(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k if params.top_k > 0 else 0, stop=list(params.stop) or None,
                    stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
-                   seed=params.sample_seed(j), logprobs=0 if params.logprobs else None, skip_special_tokens=True)
+                   seed=params.sample_seed(i, j), logprobs=0 if params.logprobs else None, skip_special_tokens=True)
 
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         jobs = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
         prompts = [{"prompt_token_ids": prompt_ids[i]} for i, _ in jobs]
-        sps = [self._vllm_params(params, j) for _, j in jobs]
+        sps = [self._vllm_params(params, i, j) for i, j in jobs]
         results = self.llm.generate(prompts, sps, use_tqdm=False)
         outs = []
         for (i, j), res in zip(jobs, results):

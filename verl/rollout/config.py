@@ -1,0 +1,112 @@
+"""The one rollout config: the trainer's `rollout` subtree, consumed as it is by every generation engine.
+
+    verl train rollout.engine=vllm rollout.tp=2          # the engine switch is this one value
+    build_rollout(RolloutConfig(engine="torch"), model=hf_model, tokenizer=tok)
+
+Sampling settings (n, max_new_tokens, temperature, top_p, top_k, ignore_eos) are what the trainer samples
+with; engine settings are read only by the engine they name in their docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from verl.errors import VerlConfigError
+
+__all__ = ["ENGINES", "RolloutConfig"]
+
+ENGINES = ("hf", "torch", "vllm", "sglang")
+"""`hf`: Hugging Face `generate` on the actor's module; `torch`: verl's batched KV-cache engine; `vllm`,
+`sglang`: the external engines (installed separately)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """Which engine generates, how it samples, and how the actor's weights reach it."""
+
+    engine: Literal["hf", "torch", "vllm", "sglang"] = "torch"
+    """Generation engine: hf (transformers generate), torch (verl's batched KV-cache engine), vllm or sglang."""
+    n: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_new_tokens: int = 8
+    """Response length limit."""
+    temperature: float = 1.0
+    """Sampling temperature (also applied to the log-probs the actor trains on); 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 disables)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS up to max_new_tokens (fixed-length responses, e.g. for benchmarks)."""
+    max_model_len: int | None = None
+    """Longest prompt + response, enforced by every engine alike (a longer prompt is an error; a response stops
+    with finish_reason 'length' there). None: the model's max_position_embeddings."""
+    tp: int = 1
+    """Tensor-parallel size of the generation layout (TP_g): the 3D-HybridEngine reshards the actor into it.
+    vllm / sglang shard their model over TP_g ranks; torch and hf need 1."""
+    sync_bucket_mb: float = 64.0
+    """Per-rank bound (MiB) on one bucket of the weight sync (targets received plus slices sent)."""
+    seed: int = 0
+    """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype of an engine that loads a model directory (auto: the actor's)."""
+    max_batch_size: int = 1024
+    """torch / hf: sequences decoded together; vllm: max_num_seqs."""
+    fast_decoder: bool = True
+    """torch: decode Llama-family models with verl's static-cache decoder (same samples, less per-token
+    overhead); other architectures always use their own forward."""
+    kv_cache: bool = True
+    """torch: reuse keys/values across steps; false recomputes the whole sequence (models without a cache)."""
+    release_weights: bool = False
+    """torch: release() also moves the weights to the CPU while training runs (resume() brings them back)."""
+    kv_cache_memory_mb: int = 256
+    """vllm: KV-cache size. Always set on CPU, where vLLM would otherwise claim 0.9 × RAM."""
+    gpu_memory_utilization: float = 0.5
+    """vllm (when kv_cache_memory_mb is 0) and sglang (mem_fraction_static): GPU memory fraction for weights
+    and KV cache."""
+    enforce_eager: bool = True
+    """vllm: no CUDA graphs or compilation (fast start-up; required in-process on CPU)."""
+    in_process: bool = True
+    """vllm: run the engine inside this process (weights stream straight in); false: vLLM's own process."""
+    sleep_mode: bool = False
+    """vllm / sglang: release() frees the KV cache and weights during training (GPU builds only)."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Further keyword arguments passed to the engine's constructor (vllm.LLM, sglang.Engine)."""
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        if self.engine not in ENGINES:
+            import difflib
+            near = difflib.get_close_matches(str(self.engine), ENGINES, n=1)
+            raise VerlConfigError(f"rollout.engine={self.engine!r} is not one of {ENGINES}"
+                                  f"{f' (did you mean {near[0]!r}?)' if near else ''}")
+        for name in ("n", "max_new_tokens", "tp", "max_batch_size"):
+            if getattr(self, name) < 1:
+                raise VerlConfigError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        if self.temperature < 0:
+            raise VerlConfigError(f"rollout.temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise VerlConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise VerlConfigError(f"rollout.top_k={self.top_k} must be >= 0 (0 disables)")
+        if not self.sync_bucket_mb > 0:
+            raise VerlConfigError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise VerlConfigError(f"rollout.max_model_len={self.max_model_len} must be >= 2 (or unset)")
+        if self.engine in ("hf", "torch") and self.tp != 1:
+            raise VerlConfigError(f"rollout.tp={self.tp} with rollout.engine={self.engine}: the {self.engine} engine "
+                                  f"runs one model replica per rank; use rollout.tp=1, or engine=vllm / sglang "
+                                  f"for tensor-parallel generation")
+        if self.kv_cache_memory_mb < 0 or not 0 < self.gpu_memory_utilization <= 1:
+            raise VerlConfigError(f"rollout.kv_cache_memory_mb={self.kv_cache_memory_mb} must be >= 0 and "
+                                  f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} in (0, 1]")
+
+    def sampling(self, *, n: int | None = None, greedy: bool = False, logprobs: bool = True):
+        """The SamplingParams these settings describe (n and greedy overridable, e.g. for ReMax's baseline)."""
+        from verl.rollout.base import SamplingParams
+        return SamplingParams(max_new_tokens=self.max_new_tokens, n=self.n if n is None else n,
+                              temperature=0.0 if greedy else self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              ignore_eos=self.ignore_eos, seed=None, logprobs=logprobs)
