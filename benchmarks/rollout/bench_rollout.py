@@ -78,15 +78,15 @@ def main():
     path = save_toy_model(tempfile.mkdtemp(prefix="verl-bench-rollout-"), seed=0, hidden=cfg["hidden"],
                           layers=cfg["layers"], heads=cfg["heads"], kv_heads=cfg["kv_heads"], ffn=cfg["ffn"])
     torch.set_num_threads(1)
-    torch_engine = build_rollout(RolloutConfig(engine="torch", model_path=path, max_batch_size=cfg["prompts"]))
+    torch_engine = build_rollout(RolloutConfig(engine="torch", max_batch_size=cfg["prompts"]), model_path=path)
     prompts = _prompts(torch_engine.tokenizer, cfg["prompts"])
     greedy = SamplingParams(max_new_tokens=cfg["new"], temperature=0, ignore_eos=True, logprobs=True)
     sampled = SamplingParams(max_new_tokens=cfg["new"], temperature=1.0, seed=1234, ignore_eos=True, logprobs=True)
     t_greedy, t_tps, t_dt = _timed(torch_engine, prompts, greedy)
     t_sampled = torch_engine.generate(prompts, sampled)
     t0 = time.perf_counter()
-    vllm_engine = build_rollout(RolloutConfig(engine="vllm", model_path=path, dtype="float32",
-                                              kv_cache_memory_bytes=256 << 20, max_batch_size=cfg["prompts"]))
+    vllm_engine = build_rollout(RolloutConfig(engine="vllm", dtype="float32", kv_cache_memory_mb=256,
+                                              max_batch_size=cfg["prompts"]), model_path=path)
     startup = time.perf_counter() - t0
     v_greedy, v_tps, v_dt = _timed(vllm_engine, prompts, greedy)
     v_sampled = vllm_engine.generate(prompts, sampled)

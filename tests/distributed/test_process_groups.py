@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl.distributed import ProcessGroups, init_process_groups
+from verl.distributed import Placement, init_process_groups
 from verl.errors import VerlConfigError
 
 
@@ -18,6 +18,15 @@ def test_needs_torch_distributed_first():
 
 
 def test_dataclass_is_typed_and_frozen():
-    assert ProcessGroups.__dataclass_params__.frozen
-    assert {"tp", "pp", "dp", "tp_rank", "pp_size", "dp_size", "sequence_parallel"} <= set(
-        ProcessGroups.__dataclass_fields__)
+    assert Placement.__dataclass_params__.frozen
+    assert {"rank", "world_size", "device", "tp", "pp", "dp", "tp_rank", "pp_size", "dp_size",
+            "sequence_parallel"} <= set(Placement.__dataclass_fields__)
+
+
+def test_a_layout_by_sizes_alone_follows_megatrons_rank_order():
+    p = Placement.layout(tp=2, pp=2, dp=3)
+    assert p.world_size == 12 and p.tp is None
+    assert [p.coords(r) for r in (0, 1, 2, 6, 11)] == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 2, 1)]
+    assert all(p.rank_of(*p.coords(r)) == r for r in range(12))
+    with pytest.raises(VerlConfigError, match="layout pp=0 must be >= 1"):
+        Placement.layout(pp=0)

@@ -78,18 +78,20 @@ def _pipeline(pg):
 
 
 def _optimizer(pg):
-    from verl.models.optimizer import OptimConfig, build_optimizer
-    build_optimizer(_model(pg), OptimConfig(clip_grad=0.0))
+    from verl.config import OptimConfig
+    from verl.models.optimizer import build_optimizer
+    build_optimizer(_model(pg), OptimConfig(grad_clip=0.0))
 
 
 def _param_type_checks(pg):
     from verl.models import BuildOptions, build_gpt, causal_lm_loss, make_micro_batches
-    from verl.models.optimizer import OptimConfig, build_optimizer, train_step
+    from verl.config import OptimConfig
+    from verl.models.optimizer import build_optimizer, train_step
     batch = make_micro_batches(torch.randint(0, 50, (1, 6)), None, 1)
     cfg = tiny_hf_config("llama", layers=1, hidden=32, ffn=64, vocab=50)
     for dtype, sharded in (("float32", True), ("bfloat16", False), ("bfloat16", True)):
         m = build_gpt(cfg, pg, BuildOptions(params_dtype=dtype))
-        opt = build_optimizer(m, OptimConfig(clip_grad=1e-3, use_distributed_optimizer=sharded))
+        opt = build_optimizer(m, OptimConfig(grad_clip=1e-3), use_distributed_optimizer=sharded)
         stats = train_step(m, opt, batch, causal_lm_loss(m))
         assert stats["update_applied"] and stats["grad_norm"] > 0
 

@@ -53,8 +53,9 @@ def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: b
     from verl.distributed import destroy_process_groups
     from verl.models import (causal_lm_loss, compute_log_probs, compute_logits, export_hf_checkpoint,
                              make_micro_batches)
-    from verl.models.optimizer import (OptimConfig, accumulate_grads, apply_update, build_optimizer,
-                                       load_training_state, save_training_state, train_step)
+    from verl.config import OptimConfig
+    from verl.models.optimizer import (accumulate_grads, apply_update, build_optimizer, load_training_state,
+                                       save_training_state, train_step)
     ids, mask = batch
     mbs = make_micro_batches(ids, mask, 1)
     res = {}
@@ -87,11 +88,11 @@ def layout_case(path, out_dir, tp, pp, sp, batch, ref, steps, lr, *, dist_opt: b
     if sharded:
         # The distributed optimizer leaves only this rank's DP shard of each grad reduced, so grads are
         # compared on a plain-DDP build first.
-        build_optimizer(model, OptimConfig(lr=lr, clip_grad=0.0))
+        build_optimizer(model, OptimConfig(lr=lr, grad_clip=0.0))
         check_grads(accumulate_grads(model, mbs, causal_lm_loss(model)))
         destroy_process_groups()
         model, _ = _build(path, tp, pp, sp, recompute=recompute)
-    opt = build_optimizer(model, OptimConfig(lr=lr, clip_grad=1.0, use_distributed_optimizer=sharded))
+    opt = build_optimizer(model, OptimConfig(lr=lr, grad_clip=1.0), use_distributed_optimizer=sharded)
     losses = []
     for step in range(steps):
         if check_resume and step == steps - 1:
@@ -117,7 +118,8 @@ def value_case(path, out_dir, tp, pp, sp, batch, ref):
     """Critic: value head over a causal-LM checkpoint (fresh head), values vs transformers' token classifier."""
     from verl.distributed import destroy_process_groups
     from verl.models import compute_values, export_hf_checkpoint, make_micro_batches, value_mse_loss
-    from verl.models.optimizer import OptimConfig, build_optimizer, train_step
+    from verl.config import OptimConfig
+    from verl.models.optimizer import build_optimizer, train_step
     ids, mask = batch
     model, info = _build(path, tp, pp, sp, value_head=True)
     res = {"missing": info["missing"]}
@@ -126,7 +128,7 @@ def value_case(path, out_dir, tp, pp, sp, batch, ref):
     if written is not None:
         res["export_dir"] = str(written)
     returns = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0))
-    opt = build_optimizer(model, OptimConfig(lr=1e-2, clip_grad=1.0))
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, grad_clip=1.0))
     mbs = make_micro_batches(ids, mask, 1, returns=returns)
     res["value_losses"] = [train_step(model, opt, mbs, value_mse_loss())["value_loss"] for _ in range(3)]
     destroy_process_groups()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.rollout import RolloutConfig, SamplingParams, Tokenizer, TorchRollout, TorchRolloutConfig, build_rollout
+from verl.rollout import RolloutConfig, SamplingParams, Tokenizer, TorchRollout, build_rollout
 from verl.rollout.toy import toy_llama, toy_tokenizer
 
 PROMPTS = ["the quick brown", "one two three four five six", "what", [1, 86, 74]]
@@ -28,7 +28,7 @@ def model(tok):
 
 @pytest.fixture(scope="module")
 def engine(model, tok):
-    return TorchRollout(model, tok, TorchRolloutConfig(max_batch_size=3))
+    return TorchRollout(model, tok, RolloutConfig(max_batch_size=3))
 
 
 def _hf_greedy(model, ids, n):
@@ -51,7 +51,7 @@ def test_greedy_matches_transformers_generate_in_a_left_padded_batch(engine, mod
 def test_kv_cache_and_recompute_agree(model, tok):
     sp = SamplingParams(max_new_tokens=6, temperature=0.8, seed=1, logprobs=True, ignore_eos=True)
     a = TorchRollout(model, tok).generate(PROMPTS[:2], sp)
-    b = TorchRollout(model, tok, TorchRolloutConfig(kv_cache=False)).generate(PROMPTS[:2], sp)
+    b = TorchRollout(model, tok, RolloutConfig(kv_cache=False)).generate(PROMPTS[:2], sp)
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=0)
@@ -172,7 +172,7 @@ def test_update_weights_changes_generation_and_unknown_names_fail(tok):
 
 def test_release_and_resume(tok):
     m = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96)
-    eng = TorchRollout(m, tok, TorchRolloutConfig(release_weights=True))
+    eng = TorchRollout(m, tok, RolloutConfig(release_weights=True))
     sp = SamplingParams(max_new_tokens=4, temperature=0)
     before = eng.generate(PROMPTS, sp)
     eng.release()
@@ -205,14 +205,14 @@ def test_configuration_errors():
         SamplingParams(top_p=0)
     with pytest.raises(VerlConfigError, match="needs `model=`"):
         build_rollout(RolloutConfig(engine="torch"))
-    with pytest.raises(VerlConfigError, match="model_path"):
-        build_rollout(RolloutConfig(engine="vllm"))
+    with pytest.raises(VerlConfigError, match="rollout.tp=2 with rollout.engine=torch"):
+        RolloutConfig(engine="torch", tp=2)
 
 
 def test_engine_switch_is_one_config_value(model, tok, tmp_path):
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    eng = build_rollout(RolloutConfig(engine="torch", model_path=str(tmp_path)))
+    eng = build_rollout(RolloutConfig(engine="torch"), model_path=str(tmp_path))
     sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == \
            [o.token_ids for o in TorchRollout(model, tok).generate(PROMPTS, sp)]
@@ -224,10 +224,50 @@ def test_sglang_adapter_explains_why_it_cannot_run():
     if ok:
         pytest.skip("SGLang can run here; covered by the GPU suite")
     assert "sglang" in why.lower()
-    with pytest.raises(VerlConfigError, match="sglang rollout engine cannot run here"):
-        build_rollout(RolloutConfig(engine="sglang", model_path="/nonexistent"))
+    with pytest.raises(VerlConfigError, match="rollout.engine=sglang cannot run here"):
+        build_rollout(RolloutConfig(engine="sglang"), model_path="/nonexistent")
 
 
 def test_greedy_logprobs_are_finite_and_negative(engine):
     out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=0, logprobs=True))
     assert all(math.isfinite(x) and x <= 0 for o in out for x in o.logprobs)
+
+
+def test_max_model_len_caps_every_sample_and_refuses_prompts_that_leave_no_room(model, tok):
+    eng = TorchRollout(model, tok, RolloutConfig(max_model_len=8))
+    outs = eng.generate([[5, 6, 7], [5, 6, 7, 8, 9, 10]], SamplingParams(max_new_tokens=10, temperature=0,
+                                                                         ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [5, 2]
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    with pytest.raises(VerlConfigError, match="8 tokens, which leaves no room to generate within max_model_len=8"):
+        eng.generate([list(range(5, 13))], SamplingParams(max_new_tokens=2))
+    default = TorchRollout(model, tok)
+    assert default.max_model_len == model.config.max_position_embeddings
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_hf_generate_engine_behind_the_same_interface(model, tok, greedy):
+    from verl.rollout.hf_engine import HFRollout
+    sp = SamplingParams(max_new_tokens=6, temperature=0 if greedy else 0.9, seed=3, logprobs=True, n=2,
+                        ignore_eos=True)
+    hf = HFRollout(model, tok, RolloutConfig(engine="hf", max_batch_size=3))
+    outs = hf.generate(PROMPTS, sp)
+    assert [(o.prompt_index, o.sample_index) for o in outs] == [(i, j) for i in range(4) for j in range(2)]
+    assert all(len(o.token_ids) == 6 and len(o.logprobs) == 6 and o.finish_reason == "length" for o in outs)
+    assert all(math.isfinite(x) and x <= 0 for o in outs for x in o.logprobs)
+    if greedy:  # transformers' greedy decoding and the torch engine's agree token for token
+        ref = TorchRollout(model, tok).generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        for a, b in zip(outs, ref):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    else:  # seeded: the same call gives the same samples
+        assert [o.token_ids for o in hf.generate(PROMPTS, sp)] == [o.token_ids for o in outs]
+
+
+def test_hf_engine_stops_at_eos_and_stop_strings(model, tok):
+    from verl.rollout.hf_engine import HFRollout
+    hf = HFRollout(model, tok, RolloutConfig(engine="hf"))
+    first = hf.generate(PROMPTS[:1], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0]
+    stop_at = first.token_ids[2]
+    out = hf.generate(PROMPTS[:1], SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(stop_at,)))[0]
+    assert out.token_ids == first.token_ids[:first.token_ids.index(stop_at) + 1] and out.finish_reason == "stop"

@@ -11,7 +11,7 @@ import torch
 from verl.config import PPOConfig, load_config
 from verl.testing import run_distributed
 from verl.trainer.ppo_trainer import PPOTrainer
-from verl.utils.distributed import init_world
+from verl.distributed import init_placement
 
 from tests.trainer.conftest import TINY
 
@@ -22,7 +22,7 @@ def length_reward(response: str, ground_truth: str, prompt: str) -> float:
 
 
 def _fit(overrides):
-    trainer = PPOTrainer(load_config(PPOConfig, None, overrides), init_world("cpu"))
+    trainer = PPOTrainer(load_config(PPOConfig, None, overrides), init_placement("cpu"))
     history = trainer.fit()
     params = torch.cat([p.detach().reshape(-1) for p in trainer.actor.engine.module.parameters()])
     return params, history

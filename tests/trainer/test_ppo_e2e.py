@@ -15,7 +15,7 @@ from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rewards import register_reward
 from verl.trainer.main_ppo import main
 from verl.trainer.ppo_flow import ppo_nodes
-from verl.utils.distributed import World
+from verl.distributed import Placement
 from verl.trainer.ppo_trainer import PPOTrainer
 
 
@@ -68,10 +68,11 @@ def test_critic_free_estimators_run(tmp_path, tiny_args, estimator):
 
 def test_flow_is_chosen_by_config():
     names = lambda *o: [n.__name__ if hasattr(n, "__name__") else n.name for n in ppo_nodes(load_config(PPOConfig, None, list(o)))]  # noqa: E731
-    assert names("algorithm.adv_estimator=gae") == ["generate", "reward", "old_log_prob", "values", "token_rewards",
-                                                   "gae_advantage", "update_critic", "update_actor", "sync_weights"]
-    assert names() == ["generate", "reward", "old_log_prob", "token_rewards", "group_advantage", "update_actor",
-                       "sync_weights"]
+    assert names("algorithm.adv_estimator=gae") == ["generate", "reward", "old_log_prob", "no_reference", "values",
+                                                   "token_rewards", "critic_advantage", "update_critic", "update_actor",
+                                                   "sync_weights"]
+    assert names() == ["generate", "reward", "old_log_prob", "no_reference", "token_rewards", "group_advantage",
+                       "update_actor", "sync_weights"]
     assert "ref_log_prob" in names("actor.use_kl_loss=true") and "generate_baseline" in names("algorithm.adv_estimator=remax")
 
 
@@ -80,7 +81,7 @@ def test_bad_inputs_fail_before_writing(tmp_path, tiny_args):
     with pytest.raises(VerlConfigError, match="not a Hugging Face model directory"):
         main(tiny_args(f"model.path={tmp_path / 'nope'}"))
     with pytest.raises(VerlConfigError, match="data.train_batch_size=4 prompts do not split over 3 ranks"):
-        PPOTrainer(load_config(PPOConfig, None, tiny_args()), World(0, 3, 0, torch.device("cpu")))
+        PPOTrainer(load_config(PPOConfig, None, tiny_args()), Placement.layout(dp=3))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
     with pytest.raises(VerlConfigError, match="no column 'prompt'"):

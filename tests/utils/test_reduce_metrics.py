@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from verl.testing import run_distributed
-from verl.utils.distributed import World, reduce_metrics
+from verl.distributed import Placement
+from verl.utils.distributed import reduce_metrics
 
 
 def _reduce(rank, world_size):
-    world = World(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
+    world = Placement(rank=rank, world_size=world_size, local_rank=rank, dp_size=world_size, dp_rank=rank)
     local = {"reward/mean": [0.25, 0.75][rank], "reward/max": [1.0, 3.0][rank], "reward/min": [-2.0, 0.5][rank],
              "actor/entropy": [1.0, 2.0][rank]}
     return reduce_metrics(local, world, maxed=("reward/max",), mined=("reward/min",))
@@ -23,5 +24,5 @@ def test_extremes_are_max_and_min_over_ranks_and_the_rest_is_averaged():
 
 
 def test_one_process_returns_its_own_metrics():
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    world = Placement()
     assert reduce_metrics({"reward/max": 2.0}, world, maxed=("reward/max",)) == {"reward/max": 2.0}

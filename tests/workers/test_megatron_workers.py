@@ -10,48 +10,43 @@ import torch
 
 from verl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, TinyModelConfig
 from verl.data import task_corpus
-from verl.utils.distributed import World, ensure_process_group
+from verl.rollout import RolloutConfig, build_rollout
 from verl.utils.tiny_model import build_tiny_llama, build_tokenizer, save_pretrained_pair
-from verl.workers import ActorWorker, TorchEngine
-from verl.workers.rollout import HFRollout
-from verl.config import RolloutConfig
+from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine
 
 from tests.trainer.conftest import TINY
 
 SHAPE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+ROWS = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12-5=", "answer": "7"}]
 
 
 @pytest.fixture
 def megatron_setup(tmp_path_factory):
     import torch.distributed as dist
 
-    from verl.distributed import destroy_process_groups, init_process_groups
-    ensure_process_group(World(0, 1, 0, torch.device("cpu")))
-    pg = init_process_groups(tp=1, pp=1)
+    from verl.distributed import destroy_process_groups, init_placement
+    placement = init_placement("cpu", megatron=True)
     tok = build_tokenizer(task_corpus("arithmetic"), 96)
     model = build_tiny_llama(SHAPE, tok, seed=3)
     path = save_pretrained_pair(model, tok, tmp_path_factory.mktemp("hf"))
-    yield pg, tok, model, path
+    yield placement, tok, model, path
     destroy_process_groups()
     dist.destroy_process_group()
 
 
-def _batch(tok, model):
-    torch.manual_seed(0)
-    rollout = HFRollout(model, tok, RolloutConfig(n=4, max_new_tokens=5), 16, torch.device("cpu"))
-    return rollout.generate([{"prompt": "3+4=", "answer": "7"}, {"prompt": "12-5=", "answer": "7"}])
+def _rollout(model, tok):
+    cfg = RolloutConfig(engine="hf", n=4, max_new_tokens=5)
+    return RolloutWorker(build_rollout(cfg, model=model, tokenizer=tok), cfg, max_prompt_length=16)
 
 
 def test_megatron_actor_matches_torch_and_syncs_weights(megatron_setup):
-    from verl.workers.megatron import MegatronActorWorker, MegatronCriticWorker, MegatronModel
-    pg, tok, model, path = megatron_setup
-    batch = _batch(tok, model)
+    from verl.workers.megatron import MegatronEngine
+    placement, tok, model, path = megatron_setup
+    batch = _rollout(model, tok).generate(ROWS, seed=0)
     cfg = ActorConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2))
-    world = World(0, 1, 0, torch.device("cpu"))
-    ref = ActorWorker(TorchEngine(model, None, world), cfg, temperature=1.0, responses_per_mini=8,
-                      max_response_length=5)
-    meg = MegatronActorWorker(MegatronModel(path, pg, MegatronConfig(), optim=cfg.optim, total_steps=10), cfg,
-                              temperature=1.0, responses_per_mini=8, max_response_length=5)
+    kw = dict(temperature=1.0, responses_per_mini=8, max_response_length=5)
+    ref = ActorWorker(TorchEngine(model, None, placement), cfg, **kw)
+    meg = ActorWorker(MegatronEngine(path, placement, MegatronConfig(), optim=cfg.optim, total_steps=10), cfg, **kw)
     lp_t, ent_t = ref.compute_log_probs(batch)
     lp_m, ent_m = meg.compute_log_probs(batch)
     torch.testing.assert_close(lp_m, lp_t, rtol=1e-4, atol=1e-4)
@@ -59,16 +54,17 @@ def test_megatron_actor_matches_torch_and_syncs_weights(megatron_setup):
     adv = torch.randn(len(batch))[:, None] * batch.response_mask
     stats = meg.update(batch, None, adv, None)
     assert stats["actor/grad_norm"] > 0
+    # the rollout/train mismatch of the on-policy update: HF generate against megatron's forward
+    assert 0 <= stats["rollout/mismatch_mean"] <= stats["rollout/mismatch_max"] < 1e-3
     rollout_model = build_tiny_llama(SHAPE, tok, seed=99)  # different weights until synced
-    rollout = HFRollout(rollout_model, tok, RolloutConfig(n=4, max_new_tokens=5), 16, torch.device("cpu"))
-    moved = rollout.sync_weights(meg)
-    assert moved > 0
-    after = ActorWorker(TorchEngine(rollout_model, None, world), cfg, temperature=1.0, responses_per_mini=8,
-                        max_response_length=5).compute_log_probs(batch)[0]
+    rollout = _rollout(rollout_model, tok)
+    sync = rollout.sync_weights(meg)
+    assert sync["perf/sync_shared"] == 0.0 and sync["perf/sync_s"] > 0
+    after = ActorWorker(TorchEngine(rollout_model, None, placement), cfg, **kw).compute_log_probs(batch)[0]
     torch.testing.assert_close(after, meg.compute_log_probs(batch)[0], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(after, lp_t)
-    critic = MegatronCriticWorker(MegatronModel(path, pg, MegatronConfig(), value_head=True,
-                                                optim=OptimConfig(lr=1e-2), total_steps=10), CriticConfig(micro_batch_size=4))
+    critic = CriticWorker(MegatronEngine(path, placement, MegatronConfig(), value_head=True,
+                                         optim=OptimConfig(lr=1e-2), total_steps=10), CriticConfig(micro_batch_size=4))
     values = critic.compute_values(batch)
     assert values.shape == batch.response_mask.shape
     assert critic.update(batch, values, torch.ones_like(values) * batch.response_mask)["critic/grad_norm"] > 0
@@ -99,11 +95,13 @@ def _tp2_fit(overrides):
     from verl.config import PPOConfig, load_config
     from verl.distributed import destroy_process_groups
     from verl.trainer.ppo_trainer import PPOTrainer
-    from verl.utils.distributed import init_world
-    trainer = PPOTrainer(load_config(PPOConfig, None, overrides), init_world("cpu"))
+    from verl.distributed import init_placement
+    cfg = load_config(PPOConfig, None, overrides)
+    trainer = PPOTrainer(cfg, init_placement("cpu", tp=cfg.actor.megatron.tp, megatron=True))
     history = trainer.fit()
     rollout_params = torch.cat([p.detach().reshape(-1) for p in trainer.policy.parameters()])
-    out = {"dp": (trainer.dp_rank, trainer.dp_size), "rollout": rollout_params, "reward": history[-1]["reward/mean"],
+    p = trainer.placement
+    out = {"dp": (p.dp_rank, p.dp_size), "rollout": rollout_params, "reward": history[-1]["reward/mean"],
            "grad_norm": history[-1]["actor/grad_norm"]}
     destroy_process_groups()
     return out

@@ -1,31 +1,23 @@
-"""Rollout workers (HF generate and verl.rollout's torch engine): batch layout, EOS masking, groups, and
-weight sync from an actor that does not share the module."""
+"""The rollout worker over verl.rollout's engines (hf, torch): prompt rows → the training batch (layout, EOS
+masking, groups, rollout log-probs), prompts encoded by the engine's tokenizer alone, and weight sync from an
+actor that does not share the module."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from verl.config import RolloutConfig, TinyModelConfig
+from verl.config import TinyModelConfig
 from verl.data import task_corpus
+from verl.distributed import Placement
+from verl.errors import VerlConfigError
+from verl.rollout import RolloutConfig, build_rollout
 from verl.utils.tiny_model import build_tiny_llama, build_tokenizer
-from verl.workers.rollout import HFRollout
+from verl.workers import ActorWorker, RolloutWorker, TorchEngine
+from verl.config import ActorConfig
 
 SHAPE = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 ROWS = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12-5=", "answer": "7"}, {"prompt": "9+9=", "answer": "18"}]
-
-
-def _engines():
-    out = [pytest.param(HFRollout, id="hf")]
-    try:
-        from verl.workers.torch_rollout import TorchEngineRollout
-        import verl.rollout  # noqa: F401
-        out.append(pytest.param(TorchEngineRollout, id="torch"))
-    except ImportError:
-        pass
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +25,20 @@ def tok():
     return build_tokenizer(task_corpus("arithmetic"), 64)
 
 
-@pytest.mark.parametrize("engine", _engines())
+def _worker(model, tok, **cfg):
+    cfg = RolloutConfig(**cfg)
+    return RolloutWorker(build_rollout(cfg, model=model, tokenizer=tok), cfg, max_prompt_length=16)
+
+
+@pytest.mark.parametrize("engine", ["hf", "torch"])
 def test_batch_layout(engine, tok):
     model = build_tiny_llama(SHAPE, tok, seed=1)
-    torch.manual_seed(0)
-    r = engine(model, tok, RolloutConfig(n=4, max_new_tokens=6), 16, torch.device("cpu"))
-    b = r.generate(ROWS)
+    r = _worker(model, tok, engine=engine, n=4, max_new_tokens=6)
+    b = r.generate(ROWS, seed=0)
     assert b.input_ids.shape[0] == 12 and b.response_mask.shape == (12, 6)
     assert b.group.tolist() == [0] * 4 + [1] * 4 + [2] * 4 and b.answers[4] == "7"
+    assert b.rollout_log_probs.shape == (12, 6)
+    assert (b.rollout_log_probs <= 0).all() and (b.rollout_log_probs * (1 - b.response_mask) == 0).all()
     P = b.prompt_length
     for i in range(12):
         resp, m = b.responses[i], b.response_mask[i].bool()
@@ -50,34 +48,42 @@ def test_batch_layout(engine, tok):
         assert len(eos) == 0 or int(eos[0]) == n_valid - 1           # ends at the first EOS, EOS included
         assert (resp[n_valid:] == tok.pad_token_id).all()
         assert torch.equal(b.attention_mask[i, P:].bool(), m)
+        prompt = b.input_ids[i, :P][b.attention_mask[i, :P].bool()].tolist()
+        assert prompt == r.tokenizer.encode_prompt(b.prompts[i])     # encoded in one place: the engine's tokenizer
     greedy = r.generate(ROWS[:1], n=2, greedy=True)
     assert torch.equal(greedy.responses[0], greedy.responses[1])
-    fixed = engine(model, tok, RolloutConfig(n=2, max_new_tokens=5, ignore_eos=True), 16,
-                   torch.device("cpu")).generate(ROWS)
+    fixed = _worker(model, tok, engine=engine, n=2, max_new_tokens=5, ignore_eos=True).generate(ROWS)
     assert fixed.response_mask.all()
 
 
-@pytest.mark.parametrize("engine", _engines())
-def test_sync_weights_from_a_separate_actor(engine, tok):
-    rollout_model, actor_model = build_tiny_llama(SHAPE, tok, seed=1), build_tiny_llama(SHAPE, tok, seed=2)
-    r = engine(rollout_model, tok, RolloutConfig(n=1, max_new_tokens=3), 16, torch.device("cpu"))
-    shared = SimpleNamespace(engine=SimpleNamespace(module=rollout_model))
-    assert r.sync_weights(shared) == 0
-    weights = {k: v.clone() for k, v in actor_model.state_dict().items() if k != "lm_head.weight"}
-    separate = SimpleNamespace(engine=SimpleNamespace(), hf_weights=lambda: weights)
-    assert r.sync_weights(separate) > 0
-    for k, v in rollout_model.state_dict().items():
-        torch.testing.assert_close(v, actor_model.state_dict()[k])
-def test_fast_decoder_setting_changes_the_path_not_the_samples(tok):
-    pytest.importorskip("verl.rollout")
-    from verl.workers.torch_rollout import TorchEngineRollout
+def test_prompts_longer_than_the_limit_fail_naming_it(tok):
+    r = _worker(build_tiny_llama(SHAPE, tok, seed=1), tok, n=1)
+    r.max_prompt_length = 3
+    with pytest.raises(VerlConfigError, match="longer than data.max_prompt_length=3"):
+        r.generate(ROWS)
+
+
+def test_seeded_calls_reproduce_and_fast_decoder_changes_the_path_not_the_samples(tok):
     model = build_tiny_llama(SHAPE, tok, seed=1)
     batches = {}
     for fast in (True, False):
-        r = TorchEngineRollout(model, tok, RolloutConfig(n=3, max_new_tokens=6, fast_decoder=fast), 16,
-                               torch.device("cpu"))
+        r = _worker(model, tok, n=3, max_new_tokens=6, fast_decoder=fast)
         assert (r.engine._fast is not None) == fast
-        torch.manual_seed(7)
-        batches[fast] = r.generate(ROWS)
+        batches[fast] = r.generate(ROWS, seed=7)
     assert torch.equal(batches[True].input_ids, batches[False].input_ids)
     assert torch.equal(batches[True].response_mask, batches[False].response_mask)
+
+
+@pytest.mark.parametrize("engine", ["hf", "torch"])
+def test_sync_weights_shares_the_actor_module_or_moves_the_weights(engine, tok):
+    placement = Placement()
+    actor_model, rollout_model = build_tiny_llama(SHAPE, tok, seed=2), build_tiny_llama(SHAPE, tok, seed=1)
+    kw = dict(temperature=1.0, responses_per_mini=3, max_response_length=4)
+    actor = ActorWorker(TorchEngine(actor_model, None, placement), ActorConfig(), **kw)
+    shared = _worker(actor_model, tok, engine=engine, n=1, max_new_tokens=4).sync_weights(actor)
+    assert shared["perf/sync_shared"] == 1.0 and shared["perf/sync_s"] == 0.0
+    separate = _worker(rollout_model, tok, engine=engine, n=1, max_new_tokens=4)
+    metrics = separate.sync_weights(actor)
+    assert metrics["perf/sync_shared"] == 0.0 and metrics["perf/sync_bytes"] > 0
+    for k, v in rollout_model.state_dict().items():
+        assert torch.equal(v, actor_model.state_dict()[k]), k       # bit-exact

@@ -14,14 +14,16 @@ Aggregation modes are the kernel's fixed set AGG_MODES; pass an `Aggregation` fo
 
 from __future__ import annotations
 
-from verl.algos.advantages import ADVANTAGES, get_advantage, register_advantage
+from verl.algos.advantages import ADVANTAGES, AdvantageInfo, advantage_info, get_advantage, register_advantage
 from verl.algos.kl import KLS, get_kl, kl_loss, register_kl
+from verl.algos.objectives import ADDITIVE, actor_loss, critic_loss, rollout_mismatch
 from verl.algos.policy_losses import POLICY_LOSS_FNS, get_policy_loss, register_policy_loss
 from verl.algos.registry import Registry
 from verl.ops.losses import AGG_MODES, Aggregation, PolicyLossOutput, ValueLossOutput, agg_loss, value_loss
 from verl.ops.rl import AdvantageResult, check_name
 
-__all__ = ["ADVANTAGES", "AGG_MODES", "KLS", "POLICY_LOSS_FNS", "AdvantageResult", "Aggregation", "PolicyLossOutput",
+__all__ = ["ADDITIVE", "ADVANTAGES", "AGG_MODES", "AdvantageInfo", "actor_loss", "advantage_info", "critic_loss",
+           "rollout_mismatch", "KLS", "POLICY_LOSS_FNS", "AdvantageResult", "Aggregation", "PolicyLossOutput",
            "Registry", "ValueLossOutput", "agg_loss", "check_agg_mode", "entropy_loss", "get_advantage", "get_kl",
            "get_policy_loss", "kl_loss", "register_advantage", "register_kl", "register_policy_loss", "value_loss"]
 

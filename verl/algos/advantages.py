@@ -20,25 +20,48 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from verl.algos.registry import Registry
 from verl.errors import VerlConfigError
 from verl.ops.rl import AdvantageResult, compute_gae, outcome_advantage, reinforce_plus_plus
 
-__all__ = ["ADVANTAGES", "register_advantage", "get_advantage"]
+__all__ = ["ADVANTAGES", "AdvantageInfo", "advantage_info", "register_advantage", "get_advantage"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdvantageInfo:
+    """What an estimator needs from the rest of the algorithm: the PPO flow reads this, so registering an
+    estimator never edits the flow."""
+
+    needs_critic: bool = False
+    """Reads `values` (a critic's value estimates) and returns `returns` the critic trains on."""
+    needs_baseline: bool = False
+    """Reads `baseline` [B]: the reward of each prompt's greedy response (ReMax)."""
+    needs_group: bool = False
+    """Compares the responses of one prompt (`index`): needs rollout.n >= 2."""
+
 
 ADVANTAGES: Registry = Registry("advantage estimator", required=(
     "token_level_rewards", "response_mask", "values", "index", "baseline", "gamma", "lam", "eps", "norm_by_std",
-    "check_finite"))
+    "check_finite"), meta_type=AdvantageInfo)
 
 
-def register_advantage(name: str, *aliases: str):
-    """Decorator registering an advantage estimator under `name` (and aliases)."""
-    return ADVANTAGES.register(name, *aliases)
+def register_advantage(name: str, *aliases: str, needs_critic: bool = False, needs_baseline: bool = False,
+                       needs_group: bool = False):
+    """Decorator registering an advantage estimator under `name` (and aliases), with what it needs."""
+    return ADVANTAGES.register(name, *aliases, needs_critic=needs_critic, needs_baseline=needs_baseline,
+                               needs_group=needs_group)
 
 
 def get_advantage(name: str):
     """The estimator registered as `name`; unknown names list the known ones."""
     return ADVANTAGES.get(name)
+
+
+def advantage_info(name: str) -> AdvantageInfo:
+    """What estimator `name` needs (critic, greedy baseline, groups)."""
+    return ADVANTAGES.meta(name)
 
 
 def _need(value, what: str, estimator: str):
@@ -47,7 +70,7 @@ def _need(value, what: str, estimator: str):
     return value
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs_critic=True)
 def gae(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, values=None, index=None, baseline=None,
         gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6, norm_by_std: bool = True,
         check_finite: bool = True) -> AdvantageResult:
@@ -65,28 +88,28 @@ def _outcome(estimator: str, norm_by_std: bool, token_level_rewards, response_ma
                              norm_by_std=norm_by_std, baseline=baseline, check_finite=check_finite)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs_group=True)
 def grpo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
          eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """GRPO: (score - group mean) / (group std + eps); norm_by_std=False is Dr.GRPO. Needs `index` [B]."""
     return _outcome("grpo", norm_by_std, token_level_rewards, response_mask, index, None, eps, check_finite, "grpo")
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", needs_group=True)
 def dr_grpo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
             eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """Dr.GRPO: score - group mean (never divided by the std, whatever norm_by_std says). Needs `index` [B]."""
     return _outcome("grpo", False, token_level_rewards, response_mask, index, None, eps, check_finite, "dr_grpo")
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", needs_group=True)
 def rloo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
          eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """RLOO: score - mean score of the group's other samples. Needs `index` [B]."""
     return _outcome("rloo", True, token_level_rewards, response_mask, index, None, eps, check_finite, "rloo")
 
 
-@register_advantage("remax")
+@register_advantage("remax", needs_baseline=True)
 def remax(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
           eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """ReMax: score - `baseline` [B] (the reward of the prompt's greedy response)."""
@@ -100,7 +123,7 @@ def reinforce_pp(token_level_rewards, response_mask, *, values=None, index=None,
     return reinforce_plus_plus(token_level_rewards, response_mask, gamma, check_finite=check_finite)
 
 
-@register_advantage("reinforce_plus_plus_baseline", "reinforce++-baseline")
+@register_advantage("reinforce_plus_plus_baseline", "reinforce++-baseline", needs_group=True)
 def reinforce_pp_baseline(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0,
                           lam=1.0, eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """REINFORCE++-baseline: score - group mean, whitened over the batch's valid tokens. Needs `index` [B]."""

@@ -22,12 +22,19 @@ class Registry(Generic[F]):
     mismatched signature fails at import, not in the middle of a run).
     """
 
-    def __init__(self, what: str, required: Iterable[str] = ()):
+    def __init__(self, what: str, required: Iterable[str] = (), meta_type: type | None = None):
         self.what = what
         self.required = tuple(required)
+        self.meta_type = meta_type
         self._fns: dict[str, F] = {}
+        self._meta: dict[str, object] = {}
 
-    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
+    def register(self, name: str, *aliases: str, **meta) -> Callable[[F], F]:
+        """Registers under `name` and `aliases`; `meta` fills this kind's metadata record (`meta_type`)."""
+        record = self.meta_type(**meta) if self.meta_type is not None else None
+        if meta and self.meta_type is None:
+            raise VerlConfigError(f"{self.what} registrations take no metadata (got {sorted(meta)})")
+
         def deco(fn: F) -> F:
             self._check_signature(name, fn)
             for n in (name, *aliases):
@@ -35,8 +42,14 @@ class Registry(Generic[F]):
                     raise VerlConfigError(f"{self.what} {n!r} is already registered (by "
                                           f"{self._fns[n].__module__}.{self._fns[n].__qualname__}); pick another name")
                 self._fns[n] = fn
+                self._meta[n] = record
             return fn
         return deco
+
+    def meta(self, name: str):
+        """The metadata record `name` was registered with (unknown names raise like `get`)."""
+        self.get(name)
+        return self._meta[name]
 
     def _check_signature(self, name: str, fn: Callable) -> None:
         params = inspect.signature(fn).parameters

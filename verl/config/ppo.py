@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from verl.config.optim import OptimConfig
 from verl.errors import VerlConfigError
-
+from verl.rollout.config import RolloutConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,47 +68,6 @@ class DataConfig:
     """Prompts longer than this many tokens are an error (left-padded to the batch's longest)."""
     shuffle: bool = True
     """Reshuffle every epoch (seeded by trainer.seed, so runs and resumes are reproducible)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    """AdamW settings."""
-
-    lr: float = 1e-4
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """Adam betas."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value (0 disables)."""
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up in optimizer steps."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    """Generation settings."""
-
-    engine: Literal["torch", "hf"] = "torch"
-    """Generation engine: verl's batched KV-cache `torch` engine or Hugging Face `generate` ("hf")."""
-    n: int = 8
-    """Responses sampled per prompt (the GRPO group size)."""
-    max_new_tokens: int = 8
-    """Response length limit."""
-    temperature: float = 1.0
-    """Sampling temperature (also applied to the log-probs the actor trains on)."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold."""
-    top_k: int = 0
-    """Top-k sampling (0 disables)."""
-    ignore_eos: bool = False
-    """Keep sampling past EOS up to max_new_tokens (fixed-length responses, e.g. for benchmarks)."""
-    fast_decoder: bool = True
-    """torch engine: decode Llama-family models with verl's static-cache decoder (same results, less per-token
-    overhead); false uses the model's own forward. Other architectures always use their own forward."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -268,6 +228,8 @@ class TrainerConfig:
     """Write TensorBoard event files next to metrics.jsonl."""
     plot: bool = True
     """Write curves.png (reward, KL, entropy) at the end."""
+    collective_timeout_s: float = 1800.0
+    """Timeout of every collective (process-group timeout): a rank that hangs fails the job after this long."""
     trace_step: int = 0
     """Write a Chrome trace of this step's dataflow to output_dir/trace_step_N.json (0: no trace)."""
 
@@ -297,15 +259,25 @@ class PPOConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        """The advantage estimator reads a critic's values (its registration says so)."""
+        from verl.algos import advantage_info
+        return advantage_info(self.algorithm.adv_estimator).needs_critic
 
     @property
     def needs_ref(self) -> bool:
+        """A KL term (in the loss or the reward) needs the frozen reference model."""
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def on_policy(self) -> bool:
+        """One epoch over one mini-batch without KL in the reward: the update's own first forward gives the old
+        log-probs (nothing changed the weights since generation), which saves a forward pass per step."""
+        return (self.actor.ppo_epochs == 1 and self.actor.mini_batch_size == self.data.train_batch_size
+                and not self.algorithm.use_kl_in_reward)
 
     def check(self) -> None:
         """Checks that do not depend on the world size (run when the tree is built)."""
-        from verl.algos import get_advantage, get_kl, get_policy_loss, check_agg_mode
+        from verl.algos import advantage_info, get_advantage, get_kl, get_policy_loss, check_agg_mode
         for getter, key, value in ((get_advantage, "algorithm.adv_estimator", self.algorithm.adv_estimator),
                                    (get_policy_loss, "actor.policy_loss", self.actor.policy_loss),
                                    (get_kl, "actor.kl_loss_type", self.actor.kl_loss_type),
@@ -315,7 +287,7 @@ class PPOConfig:
             except VerlConfigError as e:
                 raise VerlConfigError(f"{key}: {e}") from None
         check_agg_mode(self.actor.loss_agg_mode)
-        if self.algorithm.adv_estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n < 2:
+        if advantage_info(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
             raise VerlConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses "
                                   f"within a group; set rollout.n >= 2 (got {self.rollout.n})")
         for name, value in (("data.train_batch_size", self.data.train_batch_size),
@@ -339,8 +311,12 @@ class PPOConfig:
         return world_size // (m.tp * m.pp)
 
     def validate_world(self, world_size: int) -> None:
-        """Batch-size divisibility across `world_size` ranks and micro-batches; raised before any step."""
+        """Layout and batch-size divisibility across `world_size` ranks and micro-batches; raised before any step."""
         d, a, n = self.data, self.actor, self.rollout.n
+        tp_g = self.rollout.tp
+        if tp_g > world_size or world_size % tp_g:
+            raise VerlConfigError(f"rollout.tp={tp_g} must divide the {world_size} ranks (each generation replica "
+                                  f"spans rollout.tp ranks); use a divisor of {world_size}, or launch more processes")
         world_size = self.data_parallel_size(world_size)
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "

@@ -20,7 +20,7 @@ from typing import Any
 
 from verl.errors import VerlConfigError
 
-ENGINES = ("torch", "vllm", "sglang", "megatron", "fsdp", "rule")
+ENGINES = ("torch", "hf", "vllm", "sglang", "megatron", "fsdp", "rule")
 
 
 def nearest(name: str, candidates, what: str = "") -> str:

@@ -1,5 +1,8 @@
-"""Process groups for verl's parallel engines: built once at one seam, passed explicitly below."""
+"""The one placement object (world, TP × PP × DP layout, process groups, device), built once at one seam and
+passed explicitly below."""
 
-from verl.distributed.process_groups import ProcessGroups, destroy_process_groups, init_process_groups
+from verl.distributed.placement import (Placement, comm_device, destroy_process_groups, init_placement,
+                                        init_process_groups, pick_device)
 
-__all__ = ["ProcessGroups", "init_process_groups", "destroy_process_groups"]
+__all__ = ["Placement", "comm_device", "destroy_process_groups", "init_placement", "init_process_groups",
+           "pick_device"]

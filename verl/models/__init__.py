@@ -36,9 +36,10 @@ position_ids, mask_4d and any extra tensors passed to `make_micro_batches`. Read
 
 Optimizer (megatron-core's, incl. the distributed optimizer; grad clipping; LR schedule)::
 
-    from verl.models.optimizer import OptimConfig, build_optimizer, train_step, accumulate_grads, apply_update
-    opt = build_optimizer(model, OptimConfig(lr=1e-6, clip_grad=1.0, warmup_steps=10, total_steps=1000,
-                                             lr_decay_style="cosine", use_distributed_optimizer=True))
+    from verl.config import OptimConfig           # the one optimizer config (the trainer's actor.optim)
+    from verl.models.optimizer import build_optimizer, train_step, accumulate_grads, apply_update
+    opt = build_optimizer(model, OptimConfig(lr=1e-6, grad_clip=1.0, warmup_steps=10, lr_decay_style="cosine"),
+                          total_steps=1000, use_distributed_optimizer=True)
     stats = train_step(model, opt, micro_batches, loss_fn)   # {'loss'..., 'grad_norm', 'lr', 'update_applied'}
     save_training_state(model, opt, ckpt_dir); load_training_state(model, opt, ckpt_dir)   # same layout
 

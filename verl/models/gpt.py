@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from verl.distributed import ProcessGroups
+from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.models.config import ArchSpec, ParallelLayout, arch_from_hf, dtype_from_name, parallel_layout
 from verl.models.layout import ShardSpec, shard_spec
@@ -44,7 +44,7 @@ class MegatronGPT:
     """The architecture (from the HF config)."""
     layout: ParallelLayout
     """Vocab padding and GQA split for this TP size."""
-    pg: ProcessGroups
+    pg: Placement
     """The process groups it was built for."""
     hf_config: object
     """The transformers config it was built from (written back on export)."""
@@ -107,7 +107,7 @@ def _use_te(spec: str) -> bool:
     return spec == "te" or (spec == "auto" and te_ok)
 
 
-def transformer_config(arch: ArchSpec, layout: ParallelLayout, pg: ProcessGroups, options: BuildOptions):
+def transformer_config(arch: ArchSpec, layout: ParallelLayout, pg: Placement, options: BuildOptions):
     """The megatron TransformerConfig equivalent to the HF architecture."""
     from megatron.core.transformer import TransformerConfig
     if arch.num_layers % pg.pp_size:
@@ -136,7 +136,7 @@ def transformer_config(arch: ArchSpec, layout: ParallelLayout, pg: ProcessGroups
     return config
 
 
-def build_gpt(hf_config, pg: ProcessGroups, options: BuildOptions | None = None) -> MegatronGPT:
+def build_gpt(hf_config, pg: Placement, options: BuildOptions | None = None) -> MegatronGPT:
     """This rank's stage of a megatron GPTModel equivalent to `hf_config` (random init; load weights after)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,

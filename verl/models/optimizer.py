@@ -1,6 +1,6 @@
 """megatron-core's optimizer (optionally the distributed one) with grad clipping and an LR schedule.
 
-    opt = build_optimizer(model, OptimConfig(lr=1e-5, clip_grad=1.0, use_distributed_optimizer=True))
+    opt = build_optimizer(model, OptimConfig(lr=1e-5, grad_clip=1.0), total_steps=100, use_distributed_optimizer=True)
     stats = train_step(model, opt, micro_batches, causal_lm_loss(model))   # {'loss':..., 'grad_norm':..., 'lr':...}
     save_training_state(model, opt, dir); load_training_state(model, opt, dir)
 
@@ -16,37 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from verl.config.optim import OptimConfig
 from verl.errors import VerlConfigError
 from verl.models.forward import LossFn, forward_backward
 from verl.models.gpt import MegatronGPT
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    """Adam + clipping + LR schedule."""
-
-    lr: float = 1e-5
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Final learning rate of the decay."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    clip_grad: float = 1.0
-    """Global grad-norm clip (0 disables)."""
-    warmup_steps: int = 0
-    """Linear warm-up steps from 0 to `lr`."""
-    total_steps: int = 1000
-    """Steps of the whole schedule (warm-up included)."""
-    lr_decay_style: str = "constant"
-    """constant | linear | cosine."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state (and fp32 master params) over data-parallel ranks (ZeRO-1)."""
-    grad_reduce_in_fp32: bool = True
-    """Accumulate and reduce grads in fp32 (matters for bf16 params)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,41 +32,44 @@ class Optimizer:
     """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
     config: OptimConfig
     """What it was built from."""
+    use_distributed_optimizer: bool = False
+    """Whether optimizer state is sharded over data-parallel ranks (ZeRO-1)."""
 
 
-def build_optimizer(model: MegatronGPT, config: OptimConfig | None = None) -> Optimizer:
-    """Wraps the model in megatron DDP (once) and builds Adam + scheduler over its parameters."""
+def build_optimizer(model: MegatronGPT, config: OptimConfig | None = None, *, total_steps: int = 1000,
+                    use_distributed_optimizer: bool = False, grad_reduce_in_fp32: bool = True) -> Optimizer:
+    """Wraps the model in megatron DDP (once) and builds Adam + scheduler over its parameters.
+
+    `total_steps` is the length of the LR schedule (warm-up included); `use_distributed_optimizer` shards
+    optimizer state and fp32 master params over data-parallel ranks (ZeRO-1); `grad_reduce_in_fp32`
+    accumulates and reduces gradients in fp32 (matters for bf16 params).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     config = config or OptimConfig()
-    if config.lr_decay_style not in ("constant", "linear", "cosine"):
-        raise VerlConfigError(f"lr_decay_style={config.lr_decay_style!r} is not one of constant / linear / cosine")
-    if config.warmup_steps >= config.total_steps and config.total_steps > 0:
-        raise VerlConfigError(f"warmup_steps={config.warmup_steps} must be < total_steps={config.total_steps}")
+    total_steps = max(total_steps, config.warmup_steps + 1)
     gpt = model.gpt
     tcfg = gpt.config
     if not isinstance(model.module, DistributedDataParallel):
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=config.grad_reduce_in_fp32,
-                                                overlap_grad_reduce=False,
-                                                use_distributed_optimizer=config.use_distributed_optimizer)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=use_distributed_optimizer)
         model.module = DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=gpt)
         # The schedule calls these hooks: DP/SP/embedding grad sync after the last micro-batch.
         tcfg.finalize_model_grads_func = finalize_model_grads
         tcfg.no_sync_func = model.module.no_sync
     ocfg = OptimizerConfig(optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
                            adam_beta1=config.betas[0], adam_beta2=config.betas[1], adam_eps=config.eps,
-                           clip_grad=config.clip_grad, bf16=tcfg.bf16, fp16=tcfg.fp16,
-                           params_dtype=tcfg.params_dtype,
-                           use_distributed_optimizer=config.use_distributed_optimizer)
+                           clip_grad=config.grad_clip, bf16=tcfg.bf16, fp16=tcfg.fp16,
+                           params_dtype=tcfg.params_dtype, use_distributed_optimizer=use_distributed_optimizer)
     opt = get_megatron_optimizer(ocfg, [model.module])
-    decay = max(1, config.total_steps - config.warmup_steps)
+    decay = max(1, total_steps - config.warmup_steps)
     sched = OptimizerParamScheduler(opt, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
                                     min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,
                                     lr_decay_steps=decay + config.warmup_steps, lr_decay_style=config.lr_decay_style,
                                     start_wd=config.weight_decay, end_wd=config.weight_decay,
                                     wd_incr_steps=decay, wd_incr_style="constant")
-    return Optimizer(optimizer=opt, scheduler=sched, config=config)
+    return Optimizer(optimizer=opt, scheduler=sched, config=config, use_distributed_optimizer=use_distributed_optimizer)
 
 
 def accumulate_grads(model: MegatronGPT, micro_batches, loss_fn: LossFn) -> list[dict]:
@@ -147,7 +123,7 @@ def optimizer_state(model: MegatronGPT, opt: Optimizer) -> dict:
     """This rank's optimizer state (incl. the distributed optimizer's DP shard), LR schedule and the
     (tp, pp, dp) layout: everything of `training_state` but the model."""
     opt_state = opt.optimizer.state_dict()
-    if opt.config.use_distributed_optimizer:
+    if opt.use_distributed_optimizer:
         # The distributed optimizer keeps Adam moments in DP-sharded buffers outside state_dict().
         opt_state = {"base": opt_state, "param_state": _dist_opt_param_state(opt)}
     return {"optimizer": opt_state, "scheduler": opt.scheduler.state_dict(),
@@ -171,7 +147,7 @@ def restore_training_state(model: MegatronGPT, opt: Optimizer, state: dict, sour
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
     if real_missing or unexpected:
         raise VerlConfigError(f"training state does not fit the model: missing {real_missing}, unexpected {unexpected}")
-    if opt.config.use_distributed_optimizer:
+    if opt.use_distributed_optimizer:
         opt.optimizer.load_state_dict(state["optimizer"]["base"])
         _load_dist_opt_param_state(opt, state["optimizer"]["param_state"])
     else:

@@ -1,83 +1,61 @@
-"""Rollout (generation) engines behind one interface: `torch`, `vllm`, `sglang`.
+"""Rollout (generation) engines behind one interface: `hf`, `torch`, `vllm`, `sglang`.
 
     from verl.rollout import RolloutConfig, SamplingParams, build_rollout
     engine = build_rollout(RolloutConfig(engine="torch"), model=hf_model, tokenizer=tok)
-    engine = build_rollout(RolloutConfig(engine="vllm", model_path="/ckpt/actor"))     # the one-value switch
+    engine = build_rollout(RolloutConfig(engine="vllm"), model_path="/ckpt/actor")      # the one-value switch
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=64, temperature=1.0, seed=0, logprobs=True))
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from verl.errors import VerlConfigError
 from verl.rollout.base import FINISH_REASONS, GenerationOutput, RolloutEngine, SamplingParams
+from verl.rollout.config import ENGINES, RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
-from verl.rollout.torch_engine import TorchRollout, TorchRolloutConfig
+from verl.rollout.torch_engine import TorchRollout
 
-__all__ = ["ENGINES", "RolloutConfig", "build_rollout", "SamplingParams", "GenerationOutput", "RolloutEngine",
-           "Tokenizer", "TorchRollout", "TorchRolloutConfig", "FINISH_REASONS"]
-
-ENGINES = ("torch", "vllm", "sglang")
+__all__ = ["ENGINES", "RolloutConfig", "build_rollout", "engine_available", "SamplingParams", "GenerationOutput",
+           "RolloutEngine", "Tokenizer", "TorchRollout", "FINISH_REASONS"]
 
 
-@dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    """Which engine generates, and its settings; switching engines is the one value `engine`."""
-
-    engine: str = "torch"
-    """"torch", "vllm" or "sglang"."""
-    model_path: str | None = None
-    """HF model directory: what vLLM/SGLang load at start-up; the torch engine loads it when no model is given."""
-    dtype: str = "float32"
-    """Weights dtype for engines that load `model_path`."""
-    tensor_parallel_size: int = 1
-    """Generation TP (vllm / sglang)."""
-    max_batch_size: int = 64
-    """torch: sequences per decode batch; vllm: max_num_seqs."""
-    max_model_len: int | None = None
-    """vllm: longest prompt + response (None: the model's max_position_embeddings)."""
-    kv_cache_memory_bytes: int = 256 << 20
-    """vllm: KV-cache bytes (always set on CPU, else vLLM claims 0.9 × RAM)."""
-    enable_sleep_mode: bool = False
-    """vllm: release()/resume() free the KV cache and weights (GPU builds)."""
-    in_process: bool = True
-    """vllm: run the engine in this process."""
-    seed: int = 0
-    """Engine seed."""
-    extra: dict = field(default_factory=dict)
-    """Engine-specific keyword arguments passed through."""
-
-    def __post_init__(self):
-        if self.engine not in ENGINES:
-            import difflib
-            near = difflib.get_close_matches(self.engine, ENGINES, n=1)
-            raise VerlConfigError(f"unknown rollout engine {self.engine!r}; choose one of {ENGINES}"
-                                  f"{f' (did you mean {near[0]!r}?)' if near else ''}")
+def engine_available(engine: str) -> tuple[bool, str]:
+    """(whether `engine` can run here, what to install or change when it cannot): checked before any work."""
+    if engine == "vllm":
+        from verl.rollout.vllm_engine import vllm_available
+        return vllm_available()
+    if engine == "sglang":
+        from verl.rollout.sglang_engine import sglang_available
+        return sglang_available()
+    return True, ""
 
 
-def build_rollout(config: RolloutConfig, *, model=None, tokenizer=None) -> RolloutEngine:
-    """Builds the engine `config.engine` names. torch: `model` (any causal LM) or `config.model_path`."""
-    if config.engine == "torch":
+def build_rollout(config: RolloutConfig, *, model=None, model_path: str | None = None,
+                  tokenizer=None) -> RolloutEngine:
+    """The engine `config.engine` names. hf / torch run `model` (any causal LM; loaded from `model_path` when
+    no model is given); vllm / sglang load `model_path` (a Hugging Face directory) and receive later weights
+    through update_weights."""
+    ok, why = engine_available(config.engine)
+    if not ok:
+        raise VerlConfigError(f"rollout.engine={config.engine} cannot run here: {why}")
+    if config.engine in ("hf", "torch"):
         if model is None:
-            if config.model_path is None:
-                raise VerlConfigError("the torch rollout engine needs `model=` or RolloutConfig.model_path")
+            if model_path is None:
+                raise VerlConfigError(f"the {config.engine} rollout engine needs `model=` (a causal LM) or "
+                                      f"`model_path=` (a Hugging Face directory)")
             import torch
             from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, config.dtype))
-        tok = tokenizer if tokenizer is not None else config.model_path
-        return TorchRollout(model, tok, TorchRolloutConfig(max_batch_size=config.max_batch_size, **config.extra))
-    if config.model_path is None:
-        raise VerlConfigError(f"the {config.engine} rollout engine loads a model directory: set RolloutConfig."
-                              f"model_path (save the actor with save_pretrained first)")
+            dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        tok = tokenizer if tokenizer is not None else model_path
+        if config.engine == "hf":
+            from verl.rollout.hf_engine import HFRollout
+            return HFRollout(model, tok, config)
+        return TorchRollout(model, tok, config)
+    if model_path is None:
+        raise VerlConfigError(f"the {config.engine} rollout engine loads a model directory: pass model_path= "
+                              f"(save the actor with save_pretrained first)")
     if config.engine == "vllm":
-        from verl.rollout.vllm_engine import VLLMRollout, VLLMRolloutConfig
-        return VLLMRollout(VLLMRolloutConfig(
-            model_path=config.model_path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
-            max_model_len=config.max_model_len, max_num_seqs=config.max_batch_size,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes, enable_sleep_mode=config.enable_sleep_mode,
-            in_process=config.in_process, seed=config.seed, extra=dict(config.extra)), tokenizer)
-    from verl.rollout.sglang_engine import SGLangRollout, SGLangRolloutConfig
-    return SGLangRollout(SGLangRolloutConfig(model_path=config.model_path, dtype=config.dtype,
-                                             tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
-                                             extra=dict(config.extra)), tokenizer)
+        from verl.rollout.vllm_engine import VLLMRollout
+        return VLLMRollout(config, model_path, tokenizer)
+    from verl.rollout.sglang_engine import SGLangRollout
+    return SGLangRollout(config, model_path, tokenizer)

@@ -108,9 +108,11 @@ class RolloutEngine(abc.ABC):
 
     name: str = "?"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, max_model_len: int | None = None):
         self.tokenizer = tokenizer
         self.released = False
+        self.max_model_len = max_model_len
+        """Longest prompt + response (None: unbounded); every engine enforces it the same way (see budget)."""
 
     # -- the interface --------------------------------------------------------------------------------------
 
@@ -126,6 +128,10 @@ class RolloutEngine(abc.ABC):
         for i, p in enumerate(ids):
             if not p:
                 raise VerlConfigError(f"prompt {i} is empty; every prompt needs at least one token")
+            if self.max_model_len is not None and len(p) >= self.max_model_len:
+                raise VerlConfigError(f"prompt {i} is {len(p)} tokens, which leaves no room to generate within "
+                                      f"max_model_len={self.max_model_len} (prompt + response); shorten the prompt or "
+                                      f"raise rollout.max_model_len")
         with self._engine_errors("generate"):
             return self._generate(ids, params)
 
@@ -165,6 +171,13 @@ class RolloutEngine(abc.ABC):
     def _resume(self) -> None: ...
 
     # -- helpers ----------------------------------------------------------------------------------------------
+
+    def budget(self, prompt_len: int, params: SamplingParams) -> int:
+        """Tokens a sample of a `prompt_len`-token prompt may generate: max_new_tokens, cut so that prompt +
+        response stays within max_model_len (the sample then ends with finish_reason "length")."""
+        if self.max_model_len is None:
+            return params.max_new_tokens
+        return min(params.max_new_tokens, self.max_model_len - prompt_len)
 
     @contextlib.contextmanager
     def _engine_errors(self, what: str):

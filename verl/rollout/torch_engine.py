@@ -12,33 +12,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
-
 import torch
 
-from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.errors import VerlRuntimeError
 from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchRolloutConfig", "TorchRollout", "process_logits", "sample_tokens"]
-
-
-@dataclass(kw_only=True, slots=True)
-class TorchRolloutConfig:
-    """Settings of the torch engine."""
-
-    max_batch_size: int = 64
-    """Sequences decoded together (prompts × n are split into batches of this size)."""
-    kv_cache: bool = True
-    """Reuse keys/values across steps; False recomputes the whole sequence (models without a cache)."""
-    release_weights: bool = False
-    """release() also moves the weights to the CPU (resume() brings them back)."""
-    fast_decoder: bool = True
-    """Decode Llama-family models (Llama, Qwen2, Mistral without sliding window) with verl's static-cache
-    decoder (`verl.rollout.fast_decoder`), which runs the same math with far less per-token overhead; other
-    models, and `kv_cache=False`, use the model's own forward."""
+__all__ = ["TorchRollout", "process_logits", "sample_tokens"]
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -79,12 +62,12 @@ class TorchRollout(RolloutEngine):
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, config: TorchRolloutConfig | None = None):
-        super().__init__(Tokenizer.wrap(tokenizer))
-        self.model = model.eval()
-        self.config = config or TorchRolloutConfig()
-        if self.config.max_batch_size < 1:
-            raise VerlConfigError(f"max_batch_size={self.config.max_batch_size} must be >= 1")
+    def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
+        config = config or RolloutConfig(engine="torch")
+        limit = config.max_model_len or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        super().__init__(Tokenizer.wrap(tokenizer), max_model_len=limit)
+        self.model = model  # may be the actor's own module: put back in its training mode after each call
+        self.config = config
         self._offloaded: dict[str, torch.device] | None = None
         self._fast = None
         if self.config.fast_decoder and self.config.kv_cache:
@@ -113,9 +96,14 @@ class TorchRollout(RolloutEngine):
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         jobs = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
         out: list[GenerationOutput] = []
-        for b in range(0, len(jobs), self.config.max_batch_size):
-            batch = jobs[b:b + self.config.max_batch_size]
-            out += self._generate_batch(batch, prompt_ids, params)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for b in range(0, len(jobs), self.config.max_batch_size):
+                batch = jobs[b:b + self.config.max_batch_size]
+                out += self._generate_batch(batch, prompt_ids, params)
+        finally:
+            self.model.train(was_training)
         return out
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
@@ -137,10 +125,12 @@ class TorchRollout(RolloutEngine):
         lps: list[list[float]] = [[] for _ in range(B)]
         done = [False] * B
         reasons = ["length"] * B
-        forward = self._forward_fn(B, ids.shape[1] + params.max_new_tokens)
+        budgets = [self.budget(len(p), params) for p in prompts]
+        steps = max(budgets)
+        forward = self._forward_fn(B, ids.shape[1] + steps)
         try:
             step_ids, full_ids = ids, ids
-            for step in range(params.max_new_tokens):
+            for step in range(steps):
                 logits = forward(step_ids if self.config.kv_cache else full_ids, mask)
                 processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
                 nxt = sample_tokens(processed, params, gens)
@@ -154,6 +144,8 @@ class TorchRollout(RolloutEngine):
                         lps[r].append(lp[r])
                     if t in stop_ids or self._hit_stop_string(tokens[r], params):
                         done[r], reasons[r] = True, "stop"
+                    elif len(tokens[r]) >= budgets[r]:
+                        done[r] = True
                 if all(done):
                     break
                 live = ~torch.tensor(done)
@@ -201,7 +193,7 @@ class TorchRollout(RolloutEngine):
         new_cache = getattr(out, "past_key_values", None) if self.config.kv_cache else None
         if self.config.kv_cache and new_cache is None:
             raise VerlRuntimeError("the model returned no past_key_values; build the torch engine with "
-                                   "TorchRolloutConfig(kv_cache=False) for models without a KV cache")
+                                   "rollout.kv_cache=false (RolloutConfig(kv_cache=False)) for models without a KV cache")
         return logits[:, -1, :], new_cache
 
     # -- weights and memory ----------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from verl.config import PPOConfig, describe, load_config
+from verl.distributed import destroy_process_groups, init_placement
 from verl.trainer.ppo_trainer import PPOTrainer
-from verl.utils.distributed import init_world
 
 DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
 
@@ -46,17 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     config_path, overrides = parse_args(argv)
     cfg = load_config(PPOConfig, config_path, overrides)
     owned = not dist.is_initialized()  # tear down only the process groups this call creates
-    world = init_world(cfg.trainer.device)
+    m = cfg.actor.megatron
+    placement = init_placement(cfg.trainer.device, tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
+                               seed=cfg.trainer.seed, megatron=cfg.actor.engine == "megatron",
+                               timeout_s=cfg.trainer.collective_timeout_s)
     try:
-        history = PPOTrainer(cfg, world).fit()
-        if world.is_main and history:
+        history = PPOTrainer(cfg, placement).fit()
+        if placement.is_main and history:
             first, last = history[0], history[-1]
             print(f"done: {len(history)} steps, reward {first['reward/mean']:.3f} -> {last['reward/mean']:.3f}, "
                   f"outputs in {cfg.trainer.output_dir}")
     finally:
         if owned and dist.is_initialized():
             if cfg.actor.engine == "megatron":
-                from verl.distributed import destroy_process_groups
                 destroy_process_groups()
             dist.destroy_process_group()
     return 0

@@ -3,29 +3,30 @@
     generate → reward → old log-probs, reference log-probs, values → token rewards (KL in reward)
              → advantage → update critic → update actor → sync weights
 
-GRPO, Dr.GRPO, RLOO, REINFORCE++ and ReMax are the same flow with another advantage node and no critic
-(`algorithm.adv_estimator`, any estimator registered in verl.algos); the reference node appears when a KL term
-needs it. Workers arrive as inputs (`rollout`, `reward_fn`, `actor`, `ref`, `critic`), so engines and
-placement change without touching this file.
+GRPO, Dr.GRPO, RLOO, REINFORCE++ and ReMax are the same flow with another advantage node and no critic: the
+estimator's registration (`verl.algos.advantage_info`) says whether it needs a critic, a greedy baseline or
+groups, and the flow takes the matching nodes, so registering an estimator never edits this file. Workers
+arrive as inputs (`rollout`, `reward_fn`, `actor`, `ref`, `critic`), so engines and placement change without
+touching it.
 """
 
 from __future__ import annotations
 
 from verl import DataflowNode, build_dataflow
+from verl.algos import advantage_info, get_advantage, get_kl, rollout_mismatch
 from verl.config.ppo import PPOConfig
-from verl.trainer import algorithms as algo
-from verl.utils.distributed import mean_across_ranks
+from verl.utils.distributed import mean_over
 
 
-@DataflowNode(input_keys=["prompts", "rollout"], output_keys=["batch"])
-def generate(prompts, rollout):
-    return rollout.generate(prompts)
+@DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["batch"])
+def generate(prompts, rollout, seed):
+    return rollout.generate(prompts, seed=seed)
 
 
-@DataflowNode(input_keys=["prompts", "rollout", "reward_fn"], output_keys=["baseline_scores"])
-def generate_baseline(prompts, rollout, reward_fn):
+@DataflowNode(input_keys=["prompts", "rollout", "reward_fn", "seed"], output_keys=["baseline_scores"])
+def generate_baseline(prompts, rollout, reward_fn, seed):
     """ReMax: the greedy response's reward is each prompt's baseline."""
-    greedy = rollout.generate(prompts, n=1, greedy=True)
+    greedy = rollout.generate(prompts, n=1, greedy=True, seed=seed)
     return reward_fn.score(greedy).repeat_interleave(rollout.cfg.n).to(greedy.response_mask.device)
 
 
@@ -34,10 +35,14 @@ def reward(batch, reward_fn):
     return reward_fn.score(batch).to(batch.response_mask.device)
 
 
-@DataflowNode(input_keys=["batch", "actor", "on_policy"], output_keys=["old_log_probs"])
-def old_log_prob(batch, actor, on_policy):
-    """None when the update is on-policy (one epoch, one mini-batch): its first forward gives them."""
-    return None if on_policy else actor.compute_log_probs(batch)[0]
+@DataflowNode(input_keys=["batch", "actor"], output_keys=["old_log_probs", "mismatch_metrics"])
+def old_log_prob(batch, actor, on_policy=False):
+    """On-policy updates (one epoch, one mini-batch) get them, and the mismatch, from their own first forward."""
+    if on_policy:
+        return None, {}
+    old = actor.compute_log_probs(batch)[0]
+    rollout_lp = batch.rollout_log_probs
+    return old, {} if rollout_lp is None else rollout_mismatch(old, rollout_lp, batch.response_mask)
 
 
 @DataflowNode(input_keys=["batch", "ref"], output_keys=["ref_log_probs"])
@@ -45,44 +50,63 @@ def ref_log_prob(batch, ref):
     return ref.compute_log_probs(batch)[0]
 
 
+@DataflowNode(input_keys=[], output_keys=["ref_log_probs"])
+def no_reference():
+    """No KL term in the loss or the reward: the update runs without reference log-probs."""
+    return None
+
+
 @DataflowNode(input_keys=["batch", "critic"], output_keys=["values"])
 def values(batch, critic):
     return critic.compute_values(batch)
 
 
+def _token_rewards(scores, mask):
+    """Each response's score [B] on its last real token → [B, R]."""
+    import torch
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    out[torch.arange(len(scores)), (mask.sum(-1).long() - 1).clamp(min=0)] = scores.float()
+    return out * mask
+
+
 @DataflowNode(input_keys=["batch", "scores"], output_keys=["token_rewards", "kl_metrics"])
 def token_rewards(batch, scores):
-    return algo.token_level_rewards(scores, batch.response_mask), {}
+    return _token_rewards(scores, batch.response_mask), {}
 
 
 @DataflowNode(input_keys=["batch", "scores", "old_log_probs", "ref_log_probs", "kl_ctrl", "algo_cfg"],
               output_keys=["token_rewards", "kl_metrics"])
-def kl_in_reward(batch, scores, old_log_probs, ref_log_probs, kl_ctrl, algo_cfg):
+def kl_in_reward(batch, scores, old_log_probs, ref_log_probs, kl_ctrl, algo_cfg, ctx):
     mask = batch.response_mask
-    kl = algo.kl_penalty(old_log_probs, ref_log_probs, algo_cfg.kl_penalty) * mask
-    rewards = algo.token_level_rewards(scores, mask) - kl_ctrl.value * kl
+    kl = get_kl(algo_cfg.kl_penalty)(old_log_probs, ref_log_probs) * mask
+    rewards = _token_rewards(scores, mask) - kl_ctrl.value * kl
     metrics = {"actor/kl": float(kl.sum() / mask.sum().clamp(min=1)), "actor/kl_coef": kl_ctrl.value}
     # every rank must move its controller identically, so it sees the KL of the whole batch
-    kl_ctrl.update(mean_across_ranks(float(kl.sum(-1).mean())), n_steps=len(batch))
+    kl_ctrl.update(mean_over(ctx.process_group, float(kl.sum(-1).mean())), n_steps=len(batch))
     return rewards, metrics
 
 
 @DataflowNode(input_keys=["batch", "token_rewards", "values", "algo_cfg"], output_keys=["advantages", "returns"])
-def gae_advantage(batch, token_rewards, values, algo_cfg):
-    return algo.advantages("gae", token_rewards, batch.response_mask, values=values, gamma=algo_cfg.gamma,
-                           lam=algo_cfg.lam)
+def critic_advantage(batch, token_rewards, values, algo_cfg):
+    """Estimators that need a critic (GAE): advantages, and the returns the critic trains on."""
+    out = get_advantage(algo_cfg.adv_estimator)(token_rewards, batch.response_mask, values=values,
+                                                gamma=algo_cfg.gamma, lam=algo_cfg.lam)
+    return out.advantages, out.returns
 
 
-@DataflowNode(input_keys=["batch", "token_rewards", "baseline_scores"], output_keys=["advantages"])
-def remax_advantage(batch, token_rewards, baseline_scores):
-    return algo.advantages("remax", token_rewards, batch.response_mask, baseline=baseline_scores)[0]
+@DataflowNode(input_keys=["batch", "token_rewards", "baseline_scores", "algo_cfg"], output_keys=["advantages"])
+def baseline_advantage(batch, token_rewards, baseline_scores, algo_cfg):
+    """Estimators against a greedy baseline (ReMax)."""
+    return get_advantage(algo_cfg.adv_estimator)(token_rewards, batch.response_mask,
+                                                 baseline=baseline_scores).advantages
 
 
 @DataflowNode(input_keys=["batch", "token_rewards", "algo_cfg"], output_keys=["advantages"])
 def group_advantage(batch, token_rewards, algo_cfg):
     """Critic-free estimators (grpo, dr_grpo, rloo, reinforce_plus_plus, ...): responses of one prompt form a group."""
-    return algo.advantages(algo_cfg.adv_estimator, token_rewards, batch.response_mask, group=batch.group,
-                           gamma=algo_cfg.gamma, norm_by_std=algo_cfg.norm_adv_by_std_in_grpo)[0]
+    return get_advantage(algo_cfg.adv_estimator)(token_rewards, batch.response_mask, index=batch.group,
+                                                 gamma=algo_cfg.gamma,
+                                                 norm_by_std=algo_cfg.norm_adv_by_std_in_grpo).advantages
 
 
 @DataflowNode(input_keys=["batch", "critic", "values", "returns"], output_keys=["critic_metrics"])
@@ -90,40 +114,38 @@ def update_critic(batch, critic, values, returns):
     return critic.update(batch, values, returns)
 
 
-@DataflowNode(input_keys=["batch", "actor", "old_log_probs", "advantages", "ref_log_probs", "update_actor_now"],
+@DataflowNode(input_keys=["batch", "actor", "old_log_probs", "advantages", "ref_log_probs", "step"],
               output_keys=["actor_metrics"])
-def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, update_actor_now):
-    return actor.update(batch, old_log_probs, advantages, ref_log_probs) if update_actor_now else {}
+def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, step, critic_warmup=0):
+    """The critic trains alone for its first `critic_warmup` steps."""
+    return actor.update(batch, old_log_probs, advantages, ref_log_probs) if step >= critic_warmup else {}
 
 
-@DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_bytes"])
+@DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_metrics"])
 def sync_weights(actor, rollout, actor_metrics):
     return rollout.sync_weights(actor)
 
 
-ADVANTAGE_NODES = {"gae": gae_advantage, "remax": remax_advantage}
-
-
 def ppo_nodes(cfg: PPOConfig) -> list:
     """The nodes of the configured algorithm, in reading order."""
-    est = cfg.algorithm.adv_estimator
-    nodes = [generate, reward, old_log_prob]
-    nodes += [ref_log_prob] if cfg.needs_ref else []
-    nodes += [values] if cfg.needs_critic else []
-    nodes += [generate_baseline] if est == "remax" else []
-    nodes += [kl_in_reward if cfg.algorithm.use_kl_in_reward else token_rewards,
-              ADVANTAGE_NODES.get(est, group_advantage)]
-    nodes += [update_critic] if cfg.needs_critic else []
+    info = advantage_info(cfg.algorithm.adv_estimator)
+    nodes = [generate, reward, old_log_prob, ref_log_prob if cfg.needs_ref else no_reference]
+    nodes += [values] if info.needs_critic else []
+    nodes += [generate_baseline] if info.needs_baseline else []
+    nodes += [kl_in_reward if cfg.algorithm.use_kl_in_reward else token_rewards]
+    nodes += [critic_advantage, update_critic] if info.needs_critic else \
+        [baseline_advantage if info.needs_baseline else group_advantage]
     return nodes + [update_actor, sync_weights]
 
 
 def build_ppo_dataflow(cfg: PPOConfig):
-    """Every node runs on every rank (data parallel); the engine names show up in node contexts and traces."""
+    """Every node runs on every rank (data parallel); engine names show up in node contexts and traces."""
     nodes = ppo_nodes(cfg)
-    train_engine = cfg.actor.engine
-    engines = {"generate": "torch", "generate_baseline": "torch", "sync_weights": train_engine,
-               "reward": "rule" if cfg.reward.type == "rule" else "torch", "old_log_prob": train_engine,
-               "ref_log_prob": train_engine, "values": train_engine, "update_critic": train_engine,
-               "update_actor": train_engine}
+    train = cfg.actor.engine
+    configs = {"generate": {"engine": cfg.rollout.engine}, "generate_baseline": {"engine": cfg.rollout.engine},
+               "reward": {"engine": "rule" if cfg.reward.type == "rule" else "torch"},
+               "old_log_prob": {"engine": train, "on_policy": cfg.on_policy},
+               "update_actor": {"engine": train, "critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0},
+               **{n: {"engine": train} for n in ("ref_log_prob", "values", "update_critic", "sync_weights")}}
     names = {n.name for n in nodes}
-    return build_dataflow(nodes=nodes, configs={k: {"engine": v} for k, v in engines.items() if k in names})
+    return build_dataflow(nodes=nodes, configs={k: v for k, v in configs.items() if k in names})

@@ -14,16 +14,18 @@ import torch
 from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
 from verl.data import BatchSampler, PromptDataset, load_prompt_dataset, make_task, task_corpus
+from verl.distributed import Placement
 from verl.errors import VerlConfigError
+from verl.rollout import build_rollout, engine_available
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
-from verl.utils.distributed import World, barrier, comm_device, ensure_process_group, reduce_metrics
+from verl.utils.distributed import barrier, reduce_metrics
 from verl.utils.metrics import MetricsLogger, plot_curves
-from verl.workers import ActorWorker, CriticWorker, ReferenceWorker, TorchEngine, ValueModel, build_reward, build_rollout
+from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 
-TIMING_PREFIXES = ("perf/", "timing/")
+MAXED = ("reward/max", "rollout/mismatch_max")
 
 
 def load_dataset(cfg: PPOConfig) -> PromptDataset:
@@ -46,8 +48,6 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if tokenizer.bos_token_id is None:
-            tokenizer.bos_token = tokenizer.eos_token
         return model, tokenizer
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [p + a for p, a in zip(dataset.prompts, dataset.answers)])
@@ -55,36 +55,43 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     return build_tiny_llama(cfg.model.tiny, tokenizer, seed=cfg.trainer.seed), tokenizer
 
 
+def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
+    """What the model decides about the generation layout, checked before any step."""
+    heads = hf_config.num_attention_heads
+    if heads % cfg.rollout.tp:
+        raise VerlConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the model's {heads} attention heads; "
+                              f"use one of {[d for d in range(1, heads + 1) if heads % d == 0]}")
+    limit = cfg.rollout.max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if limit is not None and need > limit:
+        raise VerlConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
+                              f"{cfg.rollout.max_new_tokens} = {need} exceeds the maximum model length {limit} "
+                              f"(rollout.max_model_len, else the model's max_position_embeddings); shorten one")
+
+
 class PPOTrainer:
     """Owns the workers, the data order, the KL controller, metrics and checkpoints of one job."""
 
-    def __init__(self, cfg: PPOConfig, world: World):
-        cfg.validate_world(world.world_size)  # before anything touches the disk
-        self.cfg, self.world = cfg, world
+    def __init__(self, cfg: PPOConfig, placement: Placement):
+        cfg.validate_world(placement.world_size)  # before anything touches the disk
+        ok, why = engine_available(cfg.rollout.engine)
+        if not ok:
+            raise VerlConfigError(f"rollout.engine={cfg.rollout.engine} cannot run here: {why}")
+        self.cfg, self.placement = cfg, placement
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
         self.dataset = load_dataset(cfg)
         self.policy, self.tokenizer = load_policy(cfg, self.dataset)
-        self.pg = None
-        self.dp_rank, self.dp_size = world.rank, world.world_size
-        if cfg.actor.engine == "megatron":
-            from verl.distributed import init_process_groups
-            ensure_process_group(world)
-            m = cfg.actor.megatron
-            self.pg = init_process_groups(tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
-                                          seed=cfg.trainer.seed)
-            self.dp_rank, self.dp_size = self.pg.dp_rank, self.pg.dp_size
+        check_generation_layout(cfg, self.policy.config)
         # sampling differs between data-parallel replicas and agrees within a model-parallel group
-        torch.manual_seed(cfg.trainer.seed * 1000 + self.dp_rank)
+        torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-        self.rollout = build_rollout(self.policy, self.tokenizer, cfg.rollout, cfg.data.max_prompt_length,
-                                     world.device)
-        self.reward_fn = build_reward(cfg.reward, world.device)
+        self.reward_fn = build_reward(cfg.reward, placement.device)
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg)
         self.out_dir = Path(cfg.trainer.output_dir)
-        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", world, cfg.trainer.keep_checkpoints)
-        self.actor = self.ref = self.critic = None
+        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints)
+        self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.node_seconds: dict[str, float] = {}
@@ -94,48 +101,53 @@ class PPOTrainer:
         self.node_seconds[event.node] = event.duration_s
 
     # -- workers (built after the warm start: the reference and critic copy the warm-started policy) --------
+    def _init_dir(self) -> Path:
+        """The warm-started policy as a Hugging Face directory: what megatron models and vLLM / SGLang load."""
+        path = self.out_dir / ".init_hf"
+        if self.placement.is_main:
+            export_hf(self.policy, self.tokenizer, path)
+        barrier(self.placement)
+        return path
+
     def _build_workers(self) -> None:
-        if self.cfg.actor.engine == "megatron":
-            self._build_megatron_workers()
-        else:
-            self._build_torch_workers()
-
-    def _build_torch_workers(self) -> None:
-        cfg, world, policy = self.cfg, self.world, self.policy
-        self.actor = ActorWorker(TorchEngine(policy, cfg.actor.optim, world), cfg.actor,
-                                 temperature=cfg.rollout.temperature,
-                                 responses_per_mini=cfg.actor.mini_batch_size // self.dp_size * cfg.rollout.n,
-                                 max_response_length=cfg.rollout.max_new_tokens)
-        if cfg.needs_ref:
-            self.ref = ReferenceWorker(TorchEngine(copy.deepcopy(policy), None, world), cfg.rollout.temperature,
-                                       cfg.actor.micro_batch_size)
-        if cfg.needs_critic:
-            self.critic = CriticWorker(TorchEngine(ValueModel.from_causal_lm(policy), cfg.critic.optim, world),
-                                       cfg.critic)
-
-    def _build_megatron_workers(self) -> None:
-        from verl.workers.megatron import MegatronActorWorker, MegatronCriticWorker, MegatronModel
-        cfg, m = self.cfg, self.cfg.actor.megatron
-        init_dir = self.out_dir / ".init_hf"  # the (warm-started) policy the megatron models load
-        if self.world.is_main:
-            export_hf(self.policy, self.tokenizer, init_dir)
-        barrier(self.world)
+        cfg, p = self.cfg, self.placement
+        needs_dir = cfg.actor.engine == "megatron" or cfg.rollout.engine in ("vllm", "sglang")
+        init_dir = self._init_dir() if needs_dir else None
+        engines = self._megatron_engines(init_dir) if cfg.actor.engine == "megatron" else self._torch_engines()
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens,
-                  responses_per_mini=cfg.actor.mini_batch_size // self.dp_size * cfg.rollout.n)
-        steps = cfg.trainer.total_steps
-        self.actor = MegatronActorWorker(MegatronModel(init_dir, self.pg, m, optim=cfg.actor.optim, total_steps=steps),
-                                         cfg.actor, **kw)
-        if cfg.needs_ref:
-            self.ref = MegatronActorWorker(MegatronModel(init_dir, self.pg, m), cfg.actor, **kw)
-        if cfg.needs_critic:
-            self.critic = MegatronCriticWorker(MegatronModel(init_dir, self.pg, m, value_head=True,
-                                                             optim=cfg.critic.optim, total_steps=steps), cfg.critic)
+                  responses_per_mini=cfg.actor.mini_batch_size // p.dp_size * cfg.rollout.n)
+        self.actor = ActorWorker(engines["actor"], cfg.actor, **kw)
+        self.ref = ActorWorker(engines["ref"], cfg.actor, **kw) if "ref" in engines else None
+        self.critic = CriticWorker(engines["critic"], cfg.critic) if "critic" in engines else None
+        engine = build_rollout(cfg.rollout, model=self.policy, model_path=str(init_dir) if init_dir else None,
+                               tokenizer=self.tokenizer)
+        self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length)
 
+    def _torch_engines(self) -> dict:
+        cfg, p, steps = self.cfg, self.placement, self.cfg.trainer.total_steps
+        out = {"actor": TorchEngine(self.policy, cfg.actor.optim, p, total_steps=steps)}
+        if cfg.needs_ref:
+            out["ref"] = TorchEngine(copy.deepcopy(self.policy), None, p)
+        if cfg.needs_critic:
+            out["critic"] = TorchEngine(ValueModel.from_causal_lm(self.policy), cfg.critic.optim, p, head="value",
+                                        total_steps=steps)
+        return out
+
+    def _megatron_engines(self, init_dir: Path) -> dict:
+        from verl.workers.megatron import MegatronEngine
+        cfg, p, m, steps = self.cfg, self.placement, self.cfg.actor.megatron, self.cfg.trainer.total_steps
+        out = {"actor": MegatronEngine(init_dir, p, m, optim=cfg.actor.optim, total_steps=steps)}
+        if cfg.needs_ref:
+            out["ref"] = MegatronEngine(init_dir, p, m)
+        if cfg.needs_critic:
+            out["critic"] = MegatronEngine(init_dir, p, m, value_head=True, optim=cfg.critic.optim, total_steps=steps)
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
     def _checkpointed(self) -> tuple[dict, dict]:
         """(torch modules and optimizers, megatron engines with their own per-rank layout): both go to DCP."""
-        workers = {"actor": self.actor, "ref": self.ref, "critic": self.critic}
         modules, sharded = {}, {}
-        for name, w in workers.items():
+        for name, w in {"actor": self.actor, "ref": self.ref, "critic": self.critic}.items():
             if w is None:
                 continue
             if isinstance(w.engine, TorchEngine):
@@ -144,14 +156,12 @@ class PPOTrainer:
                 sharded[name] = w.engine
         return modules, sharded
 
-    def _scheduler_state(self, worker):
-        sched = getattr(getattr(worker, "engine", None), "scheduler", None)
-        return sched.state_dict() if sched is not None else None
-
     def _trainer_state(self) -> dict:
+        def sched(worker):
+            s = getattr(getattr(worker, "engine", None), "scheduler", None)
+            return s.state_dict() if s is not None else None
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "actor_sched": self._scheduler_state(self.actor), "critic_sched": self._scheduler_state(self.critic),
-                "config": to_dict(self.cfg)}
+                "actor_sched": sched(self.actor), "critic_sched": sched(self.critic), "config": to_dict(self.cfg)}
 
     def _restore(self, path: Path) -> None:
         state = self.ckpt.load(path, *self._checkpointed())
@@ -162,12 +172,15 @@ class PPOTrainer:
             if worker is not None and state[key] is not None:
                 worker.engine.scheduler.load_state_dict(state[key])
 
+    def save(self) -> Path:
+        return self.ckpt.save(self.step, *self._checkpointed(), self._trainer_state())
+
     def setup(self) -> dict[str, float]:
-        """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up metrics."""
+        """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up and first-sync metrics."""
         resume = self.ckpt.resolve(self.cfg.trainer.resume)
         info: dict[str, float] = {}
         if resume is None and self.cfg.warmup.steps > 0:
-            info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, self.world,
+            info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, self.placement,
                                      self.cfg.trainer.seed)
         self._build_workers()
         if resume is not None:
@@ -179,69 +192,64 @@ class PPOTrainer:
     # -- one step -------------------------------------------------------------------------------------------
     def _rows(self) -> list[dict]:
         idx = self.sampler.next_batch()
-        per = len(idx) // self.dp_size
-        mine = idx[self.dp_rank * per:(self.dp_rank + 1) * per]
-        return [self.dataset[i] for i in mine]
+        p = self.placement
+        per = len(idx) // p.dp_size
+        return [self.dataset[i] for i in idx[p.dp_rank * per:(p.dp_rank + 1) * per]]
+
+    def _sampling_seed(self, rows: int) -> int:
+        """Distinct per step and data-parallel rank, equal within a model-parallel group; a pure function of
+        the step, so a resumed run samples exactly what the uninterrupted one did."""
+        p, n = self.placement, self.cfg.rollout.n
+        return self.cfg.rollout.seed + (self.step * p.dp_size + p.dp_rank) * rows * n
 
     def train_step(self) -> dict[str, float]:
-        cfg = self.cfg
         t0 = time.perf_counter()
-        inputs = {"prompts": self._rows(), "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor,
-                  "ref": self.ref, "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": cfg.algorithm,
-                  "on_policy": (cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.data.train_batch_size
-                                and not cfg.algorithm.use_kl_in_reward),
-                  "update_actor_now": self.step >= cfg.critic.warmup_steps or not cfg.needs_critic}
-        if not cfg.needs_ref:
-            inputs["ref_log_probs"] = None
+        rows = self._rows()
+        inputs = {"prompts": rows, "seed": self._sampling_seed(len(rows)), "step": self.step,
+                  "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor, "ref": self.ref,
+                  "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": self.cfg.algorithm}
         self.node_seconds.clear()
         trace = None
-        if cfg.trainer.trace_step == self.step + 1:
+        if self.cfg.trainer.trace_step == self.step + 1:
             trace = str(self.out_dir / f"trace_step_{self.step + 1}.json")
         out = self.flow.run(inputs, hooks=[self], trace=trace)
-        elapsed = time.perf_counter() - t0
-        return self._metrics(out, elapsed)
+        return self._metrics(out, time.perf_counter() - t0)
 
     def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
-        batch, scores = out["batch"], out["scores"]
+        batch, scores, mask = out["batch"], out["scores"], out["batch"].response_mask
         m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
-             "response/length": float(batch.response_mask.sum(-1).mean()),
-             "response/clip_ratio": float((batch.response_mask[:, -1] > 0).float().mean()),
-             **out.get("kl_metrics", {}), **out.get("actor_metrics", {}), **(out.get("critic_metrics") or {})}
-        adv = out["advantages"]
-        m["advantage/mean"] = float((adv * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+             "response/length": float(mask.sum(-1).mean()), "response/clip_ratio": float((mask[:, -1] > 0).float().mean()),
+             "advantage/mean": float((out["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+             **out.get("kl_metrics", {}), **(out.get("mismatch_metrics") or {}), **out.get("actor_metrics", {}),
+             **(out.get("critic_metrics") or {}), **out["sync_metrics"]}
         if "actor/kl" not in m and "actor/ppo_kl" in m:
             m["actor/kl"] = m["actor/ppo_kl"]
-        local = torch.tensor([float(batch.num_tokens()), float(batch.response_mask.sum())], dtype=torch.float64,
-                             device=comm_device())
-        m = reduce_metrics(m, self.world, maxed=("reward/max",), mined=("reward/min",))
-        if self.world.distributed:
-            torch.distributed.all_reduce(local)
+        m["perf/tokens"] = float(batch.num_tokens())
+        m["perf/response_tokens"] = float(mask.sum())
+        m = reduce_metrics(m, self.placement, maxed=MAXED, mined=("reward/min",))
+        dp = self.placement.dp_size  # model-parallel peers hold the same tokens: count each replica once
         m["perf/step_time_s"] = elapsed
         m["perf/wall_time"] = time.time()  # when the step ended (aligns runs that share a machine)
-        m["perf/tokens_per_s"] = float(local[0]) / elapsed
-        m["perf/response_tokens_per_s"] = float(local[1]) / elapsed
+        m["perf/tokens_per_s"] = m.pop("perf/tokens") * dp / elapsed
+        m["perf/response_tokens_per_s"] = m.pop("perf/response_tokens") * dp / elapsed
         for name, seconds in self.node_seconds.items():
             m[f"timing/{name}_s"] = seconds
         return m
 
     # -- the loop -------------------------------------------------------------------------------------------
-    def save(self) -> Path:
-        return self.ckpt.save(self.step, *self._checkpointed(), self._trainer_state())
-
     def fit(self) -> list[dict[str, float]]:
-        cfg, world = self.cfg, self.world
+        cfg, p = self.cfg, self.placement
         info = self.setup()
-        out_dir = self.out_dir
-        logger = MetricsLogger(out_dir, enabled=world.is_main, tensorboard=cfg.trainer.tensorboard,
+        logger = MetricsLogger(self.out_dir, enabled=p.is_main, tensorboard=cfg.trainer.tensorboard,
                                start_step=self.step)
         bar = None
-        if world.is_main and cfg.trainer.progress_bar:
+        if p.is_main and cfg.trainer.progress_bar:
             from tqdm.auto import tqdm
             bar = tqdm(total=cfg.trainer.total_steps, initial=self.step, desc=f"{cfg.algorithm.adv_estimator}",
                        dynamic_ncols=True)
         if info:
             logger.log(self.step, info)
-            if world.is_main:
+            if p.is_main:
                 print("  ".join(f"{k}={v:.4g}" for k, v in info.items()), flush=True)
         try:
             while self.step < cfg.trainer.total_steps:
@@ -251,29 +259,39 @@ class PPOTrainer:
                 logger.log(self.step, metrics)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('actor/kl', 0.0):.4f}",
-                                    entropy=f"{metrics.get('actor/entropy', 0.0):.3f}",
-                                    tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
-                every = cfg.trainer.save_every
-                last = self.step == cfg.trainer.total_steps
+                    bar.set_postfix(progress_fields(metrics))
+                every, last = cfg.trainer.save_every, self.step == cfg.trainer.total_steps
                 if (every and self.step % every == 0) or (last and cfg.trainer.save_final):
                     self.save()
         finally:
             if bar is not None:
                 bar.close()
             logger.close()
-        self._finish(out_dir)
+        self._finish()
         return self.history
 
-    def _finish(self, out_dir: Path) -> None:
-        if not self.world.is_main:
-            barrier(self.world)
-            return
-        if self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
-            plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
+    def _finish(self) -> None:
+        out_dir = self.out_dir
         if self.cfg.trainer.export_hf:
-            export_hf(self.policy, self.tokenizer, out_dir / "hf_actor")  # synced from the actor each step
-        barrier(self.world)
+            engine = self.actor.engine
+            if isinstance(engine, TorchEngine):
+                if self.placement.is_main:
+                    export_hf(engine.module, self.tokenizer, out_dir / "hf_actor")
+            else:
+                engine.export_hf(out_dir / "hf_actor", self.tokenizer)  # collective: gathers the shards
+        if self.placement.is_main and self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
+            plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
+        barrier(self.placement)
+
+
+def progress_fields(m: dict[str, float]) -> dict[str, str]:
+    """What the progress bar shows of a step's metrics."""
+    out = {"reward": f"{m['reward/mean']:.3f}", "kl": f"{m.get('actor/kl', 0.0):.4f}",
+           "entropy": f"{m.get('actor/entropy', 0.0):.3f}", "tok_s": f"{m['perf/tokens_per_s']:.0f}",
+           "sync_ms": f"{1e3 * m.get('perf/sync_s', 0.0):.1f}"}
+    if "rollout/mismatch_max" in m:
+        out["mismatch"] = f"{m['rollout/mismatch_max']:.2g}"
+    return out
 
 
 def export_hf(module: torch.nn.Module, tokenizer, path: Path) -> Path:

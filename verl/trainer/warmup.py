@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import torch
 
-from verl.config.ppo import OptimConfig, WarmupConfig
+from verl.config.optim import OptimConfig
+from verl.config.ppo import WarmupConfig
 from verl.data import PromptDataset
-from verl.utils.distributed import World
+from verl.distributed import Placement
+from verl.rollout import Tokenizer
 from verl.workers.engine import TorchEngine
 
 
-def sft_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded BOS + prompt + answer + EOS; labels -100 except on answer and EOS."""
+def sft_batch(tokenizer: Tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt (encoded exactly as the rollout encodes it) + answer + EOS; labels -100 except on
+    the answer and EOS."""
     seqs, labels = [], []
     for r in rows:
-        p = [tokenizer.bos_token_id] + tokenizer(r["prompt"], add_special_tokens=False).input_ids
-        a = tokenizer(r["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        p = tokenizer.encode_prompt(r["prompt"])
+        a = tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_ids[0]]
         seqs.append(p + a)
         labels.append([-100] * len(p) + a)
     width = max(map(len, seqs))
@@ -27,17 +30,18 @@ def sft_batch(tokenizer, rows: list[dict], device) -> tuple[torch.Tensor, torch.
     return ids, mask, lab
 
 
-def supervised_warmup(module: torch.nn.Module, tokenizer, dataset: PromptDataset, cfg: WarmupConfig, world: World,
-                      seed: int) -> dict[str, float]:
+def supervised_warmup(module: torch.nn.Module, tokenizer, dataset: PromptDataset, cfg: WarmupConfig,
+                      placement: Placement, seed: int) -> dict[str, float]:
     """Runs `cfg.steps` AdamW steps of answer-only cross-entropy; returns the first and last losses."""
-    engine = TorchEngine(module, OptimConfig(lr=cfg.lr), world)
-    g = torch.Generator().manual_seed(seed * 7919 + world.rank)
-    per_rank = max(1, cfg.batch_size // world.world_size)
+    engine = TorchEngine(module, OptimConfig(lr=cfg.lr), placement)
+    tok = Tokenizer.wrap(tokenizer)
+    g = torch.Generator().manual_seed(seed * 7919 + placement.rank)
+    per_rank = max(1, cfg.batch_size // placement.world_size)
     losses = []
     module.train()
     for _ in range(cfg.steps):
         idx = torch.randint(len(dataset), (per_rank,), generator=g).tolist()
-        ids, mask, labels = sft_batch(tokenizer, [dataset[i] for i in idx], world.device)
+        ids, mask, labels = sft_batch(tok, [dataset[i] for i in idx], placement.device)
         loss = module(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
         loss.backward()
         engine.step()

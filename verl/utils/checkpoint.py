@@ -29,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from verl.errors import VerlConfigError
-from verl.utils.distributed import World, barrier
+from verl.distributed import Placement
+from verl.utils.distributed import barrier
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -65,7 +66,7 @@ def _dcp_state(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer |
 class CheckpointManager:
     """Saves and restores models, optimizers and trainer state under `root`; keeps the newest `keep`."""
 
-    def __init__(self, root: str | Path, world: World, keep: int = 2):
+    def __init__(self, root: str | Path, world: Placement, keep: int = 2):
         self.root, self.world, self.keep = Path(root), world, keep
 
     def list(self) -> list[Path]:

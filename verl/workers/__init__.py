@@ -1,11 +1,12 @@
-"""Workers the PPO dataflow's nodes call: actor, reference, critic, rollout and reward, on a training engine."""
+"""Workers the PPO dataflow's nodes call — actor (and reference), critic, rollout and reward — on a training
+engine (`TorchEngine`, or `verl.workers.megatron.MegatronEngine`) behind one set of calls."""
 
-from verl.workers.actor import ActorWorker, ReferenceWorker, response_logprobs
-from verl.workers.batch import RolloutBatch
+from verl.workers.actor import ActorWorker
+from verl.workers.batch import RolloutBatch, batch_from_outputs
 from verl.workers.critic import CriticWorker, ValueModel
 from verl.workers.engine import TorchEngine
 from verl.workers.reward import ModelRewardWorker, RuleRewardWorker, build_reward
-from verl.workers.rollout import HFRollout, build_rollout
+from verl.workers.rollout import RolloutWorker
 
-__all__ = ["ActorWorker", "ReferenceWorker", "response_logprobs", "RolloutBatch", "CriticWorker", "ValueModel",
-           "TorchEngine", "ModelRewardWorker", "RuleRewardWorker", "build_reward", "HFRollout", "build_rollout"]
+__all__ = ["ActorWorker", "CriticWorker", "ModelRewardWorker", "RolloutBatch", "RolloutWorker", "RuleRewardWorker",
+           "TorchEngine", "ValueModel", "batch_from_outputs", "build_reward"]

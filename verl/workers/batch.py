@@ -1,4 +1,5 @@
-"""The rollout batch the workers exchange: token tensors plus the texts they came from.
+"""The rollout batch the workers exchange: token tensors plus the texts they came from, and the one adapter
+that turns a rollout engine's `GenerationOutput`s into it.
 
 Layout: `input_ids` [B, P + R] holds left-padded prompts (P columns) followed by right-padded responses
 (R columns). Response position t is predicted by the logits at column P - 1 + t.
@@ -6,9 +7,15 @@ Layout: `input_ids` [B, P + R] holds left-padded prompts (P columns) followed by
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+
+MicroLossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
+                       tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
+"""loss_fn(outputs, fields) -> (loss, statistics) for one micro-batch: `outputs` are the engine's [b, R] response
+outputs (log_probs and entropy, or values), `fields` the micro-batch's response_mask and per-sample tensors."""
 
 
 @dataclass(slots=True)
@@ -25,7 +32,9 @@ class RolloutBatch:
     """[B, R] float, 1 on response tokens up to and including EOS."""
     group: torch.Tensor
     """[B] long, index of the prompt each response answers (GRPO groups)."""
-    prompts: list[str] = field(default_factory=list)
+    rollout_log_probs: torch.Tensor | None = None
+    """[B, R] log-probs of the sampled tokens under the rollout engine's sampling distribution (0 on padding)."""
+    prompts: list = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     response_texts: list[str] = field(default_factory=list)
 
@@ -42,20 +51,19 @@ class RolloutBatch:
 
     def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         """Rows `idx` (a slice or index tensor) of the batch."""
-        if isinstance(idx, slice):
-            rows = range(len(self))[idx]
-        else:
-            rows = idx.tolist()
-        pick = (lambda xs: [xs[i] for i in rows]) if not isinstance(idx, slice) else (lambda xs: xs[idx])
+        rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
+        pick = (lambda xs: xs[idx]) if isinstance(idx, slice) else (lambda xs: [xs[i] for i in rows])
         return replace(self, input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
                        position_ids=self.position_ids[idx], response_mask=self.response_mask[idx],
-                       group=self.group[idx], prompts=pick(self.prompts), answers=pick(self.answers),
-                       response_texts=pick(self.response_texts))
+                       group=self.group[idx],
+                       rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
+                       prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts))
 
     def to(self, device: torch.device) -> "RolloutBatch":
         return replace(self, input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
                        position_ids=self.position_ids.to(device), response_mask=self.response_mask.to(device),
-                       group=self.group.to(device))
+                       group=self.group.to(device),
+                       rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs.to(device))
 
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
@@ -63,3 +71,30 @@ class RolloutBatch:
 
 def micro_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, response_length: int,
+                       pad_id: int) -> RolloutBatch:
+    """The training batch of `n` samples per row from an engine's outputs (prompt-major, as every engine returns
+    them). Responses end where the engine stopped them (EOS or stop token included) and are right-padded to
+    `response_length` columns; prompts are left-padded to the longest."""
+    if len(outputs) != len(rows) * n:
+        raise ValueError(f"{len(outputs)} generation outputs for {len(rows)} prompts x n={n}")
+    B, R = len(outputs), response_length
+    P = max(len(o.prompt_token_ids) for o in outputs)
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    logps = torch.zeros((B, R), dtype=torch.float32) if all(o.logprobs is not None for o in outputs) else None
+    for b, o in enumerate(outputs):
+        p, r = o.prompt_token_ids, o.token_ids[:R]
+        ids[b, P - len(p):P] = torch.as_tensor(p, dtype=torch.long)
+        ids[b, P:P + len(r)] = torch.as_tensor(r, dtype=torch.long)
+        attn[b, P - len(p):P + len(r)] = 1
+        if logps is not None:
+            logps[b, :len(r)] = torch.as_tensor(o.logprobs[:R], dtype=torch.float32)
+    response_mask = attn[:, P:].float()
+    return RolloutBatch(
+        input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+        response_mask=response_mask, group=torch.arange(len(rows)).repeat_interleave(n), rollout_log_probs=logps,
+        prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
+        response_texts=[o.text for o in outputs])

@@ -1,4 +1,6 @@
-"""Critic worker: a value head on a copy of the policy's transformer trunk; values and the clipped value loss."""
+"""The critic worker, on any training engine: values of the response positions and the clipped value-loss
+update (`verl.algos.critic_loss`). `ValueModel` is the plain-torch critic: a value head on a copy of the
+policy's transformer trunk."""
 
 from __future__ import annotations
 
@@ -7,11 +9,12 @@ from collections import defaultdict
 
 import torch
 
+from verl.algos import critic_loss
 from verl.config.ppo import CriticConfig
-from verl.trainer import algorithms as algo
-from verl.workers.actor import step_aggregation
-from verl.workers.batch import RolloutBatch, micro_slices
-from verl.workers.engine import TorchEngine
+from verl.workers.actor import reduce_micro_stats
+from verl.workers.batch import RolloutBatch
+
+__all__ = ["CriticWorker", "ValueModel"]
 
 
 class ValueModel(torch.nn.Module):
@@ -34,36 +37,26 @@ class ValueModel(torch.nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
 
-def response_values(model: ValueModel, batch: RolloutBatch) -> torch.Tensor:
-    """V(state before response token t), [B, R]."""
-    values = model(batch.input_ids, batch.attention_mask, batch.position_ids)
-    P = batch.prompt_length
-    return values[:, P - 1:-1] * batch.response_mask
-
-
 class CriticWorker:
-    def __init__(self, engine: TorchEngine, cfg: CriticConfig):
+    def __init__(self, engine, cfg: CriticConfig):
         self.engine, self.cfg = engine, cfg
 
-    @torch.no_grad()
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
-        return torch.cat([response_values(self.engine.module, batch.select(sl))
-                          for sl in micro_slices(len(batch), self.cfg.micro_batch_size)])
+        """V(state before response token t), [B, R] (0 on padding)."""
+        return self.engine.forward(batch, self.cfg.micro_batch_size)["values"]
 
     def update(self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
         """Epochs of one optimizer step over the whole batch (micro-batches accumulate gradients)."""
+        agg = self.engine.aggregation("token-mean", batch.response_mask, batch.response_mask.shape[1])
+
+        def loss_fn(out, f):
+            return critic_loss(out["values"], f["response_mask"], f["old_values"], f["returns"],
+                               cliprange=self.cfg.cliprange_value, agg=agg)
         stats: dict[str, list[float]] = defaultdict(list)
-        agg = step_aggregation("token-mean", batch.response_mask, self.engine, batch.response_mask.shape[1])
         for _ in range(self.cfg.ppo_epochs):
-            vf_loss = 0.0
-            for sl in micro_slices(len(batch), self.cfg.micro_batch_size):
-                mb = batch.select(sl)
-                values = response_values(self.engine.module, mb)
-                loss, clipfrac = algo.value_loss(values, old_values[sl], returns[sl], mb.response_mask,
-                                                 cliprange=self.cfg.cliprange_value, agg=agg)
-                loss.backward()
-                vf_loss += float(loss.detach())
-                stats["critic/vf_clipfrac"].append(float(clipfrac))
-            stats["critic/vf_loss"].append(vf_loss)
-            stats["critic/grad_norm"].append(self.engine.step())
+            per_micro, grad_norm = self.engine.train_step(batch, self.cfg.micro_batch_size, loss_fn,
+                                                          {"old_values": old_values, "returns": returns})
+            for k, v in reduce_micro_stats(per_micro).items():
+                stats[k].append(v)
+            stats["critic/grad_norm"].append(grad_norm)
         return {k: sum(v) / len(v) for k, v in stats.items()}

@@ -1,7 +1,14 @@
-"""The plain-torch training engine: one model replica per rank, gradients averaged over ranks (data
-parallel with explicit all-reduce, so it runs on gloo as well as NCCL), AdamW with linear warm-up and
-global-norm clipping. The megatron engine offers the same three calls (forward under `module`, `step`,
-`state`) for TP/PP models.
+"""The plain-torch training engine: one Hugging Face model replica per rank, gradients averaged over ranks
+(data parallel with explicit all-reduce, so it runs on gloo as well as NCCL), AdamW with the OptimConfig's
+warm-up + decay schedule and global-norm clipping.
+
+Every training engine (this one, `verl.workers.megatron.MegatronEngine`) offers the same calls, which is all
+the actor and critic workers use:
+
+    engine.forward(batch, micro_batch_size, temperature=T)   # no grad: {"log_probs", "entropy"} or {"values"}, [B, R]
+    engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # one optimizer step
+    engine.aggregation(mode, mask, norm_len)                 # the step's global token / sequence counts
+    engine.hybrid_engine(config), engine.local_params()      # how its weights reach the rollout engine
 """
 
 from __future__ import annotations
@@ -9,17 +16,46 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verl.config.ppo import OptimConfig
-from verl.utils.distributed import World
+from verl.config.optim import OptimConfig
+from verl.distributed import Placement
+from verl.ops.losses import Aggregation
+from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
+
+__all__ = ["TorchEngine", "count_aggregation", "lm_head_logprob_entropy"]
+
+# Below this vocabulary the [tokens, vocab] logits are small and one GEMM beats the chunked fused LM head.
+FUSED_LM_HEAD_MIN_VOCAB = 4096
+
+
+def lm_head_logprob_entropy(hidden: torch.Tensor, lm_head: torch.nn.Linear, targets: torch.Tensor,
+                            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and entropy [B, R] from hidden states and the LM head. For real vocabularies the fused
+    kernel computes the logits chunk by chunk, so [tokens, vocab] logits are never stored whole."""
+    import verl.ops
+    if lm_head.bias is not None or lm_head.weight.shape[0] < FUSED_LM_HEAD_MIN_VOCAB:
+        return verl.ops.logprob_entropy(lm_head(hidden), targets, temperature)
+    return verl.ops.linear_logprob_entropy(hidden, lm_head.weight, targets, temperature)
+
+
+def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_size: int) -> Aggregation:
+    """Aggregation over one optimizer step's tokens on all `group` ranks, so micro-batch losses add up (and DP
+    gradient averaging cancels) to exactly the loss of the whole mini-batch."""
+    from verl.distributed.placement import comm_device
+    counts = torch.tensor([float(mask.sum()), float((mask.sum(-1) > 0).sum())], dtype=torch.float64,
+                          device=comm_device())
+    if dp_size > 1:
+        dist.all_reduce(counts, group=group)
+    return Aggregation(mode=mode, global_tokens=float(counts[0]), global_seqs=float(counts[1]), dp_size=dp_size,
+                       norm_len=float(norm_len))
 
 
 class TorchEngine:
-    """Owns a module and (unless frozen) its optimizer and LR schedule."""
+    """Owns a module (a causal LM, or a `ValueModel` with `head="value"`) and, unless frozen, its optimizer."""
 
-    def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, world: World):
-        self.module = module.to(world.device)
-        self.world = world
-        self.optim_cfg = optim
+    def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, *,
+                 head: str = "lm", total_steps: int = 1):
+        self.module = module.to(placement.device)
+        self.placement, self.head, self.optim_cfg = placement, head, optim
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         if optim is None:
@@ -29,24 +65,65 @@ class TorchEngine:
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                            weight_decay=optim.weight_decay, foreach=False)
-        warm = max(optim.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda s: optim.lr_factor(s, total_steps))
         self.broadcast_parameters()
 
+    # -- forward --------------------------------------------------------------------------------------------
+    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+        P = mb.prompt_length
+        if self.head == "value":
+            values = self.module(mb.input_ids, mb.attention_mask, mb.position_ids)
+            return {"values": values[:, P - 1:-1]}
+        hidden = self.module.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                        position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        # only the R positions that predict response tokens go through the (fused) LM head
+        lp, ent = lm_head_logprob_entropy(hidden[:, P - 1:-1], self.module.get_output_embeddings(), mb.responses,
+                                          temperature)
+        return {"log_probs": lp, "entropy": ent}
+
+    @torch.no_grad()
+    def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0
+                ) -> dict[str, torch.Tensor]:
+        """Response-token outputs [B, R] (0 on padding): log-probs and entropy, or values."""
+        parts = [self._forward(batch.select(sl), temperature) for sl in micro_slices(len(batch), micro_batch_size)]
+        return {k: torch.cat([p[k] for p in parts]) * batch.response_mask for k in parts[0]}
+
+    def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
+                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], float]:
+        """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step.
+        Returns each micro-batch's statistics (floats) and the pre-clip gradient norm."""
+        stats = []
+        for sl in micro_slices(len(batch), micro_batch_size):
+            mb = batch.select(sl)
+            fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
+            loss, s = loss_fn(self._forward(mb, temperature), fields)
+            loss.backward()
+            stats.append({k: float(v) for k, v in s.items()})
+        return stats, self.step()
+
+    def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor a loss function filled (on the last pipeline stage): here every rank is the last stage."""
+        return t
+
+    def aggregation(self, mode: str, mask: torch.Tensor, norm_len: int) -> Aggregation:
+        p = self.placement
+        return count_aggregation(mode, mask, norm_len, p.dp, p.dp_size if p.distributed else 1)
+
+    # -- optimizer --------------------------------------------------------------------------------------------
     def broadcast_parameters(self) -> None:
         """Makes every rank start from rank 0's weights."""
-        if self.world.distributed:
+        if self.placement.distributed:
             for p in self.module.parameters():
                 dist.broadcast(p.data, src=0)
 
     def _all_reduce_grads(self) -> None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not self.world.distributed or not grads:
+        if not self.placement.distributed or not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
-        flat /= self.world.world_size
+        flat /= self.placement.world_size
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -67,3 +144,8 @@ class TorchEngine:
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    # -- weights for the rollout engine -------------------------------------------------------------------------
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """This rank's weights by Hugging Face name (the live tensors; the hybrid engine only reads them)."""
+        return {n: p.data for n, p in self.module.named_parameters()}

@@ -1,103 +1,84 @@
-"""Rollout worker: turns prompt rows into a `RolloutBatch` of n sampled responses per prompt.
+"""The rollout worker: owns a `verl.rollout` engine (hf / torch / vllm / sglang, chosen by `rollout.engine`),
+turns prompt rows into a `RolloutBatch` of n sampled responses per prompt, and brings the actor's weights to
+the engine before each generation phase.
 
-Engines: ``hf`` (Hugging Face ``generate`` on the actor's own module, so weights are always current) and
-``torch`` (verl's batched KV-cache engine, `verl.rollout`, which receives the actor's weights through
-``update_weights`` at the sync_weights phase).
+Prompt rows become engine prompts in one place: the engine's `Tokenizer` (the model's own special-token rule,
+its chat template for chat messages). Weight sync runs through the 3D-HybridEngine from the actor's local
+shards to the generation layout (`rollout.tp`), bucketed and bit-exact; a torch / hf engine that generates with
+the actor's own module needs no copy at all and says so (`perf/sync_shared`).
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from verl.config.ppo import RolloutConfig
 from verl.errors import VerlConfigError
-from verl.workers.batch import RolloutBatch
+from verl.rollout import RolloutConfig, RolloutEngine
+from verl.workers.batch import RolloutBatch, batch_from_outputs
+
+__all__ = ["RolloutWorker"]
 
 
-def encode_prompts(tokenizer, prompts: list[str], max_prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """BOS + prompt tokens, left-padded: (input_ids, attention_mask) [N, P]."""
-    ids = [[tokenizer.bos_token_id] + tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    longest = max(len(x) for x in ids)
-    if longest > max_prompt_length:
-        worst = prompts[max(range(len(ids)), key=lambda i: len(ids[i]))]
-        raise VerlConfigError(f"prompt {worst[:60]!r} is {longest} tokens, longer than data.max_prompt_length="
-                              f"{max_prompt_length}; raise data.max_prompt_length or shorten the prompts")
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (longest - len(x)) + x for x in ids])
-    mask = torch.tensor([[0] * (longest - len(x)) + [1] * len(x) for x in ids])
-    return input_ids, mask
+class RolloutWorker:
+    """Generation for the PPO flow: `generate(rows)` and `sync_weights(actor)`."""
 
+    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, max_prompt_length: int, seed: int = 0):
+        self.engine, self.cfg = engine, cfg
+        self.max_prompt_length = max_prompt_length
+        self.seed = seed
+        self.calls = 0
+        self._hybrid = None
 
-def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_id: int,
-                   pad_id: int, rows: list[dict], n: int, tokenizer) -> RolloutBatch:
-    """Builds the batch from sampled token ids [B, R]: response mask up to and including the first EOS."""
-    is_eos = responses == eos_id
-    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
-    response_mask = (~after_eos).float()
-    responses = responses.masked_fill(after_eos, pad_id)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, response_mask)],
-                                   skip_special_tokens=True)
-    return RolloutBatch(
-        input_ids=torch.cat([prompt_ids, responses], dim=1), attention_mask=attention_mask,
-        position_ids=position_ids, response_mask=response_mask,
-        group=torch.arange(len(rows), device=responses.device).repeat_interleave(n),
-        prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
-        response_texts=texts)
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
-
-class HFRollout:
-    """Sampling with `model.generate` (KV cache) on the actor's module itself."""
-
-    def __init__(self, module: torch.nn.Module, tokenizer, cfg: RolloutConfig, max_prompt_length: int,
-                 device: torch.device):
-        self.module, self.tokenizer, self.cfg = module, tokenizer, cfg
-        self.max_prompt_length, self.device = max_prompt_length, device
+    def encode(self, rows: list[dict]) -> list[list[int]]:
+        """The rows' prompts (text or chat messages) as token ids, checked against data.max_prompt_length."""
+        ids = [self.tokenizer.encode_prompt(r["prompt"]) for r in rows]
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        if len(ids[longest]) > self.max_prompt_length:
+            raise VerlConfigError(f"prompt {str(rows[longest]['prompt'])[:60]!r} is {len(ids[longest])} tokens, "
+                                  f"longer than data.max_prompt_length={self.max_prompt_length}; raise "
+                                  f"data.max_prompt_length or shorten the prompts")
+        return ids
 
     @torch.no_grad()
-    def generate(self, rows: list[dict], n: int | None = None, greedy: bool = False) -> RolloutBatch:
+    def generate(self, rows: list[dict], n: int | None = None, greedy: bool = False,
+                 seed: int | None = None) -> RolloutBatch:
+        """n samples per row (rollout.n by default; greedy for ReMax's baseline), as a training batch.
+        `seed` seeds the call's samples (verl.rollout's per-sample streams); None draws from the global RNG."""
         n = self.cfg.n if n is None else n
-        tok, cfg = self.tokenizer, self.cfg
-        ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], self.max_prompt_length)
-        ids, mask = ids.repeat_interleave(n, 0).to(self.device), mask.repeat_interleave(n, 0).to(self.device)
-        was_training = self.module.training
-        self.module.eval()
-        sampling = dict(do_sample=False) if greedy else dict(
-            do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None)
-        out = self.module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=cfg.max_new_tokens,
-                                   min_new_tokens=cfg.max_new_tokens if cfg.ignore_eos else 0,
-                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, use_cache=True,
-                                   **sampling)
-        self.module.train(was_training)
-        responses = out[:, ids.shape[1]:]
-        if responses.shape[1] < cfg.max_new_tokens:  # every sequence stopped early
-            fill = torch.full((len(responses), cfg.max_new_tokens - responses.shape[1]), tok.pad_token_id,
-                              dtype=responses.dtype, device=responses.device)
-            responses = torch.cat([responses, fill], dim=1)
-        eos = -1 if cfg.ignore_eos else tok.eos_token_id
-        return assemble_batch(ids, mask, responses, eos, tok.pad_token_id, rows, n, tok)
+        params = self.cfg.sampling(n=n, greedy=greedy)
+        params.seed = seed
+        if self.engine.released:
+            self.engine.resume()
+        outs = self.engine.generate(self.encode(rows), params)
+        if self.cfg.sleep_mode or self.cfg.release_weights:
+            self.engine.release()
+        return batch_from_outputs(outs, rows, n, self.cfg.max_new_tokens, self.tokenizer.pad_token_id)
 
-    def sync_weights(self, actor) -> int:
-        """Refreshes the generation weights from the actor; returns the bytes moved. A torch-engine actor
-        trains this very module (nothing to move); a megatron actor hands over its gathered HF weights."""
-        if getattr(actor.engine, "module", None) is self.module:
-            return 0
-        weights = actor.hf_weights()
-        missing, unexpected = self.module.load_state_dict(weights, strict=False)
-        tied = {"lm_head.weight"} if getattr(self.module.config, "tie_word_embeddings", False) else set()
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(f"actor weights do not fit the rollout model: missing {sorted(set(missing) - tied)}, "
-                               f"unexpected {sorted(unexpected)}")
-        return sum(t.numel() * t.element_size() for t in weights.values())
+    # -- weights ----------------------------------------------------------------------------------------------
+    def shares_module(self, actor) -> bool:
+        """The engine generates with the actor's own module (torch / hf engine beside a torch actor)."""
+        return getattr(self.engine, "model", None) is not None and \
+            getattr(actor.engine, "module", None) is self.engine.model
 
-
-def build_rollout(module, tokenizer, cfg: RolloutConfig, max_prompt_length: int, device: torch.device):
-    if cfg.engine == "hf":
-        return HFRollout(module, tokenizer, cfg, max_prompt_length, device)
-    try:
-        import verl.rollout  # noqa: F401
-    except ImportError:
-        return HFRollout(module, tokenizer, cfg, max_prompt_length, device)
-    from verl.workers.torch_rollout import TorchEngineRollout
-    return TorchEngineRollout(module, tokenizer, cfg, max_prompt_length, device)
+    def sync_weights(self, actor) -> dict[str, float]:
+        """Moves the actor's current weights into the engine; returns perf/sync_* metrics of this transfer."""
+        if self.shares_module(actor):
+            return {"perf/sync_s": 0.0, "perf/sync_bytes": 0.0, "perf/sync_peak_bytes": 0.0, "perf/sync_shared": 1.0}
+        t0 = time.perf_counter()
+        if self.engine.released:
+            self.engine.resume()
+        if self._hybrid is None:
+            from verl.hybrid_engine import HybridEngineConfig
+            self._hybrid = actor.engine.hybrid_engine(HybridEngineConfig(
+                generation_tp=self.cfg.tp, bucket_mb=self.cfg.sync_bucket_mb,
+                weight_format=getattr(self.engine, "weight_format", "hf")))
+        stats = self._hybrid.sync(actor.engine.local_params(), self.engine)
+        return {"perf/sync_s": time.perf_counter() - t0,
+                "perf/sync_bytes": float(stats.bytes_sent + stats.bytes_received),
+                "perf/sync_peak_bytes": float(stats.peak_bytes), "perf/sync_shared": 0.0}

@@ -1,0 +1,201 @@
+"""Where this process sits: the one placement object, built once at start-up and passed down explicitly.
+
+    placement = init_placement("auto")                           # torchrun env vars → NCCL on GPUs, gloo on CPU
+    placement = init_placement("auto", tp=2, pp=2, sequence_parallel=True)   # + megatron-core's parallel state
+    model = build_gpt(hf_config, placement); worker = TorchEngine(module, optim, placement)
+
+`Placement` holds the world (rank, size, device) and the training layout TP × PP × DP with its process groups
+(megatron-core's rank order tp-dp-pp: rank = t + TP·(d + DP·p)). This module is the only place that reads
+megatron-core's global `parallel_state`; everything below receives the placement. `Placement.layout(...)`
+describes a layout by its sizes alone (no process, no groups), which is what the reshard planner reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verl.errors import VerlConfigError
+
+__all__ = ["Placement", "init_placement", "init_process_groups", "destroy_process_groups", "pick_device"]
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """This rank's place in the world and in the training layout TP × PP × DP (= world)."""
+
+    rank: int = 0
+    """Global rank (0 without torch.distributed)."""
+    world_size: int = 1
+    """Number of ranks."""
+    local_rank: int = 0
+    """Rank on this node (torchrun's LOCAL_RANK): the GPU index."""
+    device: torch.device = torch.device("cpu")
+    """The device this rank computes on."""
+    tp_size: int = 1
+    """Tensor-parallel size (ranks that split each weight matrix)."""
+    pp_size: int = 1
+    """Pipeline-parallel size (successive layer stages)."""
+    dp_size: int = 1
+    """Data-parallel size (replicas of one model shard); world = TP × PP × DP."""
+    tp_rank: int = 0
+    """This rank's index in its TP group."""
+    pp_rank: int = 0
+    """This rank's pipeline stage (0 holds the embeddings)."""
+    dp_rank: int = 0
+    """This rank's index among the data-parallel replicas: which prompts it gets."""
+    sequence_parallel: bool = False
+    """Activations outside attention/MLP are split along the sequence over the TP group (needs tp_size > 1)."""
+    tp: dist.ProcessGroup | None = None
+    """Tensor-parallel group (megatron engines only)."""
+    pp: dist.ProcessGroup | None = None
+    """Pipeline-parallel group (megatron engines only)."""
+    dp: dist.ProcessGroup | None = None
+    """Data-parallel group (None when the world is one rank)."""
+    tp_global_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's TP group, in TP order."""
+    pp_global_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's pipeline, in stage order."""
+
+    # -- the world --------------------------------------------------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: logs, plots and writes the files every rank shares."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_initialized()
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where small host numbers must live to be all-reduced: the GPU under NCCL, else the CPU."""
+        return comm_device()
+
+    # -- the training layout ----------------------------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def rank_of(self, t: int, d: int, p: int) -> int:
+        """Global rank of (tp index, dp index, pp stage) in megatron's tp-dp-pp order."""
+        return t + self.tp_size * (d + self.dp_size * p)
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp index, dp index, pp stage) of `rank`."""
+        return rank % self.tp_size, (rank // self.tp_size) % self.dp_size, rank // (self.tp_size * self.dp_size)
+
+    @classmethod
+    def layout(cls, *, tp: int = 1, pp: int = 1, dp: int = 1) -> "Placement":
+        """A layout by its sizes alone (rank 0, no process groups): what planners and tests reason about."""
+        for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
+            if v < 1:
+                raise VerlConfigError(f"layout {name}={v} must be >= 1")
+        return cls(world_size=tp * pp * dp, tp_size=tp, pp_size=pp, dp_size=dp)
+
+
+def comm_device() -> torch.device:
+    """Where small host numbers must live to be all-reduced: the GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise VerlConfigError("trainer.device=cuda but no CUDA GPU is visible; use trainer.device=cpu or auto")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _join_world(device: torch.device, timeout_s: float) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+
+
+def init_placement(device_choice: str = "auto", *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                   seed: int = 1234, megatron: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> Placement:
+    """Joins (or creates) the default process group from torchrun's env vars and returns this rank's placement.
+
+    A lone process needs no process group, unless megatron-core is used (`megatron=True`, or tp/pp > 1): it
+    then gets a one-rank gloo group and megatron's parallel state is initialised (TP × PP, the rest DP).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_choice, local_rank)
+    _join_world(device, timeout_s)
+    if megatron or tp * pp > 1:
+        if not dist.is_initialized():
+            from verl.testing.distributed import free_port
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return init_process_groups(tp=tp, pp=pp, sequence_parallel=sequence_parallel, seed=seed, device=device)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return Placement(rank=rank, world_size=world, local_rank=local_rank, device=device, dp_size=world, dp_rank=rank,
+                     dp=dist.group.WORLD if world > 1 else None, tp_global_ranks=(rank,), pp_global_ranks=(rank,))
+
+
+def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = False, seed: int = 1234,
+                        device: torch.device | None = None) -> Placement:
+    """Initialises megatron-core's parallel state (TP × PP, the rest DP) and its RNG; returns the placement.
+
+    Call once per process after `torch.distributed.init_process_group`. Calling it again with the same sizes
+    returns the existing layout; different sizes first need `destroy_process_groups()`.
+    """
+    import megatron_patches
+    megatron_patches.apply()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        raise VerlConfigError("init_process_groups needs torch.distributed initialised first "
+                              "(torchrun, or verl.testing.run_distributed in tests)")
+    world = dist.get_world_size()
+    if tp < 1 or pp < 1 or world % (tp * pp) != 0:
+        raise VerlConfigError(f"tp={tp} x pp={pp} must divide the world size {world}; choose sizes whose product "
+                              f"divides {world}")
+    if sequence_parallel and tp == 1:
+        raise VerlConfigError("sequence_parallel=True needs tp > 1 (it splits the sequence over the TP group)")
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+            raise VerlConfigError(
+                f"megatron parallel state already initialised with tp={ps.get_tensor_model_parallel_world_size()}, "
+                f"pp={ps.get_pipeline_model_parallel_world_size()}; call destroy_process_groups() before "
+                f"tp={tp}, pp={pp}")
+    else:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)  # one GPU per process; megatron allocates on the current device
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if device is None:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    pp_group, tp_group = ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group()
+    return Placement(
+        rank=dist.get_rank(), world_size=world, local_rank=local_rank, device=device,
+        tp_size=tp, pp_size=pp, dp_size=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(), sequence_parallel=sequence_parallel,
+        tp=tp_group, pp=pp_group, dp=ps.get_data_parallel_group(),
+        tp_global_ranks=tuple(dist.get_process_group_ranks(tp_group)),
+        pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)))
+
+
+def destroy_process_groups() -> None:
+    """Tears down megatron's parallel state (the torch.distributed default group stays)."""
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
