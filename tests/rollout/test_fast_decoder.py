@@ -128,8 +128,8 @@ def test_engine_output_is_the_same_with_and_without_the_fast_decoder(temperature
     model = toy_llama(len(tok), hidden=64, heads=4, kv_heads=2, ffn=96)
     sp = SamplingParams(max_new_tokens=8, n=2, temperature=temperature, seed=5, logprobs=True, ignore_eos=True)
     prompts = ["the quick brown", "what", "one two three four five six"]
-    fast = TorchRollout(model, tok, RolloutConfig(fast_decoder=True)).generate(prompts, sp)
-    slow = TorchRollout(model, tok, RolloutConfig(fast_decoder=False)).generate(prompts, sp)
+    fast = TorchRollout(model, tok, RolloutConfig(decoder="fast")).generate(prompts, sp)
+    slow = TorchRollout(model, tok, RolloutConfig(decoder="model")).generate(prompts, sp)
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)

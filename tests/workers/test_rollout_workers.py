@@ -67,7 +67,7 @@ def test_seeded_calls_reproduce_and_fast_decoder_changes_the_path_not_the_sample
     model = build_tiny_llama(SHAPE, tok, seed=1)
     batches = {}
     for fast in (True, False):
-        r = _worker(model, tok, n=3, max_new_tokens=6, fast_decoder=fast)
+        r = _worker(model, tok, n=3, max_new_tokens=6, decoder="fast" if fast else "model")
         assert (r.engine._fast is not None) == fast
         batches[fast] = r.generate(ROWS, seed=7)
     assert torch.equal(batches[True].input_ids, batches[False].input_ids)
@@ -87,3 +87,32 @@ def test_sync_weights_shares_the_actor_module_or_moves_the_weights(engine, tok):
     assert metrics["perf/sync_shared"] == 0.0 and metrics["perf/sync_bytes"] > 0
     for k, v in rollout_model.state_dict().items():
         assert torch.equal(v, actor_model.state_dict()[k]), k       # bit-exact
+
+
+@pytest.mark.parametrize("vocab", [None, 4100], ids=["lm-head-gemm", "fused-lm-head"])
+def test_train_decoder_makes_the_rollout_train_mismatch_exactly_zero(tok, vocab):
+    """decoder=train samples from the training forward itself: the rollout's log-probs equal the actor's
+    log-prob pass bit for bit (fp32), across micro-batches, left padding and early EOS."""
+    from dataclasses import replace
+    from verl.algos import rollout_mismatch
+    model = build_tiny_llama(SHAPE, tok, seed=4)
+    if vocab is not None:  # a vocabulary large enough for the fused LM-head kernel
+        model.resize_token_embeddings(vocab)
+        torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.02)
+    cfg = ActorConfig(micro_batch_size=4)
+    actor = ActorWorker(TorchEngine(model, None, Placement()), cfg, temperature=0.7, responses_per_mini=12,
+                        max_response_length=6)
+    rcfg = RolloutConfig(engine="torch", decoder="train", n=4, max_new_tokens=6, temperature=0.7,
+                         max_batch_size=cfg.micro_batch_size)
+    worker = RolloutWorker(build_rollout(rcfg, model=model, tokenizer=tok), rcfg, max_prompt_length=16)
+    rows = ROWS + [{"prompt": "1+2+3+4=", "answer": "10"}]
+    batch = worker.generate(rows, seed=11)
+    assert len({int(m.sum()) for m in batch.response_mask}) > 1 or vocab is not None  # early EOS somewhere
+    train_lp, _ = actor.compute_log_probs(batch)
+    assert torch.equal(batch.rollout_log_probs, train_lp)
+    assert rollout_mismatch(train_lp, batch.rollout_log_probs, batch.response_mask)["rollout/mismatch_max"] == 0.0
+    # the default (KV-cache) decoder samples the same tokens here but its log-probs differ in the last bits
+    fast = RolloutWorker(build_rollout(replace(rcfg, decoder="fast"), model=model, tokenizer=tok), rcfg,
+                         max_prompt_length=16).generate(rows, seed=11)
+    assert torch.equal(fast.input_ids, batch.input_ids)
+    assert (fast.rollout_log_probs - train_lp).abs().max() < 1e-4

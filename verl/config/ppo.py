@@ -298,6 +298,10 @@ class PPOConfig:
                             ("actor.ppo_epochs", self.actor.ppo_epochs), ("trainer.total_steps", self.trainer.total_steps)):
             if value < 1:
                 raise VerlConfigError(f"{name} must be >= 1, got {value}")
+        if self.rollout.decoder == "train" and (self.rollout.engine != "torch" or self.actor.engine != "torch"):
+            raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
+                                  f"module: it needs rollout.engine=torch and actor.engine=torch (got "
+                                  f"{self.rollout.engine} / {self.actor.engine})")
         if self.reward.type == "model" and not self.reward.model_path:
             raise VerlConfigError("reward.type=model needs reward.model_path (a sequence-classification model dir)")
 

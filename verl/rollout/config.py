@@ -53,11 +53,16 @@ class RolloutConfig:
     """Weights dtype of an engine that loads a model directory (auto: the actor's)."""
     max_batch_size: int = 1024
     """torch / hf: sequences decoded together; vllm: max_num_seqs."""
-    fast_decoder: bool = True
-    """torch: decode Llama-family models with verl's static-cache decoder (same samples, less per-token
-    overhead); other architectures always use their own forward."""
+    decoder: Literal["fast", "model", "train"] = "fast"
+    """torch: how tokens are decoded. fast: verl's static-cache decoder for Llama-family models (other
+    architectures fall back to model); model: the model's own forward with its KV cache; train: the training
+    forward itself over the whole [batch, prompt + response] buffer at every step (no KV cache, batches of
+    max_batch_size rows, which the trainer sets to actor.micro_batch_size), so the samples come from exactly
+    the distribution the trainer computes and the rollout/train log-prob mismatch is 0 bit for bit; it costs a
+    full forward per generated token."""
     kv_cache: bool = True
-    """torch: reuse keys/values across steps; false recomputes the whole sequence (models without a cache)."""
+    """torch, decoder=model: reuse keys/values across steps; false recomputes the whole sequence (models
+    without a cache)."""
     release_weights: bool = False
     """torch: release() also moves the weights to the CPU while training runs (resume() brings them back)."""
     kv_cache_memory_mb: int = 256

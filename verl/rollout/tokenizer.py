@@ -87,10 +87,12 @@ class Tokenizer:
                                   "tokenizer.hf.chat_template")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def pad(self, batch: Sequence[Sequence[int]], *, side: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, attention_mask) [B, T], padded on `side` (default: padding_side) with pad_token_id."""
+    def pad(self, batch: Sequence[Sequence[int]], *, side: str | None = None,
+            width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask) [B, T], padded on `side` (default: padding_side) with pad_token_id to
+        `width` columns (default: the longest sequence)."""
         side = side or self.padding_side
-        width = max(len(s) for s in batch)
+        width = max(len(s) for s in batch) if width is None else width
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, s in enumerate(batch):

@@ -70,7 +70,7 @@ class TorchRollout(RolloutEngine):
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None
         self._fast = None
-        if self.config.fast_decoder and self.config.kv_cache:
+        if self.config.decoder == "fast" and self.config.kv_cache:
             from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
             reason = unsupported_reason(model)
             if reason is None:
@@ -98,10 +98,12 @@ class TorchRollout(RolloutEngine):
         out: list[GenerationOutput] = []
         was_training = self.model.training
         self.model.eval()
+        # The train decoder pads every batch to the call's longest prompt: the training batch's layout
+        width = max(len(p) for p in prompt_ids) if self.config.decoder == "train" else None
         try:
             for b in range(0, len(jobs), self.config.max_batch_size):
                 batch = jobs[b:b + self.config.max_batch_size]
-                out += self._generate_batch(batch, prompt_ids, params)
+                out += self._generate_batch(batch, prompt_ids, params, width)
         finally:
             self.model.train(was_training)
         return out
@@ -112,10 +114,10 @@ class TorchRollout(RolloutEngine):
             ids |= set(self.tokenizer.eos_token_ids)
         return ids
 
-    def _generate_batch(self, batch, prompt_ids, params: SamplingParams) -> list[GenerationOutput]:
+    def _generate_batch(self, batch, prompt_ids, params: SamplingParams, width: int | None) -> list[GenerationOutput]:
         dev = self._input_device()
         prompts = [prompt_ids[i] for i, _ in batch]
-        ids, mask = self.tokenizer.pad(prompts, side="left")
+        ids, mask = self.tokenizer.pad(prompts, side="left", width=width)
         ids, mask = ids.to(dev), mask.to(dev)
         gens = [None if params.seed is None else torch.Generator().manual_seed(params.sample_seed(i, j))
                 for i, j in batch]
@@ -127,7 +129,7 @@ class TorchRollout(RolloutEngine):
         reasons = ["length"] * B
         budgets = [self.budget(len(p), params) for p in prompts]
         steps = max(budgets)
-        forward = self._forward_fn(B, ids.shape[1] + steps)
+        forward = self._forward_fn(B, ids, params)
         try:
             step_ids, full_ids = ids, ids
             for step in range(steps):
@@ -135,7 +137,8 @@ class TorchRollout(RolloutEngine):
                 processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
                 nxt = sample_tokens(processed, params, gens)
                 if params.logprobs:
-                    lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist()
+                    lp = getattr(forward, "logprobs", lambda _t: None)(nxt)
+                    lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist() if lp is None else lp
                 for r, t in enumerate(nxt.tolist()):
                     if done[r]:
                         continue
@@ -167,11 +170,13 @@ class TorchRollout(RolloutEngine):
         tail = self.tokenizer.decode(tokens[-(max(len(s) for s in params.stop) + 8):])
         return any(s in tail for s in params.stop)
 
-    def _forward_fn(self, batch: int, max_len: int):
-        """`forward(ids, mask) -> last logits [B, V]` for one batch: the fast decoder, or the model's forward
-        with the cache it returns threaded through."""
+    def _forward_fn(self, batch: int, prompt_ids: torch.Tensor, params: SamplingParams):
+        """`forward(ids, mask) -> last logits [B, V]` for one batch: the fast decoder, the training forward
+        (decoder=train), or the model's forward with the cache it returns threaded through."""
+        if self.config.decoder == "train":
+            return _TrainForward(self.model, prompt_ids, params, self.tokenizer.pad_token_id)
         if self._fast is not None:
-            self._fast.start(batch, max_len)
+            self._fast.start(batch, prompt_ids.shape[1] + params.max_new_tokens)
             return self._fast.step
         cache = None
 
@@ -237,3 +242,47 @@ class TorchRollout(RolloutEngine):
             for n, p in self.model.named_parameters():
                 p.data = p.data.to(self._offloaded[n])
             self._offloaded = None
+
+
+class _TrainForward:
+    """decoder=train: every step runs the training forward (`base_model` over the whole [B, P + R] buffer,
+    future columns masked, then the LM head over the R response positions) exactly as the actor's log-prob
+    pass will, so the logits a token is sampled from are bit for bit the trainer's. Causal attention gives a
+    masked future key a weight of exactly 0, and every GEMM has the training batch's shape, so column t does not
+    depend on what later fills the buffer."""
+
+    def __init__(self, model: torch.nn.Module, prompt_ids: torch.Tensor, params: SamplingParams, pad_id: int):
+        B, P = prompt_ids.shape
+        self.model, self.params, self.P, self.t = model, params, P, -1
+        R = params.max_new_tokens
+        self.ids = torch.full((B, P + R), pad_id, dtype=torch.long, device=prompt_ids.device)
+        self.ids[:, :P] = prompt_ids
+        self.mask = torch.zeros_like(self.ids)
+        self.hidden = None
+
+    def __call__(self, step_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        self.t += 1
+        P, t = self.P, self.t
+        if t > 0:
+            self.ids[:, P + t - 1] = step_ids[:, -1]
+        self.mask[:, :mask.shape[1]] = mask
+        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model.base_model(input_ids=self.ids, attention_mask=self.mask, position_ids=pos, use_cache=False)
+        self.hidden = out.last_hidden_state[:, P - 1:-1]
+        lm_head = self.model.get_output_embeddings()
+        from verl.ops.lm_head import lm_head_is_fused
+        # the same GEMM the training forward runs (unfused path), so the sampled-from logits are its logits
+        logits = lm_head(self.hidden[:, t]) if lm_head_is_fused(lm_head) else lm_head(self.hidden)[:, t]
+        return logits
+
+    def logprobs(self, nxt: torch.Tensor) -> list[float] | None:
+        """The sampled tokens' log-probs from the training log-prob function itself (when the sampling
+        distribution is its distribution: temperature only, no top-k / top-p)."""
+        p = self.params
+        if p.greedy or 0 < p.top_k or p.top_p < 1.0:
+            return None
+        from verl.ops.lm_head import lm_head_logprob_entropy
+        targets = self.ids[:, self.P:].clone()
+        targets[:, self.t] = nxt.to(targets.device)
+        lp, _ = lm_head_logprob_entropy(self.hidden, self.model.get_output_embeddings(), targets, p.temperature)
+        return lp[:, self.t].tolist()

@@ -4,6 +4,7 @@ logging metrics and writing checkpoints. The algorithm itself lives in `verl.tra
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import time
@@ -119,7 +120,10 @@ class PPOTrainer:
         self.actor = ActorWorker(engines["actor"], cfg.actor, **kw)
         self.ref = ActorWorker(engines["ref"], cfg.actor, **kw) if "ref" in engines else None
         self.critic = CriticWorker(engines["critic"], cfg.critic) if "critic" in engines else None
-        engine = build_rollout(cfg.rollout, model=self.policy, model_path=str(init_dir) if init_dir else None,
+        rollout_cfg = cfg.rollout
+        if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward will see
+            rollout_cfg = dataclasses.replace(rollout_cfg, max_batch_size=cfg.actor.micro_batch_size)
+        engine = build_rollout(rollout_cfg, model=self.policy, model_path=str(init_dir) if init_dir else None,
                                tokenizer=self.tokenizer)
         self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length)
 

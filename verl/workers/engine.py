@@ -18,24 +18,11 @@ import torch.distributed as dist
 
 from verl.config.optim import OptimConfig
 from verl.distributed import Placement
+from verl.ops.lm_head import lm_head_logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
 
-__all__ = ["TorchEngine", "count_aggregation", "lm_head_logprob_entropy"]
-
-# Below this vocabulary the [tokens, vocab] logits are small and one GEMM beats the chunked fused LM head.
-FUSED_LM_HEAD_MIN_VOCAB = 4096
-
-
-def lm_head_logprob_entropy(hidden: torch.Tensor, lm_head: torch.nn.Linear, targets: torch.Tensor,
-                            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and entropy [B, R] from hidden states and the LM head. For real vocabularies the fused
-    kernel computes the logits chunk by chunk, so [tokens, vocab] logits are never stored whole."""
-    import verl.ops
-    if lm_head.bias is not None or lm_head.weight.shape[0] < FUSED_LM_HEAD_MIN_VOCAB:
-        return verl.ops.logprob_entropy(lm_head(hidden), targets, temperature)
-    return verl.ops.linear_logprob_entropy(hidden, lm_head.weight, targets, temperature)
-
+__all__ = ["TorchEngine", "count_aggregation"]
 
 def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_size: int) -> Aggregation:
     """Aggregation over one optimizer step's tokens on all `group` ranks, so micro-batch losses add up (and DP
