@@ -165,9 +165,30 @@ def test_update_weights_changes_generation_and_unknown_names_fail(tok):
            [o.token_ids for o in TorchRollout(other, tok).generate(PROMPTS, sp)]
     with pytest.raises(VerlRuntimeError, match="no weight named 'model.layers.0.self_attn.qkv_proj.weight'"):
         eng.update_weights([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(3))])
-    with pytest.raises(VerlRuntimeError, match="has shape"):
-        eng.update_weights([("model.norm.weight", torch.zeros(3))])
     assert "model.norm.weight" in eng.weight_names()
+
+
+@pytest.mark.parametrize("engine_cls", ["torch", "hf"])
+def test_a_bad_push_names_the_weight_and_both_shapes_and_changes_nothing(tok, engine_cls):
+    from verl.rollout.hf_engine import HFRollout
+    cls = TorchRollout if engine_cls == "torch" else HFRollout
+    m = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=1)
+    other = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=2)
+    eng = cls(m, tok)
+    sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    good = list(other.state_dict().items())
+    shape_bad = good[:3] + [("model.norm.weight", torch.zeros(3))] + good[3:]
+    with pytest.raises(VerlRuntimeError, match=r"'model.norm.weight' arrived as \(3,\) torch.float32 but .* holds "
+                                               r"\(64,\) torch.float32"):
+        eng.update_weights(iter(shape_bad))
+    dtype_bad = [(k, v.double()) if k == "model.norm.weight" else (k, v) for k, v in good]
+    with pytest.raises(VerlRuntimeError, match="torch.float64 but .* holds .* torch.float32"):
+        eng.update_weights(iter(dtype_bad))
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())   # the previous weights, intact
+    assert eng.update_weights(iter(good)) == len(good)                       # a correct push still works
+    assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == \
+           [o.token_ids for o in TorchRollout(other, tok).generate(PROMPTS, sp)]
 
 
 def test_release_and_resume(tok):

@@ -208,26 +208,38 @@ class TorchRollout(RolloutEngine):
 
     @torch.no_grad()
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """All or nothing: every tensor is checked (name, shape, dtype) before it is copied, and a failure
+        restores the tensors this call already overwrote, so the engine keeps its previous weights."""
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
-        count = 0
-        for name, tensor in named_tensors:
-            dst = params.get(name)
-            if dst is None:
-                near = [k for k in params if k.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
-                raise VerlRuntimeError(f"the torch engine's model has no weight named {name!r}"
-                                       f"{f' (similar: {near})' if near else ''}; the weight stream and the model "
-                                       f"disagree on names")
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise VerlRuntimeError(f"weight {name!r} has shape {tuple(tensor.shape)} but the model's is "
-                                       f"{tuple(dst.shape)}")
-            if dst.device.type == "meta":
-                raise VerlRuntimeError(f"weight {name!r} is offloaded to disk by the model's device_map "
-                                       f"({self.device_map}); weights offloaded to disk cannot be updated in place, "
-                                       f"load the rollout model with a device_map that keeps them in memory")
-            dst.copy_(tensor.to(dst.device, dst.dtype))  # stays on the device hf_device_map chose
-            count += 1
-        return count
+        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for name, tensor in named_tensors:
+                dst = self._checked_destination(params, name, tensor)
+                undo.append((dst, dst.detach().clone()))
+                dst.copy_(tensor.to(dst.device))  # stays on the device hf_device_map chose
+        except BaseException:
+            for dst, old in reversed(undo):
+                dst.copy_(old)
+            raise
+        return len(undo)
+
+    def _checked_destination(self, params: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        dst = params.get(name)
+        if dst is None:
+            near = [k for k in params if k.rsplit(".", 2)[-2:] == name.rsplit(".", 2)[-2:]][:3]
+            raise VerlRuntimeError(f"the {self.name} engine's model has no weight named {name!r}"
+                                   f"{f' (similar: {near})' if near else ''}; the weight stream and the model "
+                                   f"disagree on names")
+        if tuple(dst.shape) != tuple(tensor.shape) or dst.dtype != tensor.dtype:
+            raise VerlRuntimeError(f"weight {name!r} arrived as {tuple(tensor.shape)} {tensor.dtype} but the "
+                                   f"{self.name} engine's model holds {tuple(dst.shape)} {dst.dtype}; nothing was "
+                                   f"changed (the engine keeps its previous weights)")
+        if dst.device.type == "meta":
+            raise VerlRuntimeError(f"weight {name!r} is offloaded to disk by the model's device_map "
+                                   f"({self.device_map}); weights offloaded to disk cannot be updated in place, "
+                                   f"load the rollout model with a device_map that keeps them in memory")
+        return dst
 
     def _release(self) -> None:
         # The KV cache lives only inside generate(); weights are offloaded only when asked (and when they are

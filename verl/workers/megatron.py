@@ -141,11 +141,11 @@ class MegatronEngine:
                 torch.save(optimizer_state(self.model, self.opt), blob)
                 blob.seek(0)
             state["train_state"] = blob
-        return {f"rank{dist.get_rank():05d}": state}
+        return {f"rank{self.placement.rank:05d}": state}
 
     def load_dcp_state(self, state: dict, source: str) -> None:
         """Restores what `dcp_state` saved (DCP has filled the tensors and hands the blob back as a stream)."""
-        mine = state[f"rank{dist.get_rank():05d}"]
+        mine = state[f"rank{self.placement.rank:05d}"]
         if self.opt is None:
             self.model.gpt.load_state_dict(mine["model"], strict=False)
             return
