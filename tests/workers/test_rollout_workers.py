@@ -116,3 +116,26 @@ def test_train_decoder_makes_the_rollout_train_mismatch_exactly_zero(tok, vocab)
                          max_prompt_length=16).generate(rows, seed=11)
     assert torch.equal(fast.input_ids, batch.input_ids)
     assert (fast.rollout_log_probs - train_lp).abs().max() < 1e-4
+
+
+def _split_generation(rank, world_size):
+    tok = build_tokenizer(task_corpus("arithmetic"), 64)
+    model = build_tiny_llama(SHAPE, tok, seed=1)
+    cfg = RolloutConfig(n=2, max_new_tokens=5)
+    # one training replica over both ranks (as megatron TP=2), generated as two replicas (rollout.tp=1)
+    placement = Placement(rank=rank, world_size=2, tp_size=2, tp_rank=rank, dp_size=1, dp_rank=0)
+    worker = RolloutWorker(build_rollout(cfg, model=model, tokenizer=tok), cfg, max_prompt_length=16,
+                           placement=placement)
+    rows = ROWS + [{"prompt": "5+5=", "answer": "10"}]
+    split = worker.generate(rows, seed=5)
+    whole = RolloutWorker(build_rollout(cfg, model=model, tokenizer=tok), cfg, max_prompt_length=16).generate(
+        rows, seed=5)
+    return split.input_ids, split.rollout_log_probs, whole.input_ids
+
+
+@pytest.mark.multiprocess
+def test_generation_replicas_split_the_prompts_and_every_rank_gets_its_training_batch():
+    from verl.testing import run_distributed
+    (ids0, lp0, whole0), (ids1, lp1, _) = run_distributed(_split_generation, 2, timeout=120)
+    assert torch.equal(ids0, ids1) and torch.equal(lp0, lp1)     # the training replica's batch, on both ranks
+    assert torch.equal(ids0, whole0)     # seeded by row: the split changes who samples, not what is sampled

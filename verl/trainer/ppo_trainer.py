@@ -125,7 +125,7 @@ class PPOTrainer:
             rollout_cfg = dataclasses.replace(rollout_cfg, max_batch_size=cfg.actor.micro_batch_size)
         engine = build_rollout(rollout_cfg, model=self.policy, model_path=str(init_dir) if init_dir else None,
                                tokenizer=self.tokenizer)
-        self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length)
+        self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length, placement=p)
 
     def _torch_engines(self) -> dict:
         cfg, p, steps = self.cfg, self.placement, self.cfg.trainer.total_steps
@@ -194,22 +194,13 @@ class PPOTrainer:
         return info
 
     # -- one step -------------------------------------------------------------------------------------------
-    def _rows(self) -> list[dict]:
-        idx = self.sampler.next_batch()
-        p = self.placement
-        per = len(idx) // p.dp_size
-        return [self.dataset[i] for i in idx[p.dp_rank * per:(p.dp_rank + 1) * per]]
-
-    def _sampling_seed(self, rows: int) -> int:
-        """Distinct per step and data-parallel rank, equal within a model-parallel group; a pure function of
-        the step, so a resumed run samples exactly what the uninterrupted one did."""
-        p, n = self.placement, self.cfg.rollout.n
-        return self.cfg.rollout.seed + (self.step * p.dp_size + p.dp_rank) * rows * n
-
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        rows = self._rows()
-        inputs = {"prompts": rows, "seed": self._sampling_seed(len(rows)), "step": self.step,
+        rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the step's prompts, the same on every rank
+        # a pure function of the step (and the row, inside the rollout worker): a resumed run samples exactly
+        # what the uninterrupted one did, whatever the generation layout
+        seed = self.cfg.rollout.seed + self.step * len(rows) * self.cfg.rollout.n
+        inputs = {"prompts": rows, "seed": seed, "step": self.step,
                   "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor, "ref": self.ref,
                   "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": self.cfg.algorithm}
         self.node_seconds.clear()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
+from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import RolloutConfig, RolloutEngine
 from verl.workers.batch import RolloutBatch, batch_from_outputs
@@ -21,14 +23,25 @@ from verl.workers.batch import RolloutBatch, batch_from_outputs
 __all__ = ["RolloutWorker"]
 
 
-class RolloutWorker:
-    """Generation for the PPO flow: `generate(rows)` and `sync_weights(actor)`."""
+def _chunk(n: int, parts: int, index: int) -> slice:
+    per = n // parts
+    return slice(index * per, (index + 1) * per)
 
-    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, max_prompt_length: int, seed: int = 0):
+
+class RolloutWorker:
+    """Generation for the PPO flow: `generate(rows)` and `sync_weights(actor)`.
+
+    The generation layout is its own: `rollout.tp` ranks (consecutive in rank order) form one generation
+    replica, and the step's prompts are split evenly over the world / rollout.tp replicas. When that differs
+    from the training layout (e.g. megatron TP=2 trained, TP=1 generated: two generation replicas per training
+    replica), the samples are exchanged afterwards so that every rank gets its training replica's batch.
+    """
+
+    def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, max_prompt_length: int,
+                 placement: Placement | None = None):
         self.engine, self.cfg = engine, cfg
         self.max_prompt_length = max_prompt_length
-        self.seed = seed
-        self.calls = 0
+        self.placement = placement or Placement()
         self._hybrid = None
 
     @property
@@ -48,17 +61,38 @@ class RolloutWorker:
     @torch.no_grad()
     def generate(self, rows: list[dict], n: int | None = None, greedy: bool = False,
                  seed: int | None = None) -> RolloutBatch:
-        """n samples per row (rollout.n by default; greedy for ReMax's baseline), as a training batch.
-        `seed` seeds the call's samples (verl.rollout's per-sample streams); None draws from the global RNG."""
+        """n samples per row of the step's prompts (`rows`: all of them, every rank the same list) for rollout.n
+        (or `n`; greedy for ReMax's baseline), returned as this rank's training batch. `seed` seeds the samples
+        by the row's place in `rows` (verl.rollout's per-sample streams), so the split over generation replicas
+        never changes what is sampled; None draws from the global RNG."""
         n = self.cfg.n if n is None else n
+        p, tp_g = self.placement, self.cfg.tp
+        mine = _chunk(len(rows), p.dp_size, p.dp_rank)
+        gen = _chunk(len(rows), p.world_size // tp_g, p.rank // tp_g)
         params = self.cfg.sampling(n=n, greedy=greedy)
-        params.seed = seed
+        params.seed = None if seed is None else seed + gen.start * n
         if self.engine.released:
             self.engine.resume()
-        outs = self.engine.generate(self.encode(rows), params)
+        outs = self.engine.generate(self.encode(rows[gen]), params)
         if self.cfg.sleep_mode or self.cfg.release_weights:
             self.engine.release()
-        return batch_from_outputs(outs, rows, n, self.cfg.max_new_tokens, self.tokenizer.pad_token_id)
+        if gen != mine:
+            outs = self._exchange(outs, gen, mine, n)
+        return batch_from_outputs(outs, rows[mine], n, self.cfg.max_new_tokens, self.tokenizer.pad_token_id)
+
+    def _exchange(self, outs: list, gen: slice, mine: slice, n: int) -> list:
+        """Every generation replica's samples to every rank (one object all-gather); this rank keeps its
+        training replica's rows."""
+        everyone: list = [None] * self.placement.world_size
+        first_of_replica = self.placement.rank % self.cfg.tp == 0
+        dist.all_gather_object(everyone, (gen.start, outs) if first_of_replica else None)
+        by_row = {}
+        for item in everyone:
+            if item is not None:
+                start, chunk = item
+                for k, o in enumerate(chunk):
+                    by_row[(start + k // n, k % n)] = o
+        return [by_row[(i, j)] for i in range(mine.start, mine.stop) for j in range(n)]
 
     # -- weights ----------------------------------------------------------------------------------------------
     def shares_module(self, actor) -> bool:
