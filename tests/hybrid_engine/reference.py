@@ -1,7 +1,7 @@
 """Independent references for the hybrid-engine tests: Megatron's sharding of a HF state dict and the
 engine-layout tensors a generation rank must end up with, written directly from the layout conventions
 (not from verl.models.layout or verl.hybrid_engine), so the planner is checked against a second derivation.
-`megatron_layout` is the one thing here that calls verl: it builds the metadata under test."""
+`megatron_meta` is the one thing here that calls verl: it builds the metadata under test."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def tiny_config(layers=4, heads=8, kv_heads=4, hidden=32, ffn=48, vocab=101, tie
                            max_position_embeddings=64, rms_norm_eps=1e-6)
 
 
-def megatron_layout(cfg: LlamaConfig, *, tp=1, pp=1, dtype=torch.float32, vocab_multiple=8, value_head=False):
+def megatron_meta(cfg: LlamaConfig, *, tp=1, pp=1, dtype=torch.float32, vocab_multiple=8, value_head=False):
     """The ModelLayout (metadata under test) of the megatron GPT verl builds from `cfg` for TP `tp`, PP `pp`."""
     from verl.models import arch_from_hf, parallel_layout
     from verl.models.layout import megatron_model_layout

@@ -153,6 +153,11 @@ class TensorGroup:
     padded_rows: int = 0
     """vocab: the padded vocabulary the generation split divides (megatron's, so shards line up)."""
 
+    def __post_init__(self):
+        if self.kind not in GROUP_KINDS or len(self.names) != len(self.shapes):
+            raise VerlConfigError(f"TensorGroup {self.names}: kind={self.kind!r} (one of {GROUP_KINDS}) with "
+                                  f"{len(self.shapes)} shapes for {len(self.names)} names")
+
     @property
     def dim(self) -> int:
         """The dim generation tensor parallelism cuts."""
