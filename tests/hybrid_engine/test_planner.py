@@ -10,11 +10,10 @@ import math
 import pytest
 import torch
 
-from tests.hybrid_engine.reference import (expected_generation, fsdp_bytes_needed, fsdp_chunk, megatron_meta,
-                                           megatron_shards, padded_vocab, random_hf_state_dict, tiny_config)
+from tests.hybrid_engine.reference import (expected_generation, megatron_meta, megatron_shards, padded_vocab,
+                                           random_hf_state_dict, tiny_config)
 from verl.errors import VerlConfigError
 from verl.hybrid_engine import TrainingLayout, generation_coords, plan_reshard
-from verl.models.layout import hf_model_layout
 from verl.ops import reshard_gather_ref
 
 VOCAB_MULTIPLE = 8

@@ -155,8 +155,9 @@ class ReshardExecutor:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         except Exception as e:  # noqa: BLE001 - any transport failure is an engine failure
-            raise VerlRuntimeError(f"reshard bucket {bucket.index} ({bucket.groups[0].names[0]} …) failed to exchange "
-                                   f"weights: {e}", rank=self.rank, cause=e) from e
+            first = bucket.groups[0].names[0]
+            raise VerlRuntimeError(f"reshard bucket {bucket.index} ({first} …) failed to exchange weights: {e}",
+                                   rank=self.rank, cause=e) from e
 
     @staticmethod
     def _received_views(recvs, recv_bufs) -> dict[tuple[int, int], torch.Tensor]:

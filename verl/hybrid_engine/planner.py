@@ -286,7 +286,8 @@ def _plan_target(target: Target, index: _SourceIndex, rank: int, chooser: _Sourc
     dim, segments, narrow = _assembly(target, index)
     blocks, dst = [], 0
     for seg in segments:
-        blocks += [(h, local, dst + off, n) for h, local, off, n in index.cover(seg.hf_name, seg.start, seg.length, dim)]
+        covered = index.cover(seg.hf_name, seg.start, seg.length, dim)
+        blocks += [(h, local, dst + off, n) for h, local, off, n in covered]
         dst += seg.length
     dtypes = {h.spec.dtype for h, *_ in blocks}
     if len(dtypes) != 1:
