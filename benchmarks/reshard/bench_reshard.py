@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -69,43 +70,47 @@ def _reset_peak() -> None:
 
 def _config(name: str) -> SimpleNamespace:
     c = MODELS[name]
-    return SimpleNamespace(**c, model_type="llama", tie_word_embeddings=False, attention_bias=False,
-                           head_dim=c["hidden_size"] // c["num_attention_heads"])
+    return SimpleNamespace(**c, model_type="llama", tie_word_embeddings=False, max_position_embeddings=2048,
+                           rms_norm_eps=1e-6, head_dim=c["hidden_size"] // c["num_attention_heads"])
 
 
-def _naive(local, specs, layout, rank):
+def _model_layout(cfg, tp: int, pp: int):
+    """The megatron GPT's ModelLayout (vocabulary padded to a multiple of 128·TP), from metadata alone."""
+    from verl.models import arch_from_hf, parallel_layout
+    from verl.models.layout import megatron_model_layout
+    arch = arch_from_hf(cfg)
+    return megatron_model_layout(arch, parallel_layout(arch, tp, 128), pp=pp, dtype=torch.float32)
+
+
+def _naive(local, meta, layout, rank):
     """Full all-gather of every parameter over the world, then Megatron → HF layout on every rank."""
-    from verl.hybrid_engine.specs import training_segments
+    shapes = {n: s for g in meta.groups for n, s in zip(g.names, g.shapes)}
     world = layout.world
     out, held = {}, 0
-    for spec in specs:
+    for spec in meta.params:
         t = local[spec.name]
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t)
         held = max(held, sum(p.nbytes for p in parts) + sum(v.nbytes for v in out.values()))
         tp_parts = [parts[layout.rank(r, 0, 0)] for r in range(layout.tp)]
-        for r, piece in enumerate(tp_parts if spec.layout != "replicated" else tp_parts[:1]):
-            off = 0
-            for seg in training_segments(spec, layout.tp, r):
+        for r, piece in enumerate(tp_parts if spec.dim is not None else tp_parts[:1]):
+            for seg, off in spec.local_segments(r):
                 if seg.hf_name is not None:
                     if seg.hf_name not in out:
-                        idx = spec.hf_names.index(seg.hf_name)
-                        out[seg.hf_name] = torch.empty(spec.hf_shapes[idx], dtype=t.dtype)
-                    out[seg.hf_name].narrow(spec.dim, seg.start, seg.length).copy_(
-                        piece.narrow(spec.dim, off, seg.length))
-                off += seg.length
+                        out[seg.hf_name] = torch.empty(shapes[seg.hf_name], dtype=t.dtype)
+                    out[seg.hf_name].narrow(spec.cut_dim, seg.start, seg.length).copy_(
+                        piece.narrow(spec.cut_dim, off, seg.length))
         del parts, tp_parts
     return out, max(held, sum(v.nbytes for v in out.values()))
 
 
 def body(rank, world, case, model, bucket_mb, repeats):
-    from verl.hybrid_engine import HybridEngine, HybridEngineConfig, TrainingLayout, llama_param_specs
+    from verl.hybrid_engine import HybridEngine, HybridEngineConfig, TrainingLayout
     torch.set_num_threads(1)
     tp, pp, dp, tp_g = case
-    cfg = _config(model)
     layout = TrainingLayout(tp=tp, pp=pp, dp=dp)
-    specs = llama_param_specs(cfg, tp=tp, pp=pp, dtype=torch.float32)
-    he = HybridEngine(specs, layout, HybridEngineConfig(generation_tp=tp_g, bucket_mb=bucket_mb))
+    meta = _model_layout(_config(model), tp, pp)
+    he = HybridEngine(meta, layout, HybridEngineConfig(generation_tp=tp_g, bucket_mb=bucket_mb))
     g = torch.Generator().manual_seed(rank)
     local = {n: torch.randn(s, generator=g) for n, s in he.plan.local_params(rank).items()}
     res = {"lazy_s": [], "naive_s": []}
@@ -128,14 +133,14 @@ def body(rank, world, case, model, bucket_mb, repeats):
         base = _rss()
         _reset_peak()
         t0 = time.perf_counter()
-        full, held = _naive(local, specs, layout, rank)
+        full, held = _naive(local, meta, layout, rank)
         dist.barrier()
         res["naive_s"].append(time.perf_counter() - t0)
         res["naive_rss"] = _hwm() - base
         res["naive_accounted"] = held
         res["naive_numel"] = sum(v.numel() for v in full.values())
         del full
-    res["params"] = sum(sum(__import__("math").prod(s) for s in sp.hf_shapes) for sp in specs)
+    res["params"] = sum(math.prod(s) for g in meta.groups for s in g.shapes)
     return res
 
 

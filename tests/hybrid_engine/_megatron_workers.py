@@ -25,6 +25,7 @@ def reshard_real_model_body(rank, world, path, layouts):
     from verl.hybrid_engine import HybridEngineConfig
     from verl.hybrid_engine.megatron import hybrid_engine_for, megatron_local_params
     from verl.models import BuildOptions, build_gpt, load_hf_checkpoint
+    from verl.models.layout import megatron_shard_specs
 
     hf_cfg = AutoConfig.from_pretrained(path)
     sd = _hf_state_dict(path)
@@ -42,7 +43,10 @@ def reshard_real_model_body(rank, world, path, layouts):
         want = expected_generation(sd, cfg, tp_g, he.plan.coords[rank][0], fmt, model.layout.padded_vocab_size)
         bad = sorted(set(want) ^ set(got)) + [n for n in want if n in got and not torch.equal(got[n], want[n])]
         intact = all(torch.equal(before[k], v) for k, v in megatron_local_params(model).items())
+        # The metadata-only derivation (planning without a model) describes the live model exactly.
+        derived = {s.name: s for s in megatron_shard_specs(model.arch, model.layout, pp=pp)}
+        same_specs = derived == he.plan.specs
         results.append(dict(layout=(tp, pp, tp_g, fmt), bad=bad[:5], intact=intact, n=len(got),
-                            sent=he.last_stats.bytes_sent))
+                            sent=he.last_stats.bytes_sent, same_specs=same_specs))
         destroy_process_groups()
     return results

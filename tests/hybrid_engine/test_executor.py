@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hybrid_engine.reference import (expected_generation, megatron_shards, padded_vocab, random_hf_state_dict,
-                                           tiny_config)
+from tests.hybrid_engine.reference import (expected_generation, megatron_meta, megatron_shards, padded_vocab,
+                                           random_hf_state_dict, tiny_config)
 from verl.errors import VerlRuntimeError
-from verl.hybrid_engine import HybridEngine, HybridEngineConfig, TrainingLayout, llama_param_specs
+from verl.hybrid_engine import HybridEngine, HybridEngineConfig, TrainingLayout
 from verl.testing import run_distributed
 
 VOCAB_MULTIPLE = 8
@@ -30,8 +30,8 @@ def _matrix_body(rank, world, combos):
         sd = random_hf_state_dict(cfg, dtype=dtype, seed=i)
         shards = megatron_shards(sd, cfg, layout, rank, VOCAB_MULTIPLE)
         before = {k: v.clone() for k, v in shards.items()}
-        specs = llama_param_specs(cfg, tp=tp, pp=pp, dtype=dtype, make_vocab_size_divisible_by=VOCAB_MULTIPLE)
-        he = HybridEngine(specs, layout, HybridEngineConfig(generation_tp=tp_g, weight_format=fmt, bucket_mb=0.01))
+        meta = megatron_meta(cfg, tp=tp, pp=pp, dtype=dtype, vocab_multiple=VOCAB_MULTIPLE)
+        he = HybridEngine(meta, layout, HybridEngineConfig(generation_tp=tp_g, weight_format=fmt, bucket_mb=0.01))
         got = dict(he.stream(shards))
         tg = he.plan.coords[rank][0]
         want = expected_generation(sd, cfg, tp_g, tg, fmt, padded_vocab(cfg, tp, VOCAB_MULTIPLE))
@@ -76,7 +76,7 @@ def _failure_body(rank, world, fail_rank):
     sd = random_hf_state_dict(cfg)
     shards = megatron_shards(sd, cfg, layout, rank, VOCAB_MULTIPLE)
     before = {k: v.clone() for k, v in shards.items()}
-    he = HybridEngine(llama_param_specs(cfg, tp=2, make_vocab_size_divisible_by=VOCAB_MULTIPLE), layout,
+    he = HybridEngine(megatron_meta(cfg, tp=2, vocab_multiple=VOCAB_MULTIPLE), layout,
                       HybridEngineConfig(generation_tp=1, bucket_mb=0.01))
     try:
         he.sync(shards, _FailingEngine(rank == fail_rank))
@@ -104,7 +104,7 @@ def _bad_shard_body(rank, world):
     shards = megatron_shards(random_hf_state_dict(cfg), cfg, layout, rank, VOCAB_MULTIPLE)
     if rank == 0:
         shards["decoder.layers.1.mlp.linear_fc2.weight"] = shards["decoder.layers.1.mlp.linear_fc2.weight"][:, :-1]
-    he = HybridEngine(llama_param_specs(cfg, tp=2, make_vocab_size_divisible_by=VOCAB_MULTIPLE), layout)
+    he = HybridEngine(megatron_meta(cfg, tp=2, vocab_multiple=VOCAB_MULTIPLE), layout)
     try:
         list(he.stream(shards))
     except VerlRuntimeError as e:
@@ -132,7 +132,7 @@ def _unknown_name_body(rank, world):
     cfg = tiny_config()
     layout = TrainingLayout(tp=2)
     shards = megatron_shards(random_hf_state_dict(cfg), cfg, layout, rank, VOCAB_MULTIPLE)
-    he = HybridEngine(llama_param_specs(cfg, tp=2, make_vocab_size_divisible_by=VOCAB_MULTIPLE), layout)
+    he = HybridEngine(megatron_meta(cfg, tp=2, vocab_multiple=VOCAB_MULTIPLE), layout)
     names = {t.target.name for t in he.plan.targets_of(rank)}
     engine = _NamedEngine(names - {"model.layers.2.mlp.up_proj.weight"} if rank == 0 else names)
     try:

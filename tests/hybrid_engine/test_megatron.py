@@ -1,5 +1,6 @@
-"""The hybrid engine on verl's real megatron-core GPT (verl.models): its ShardSpecs drive the planner, and
-the engine weights that come out equal the Hugging Face checkpoint the model was loaded from, bit for bit."""
+"""The hybrid engine on verl's real megatron-core GPT (verl.models): its ShardSpecs drive the planner, the
+engine weights that come out equal the Hugging Face checkpoint the model was loaded from, bit for bit, and
+the metadata-only `megatron_shard_specs` describes the live model exactly."""
 
 from __future__ import annotations
 
@@ -23,3 +24,4 @@ def test_real_megatron_model_reshards_bit_exactly(tmp_path):
         for res in results:
             assert res["bad"] == [], f"rank {rank} {res['layout']}: {res['bad']}"
             assert res["intact"] and res["n"] > 0
+            assert res["same_specs"], f"{res['layout']}: megatron_shard_specs differs from the live model's"

@@ -2,8 +2,12 @@
 generation layout and pushes the weights into the rollout engine; training continues on the untouched
 training shards afterwards.
 
-    he = HybridEngine(specs, TrainingLayout(tp=2, pp=1, dp=2), HybridEngineConfig(generation_tp=1))
+    he = HybridEngine(layout, TrainingLayout(tp=2, pp=1, dp=2), HybridEngineConfig(generation_tp=1))
     stats = he.sync(local_params, rollout)      # every rank calls it; rollout.update_weights(stream)
+
+`layout` is a `verl.models.layout.ModelLayout`; the seams build it (and the local params) for a model:
+`hybrid_engine_for` / `megatron_local_params` (verl.models' megatron GPT) and `hybrid_engine_for_module` /
+`module_local_params` (a Hugging Face torch module, whole on every rank or FSDP2-sharded).
 
 A failing engine (or a name it does not know) surfaces as VerlRuntimeError on EVERY rank: the failing rank
 keeps draining the stream so the other ranks' point-to-point messages still pair up, then all ranks agree
@@ -12,7 +16,7 @@ on the failure. Training shards are only ever read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +25,8 @@ import torch.distributed as dist
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.hybrid_engine.executor import ExecutorStats, ReshardExecutor, agree
 from verl.hybrid_engine.planner import RANK_MAPPINGS, ReshardPlan, TrainingLayout, plan_reshard
-from verl.hybrid_engine.specs import FORMATS, ParamSpec
+from verl.hybrid_engine.targets import FORMATS
+from verl.models.layout import ModelLayout
 
 __all__ = ["HybridEngineConfig", "HybridEngine"]
 
@@ -71,11 +76,11 @@ class _Tracked:
 class HybridEngine:
     """Plans once (metadata only), then moves weights on every `sync` / `stream`."""
 
-    def __init__(self, specs: Sequence[ParamSpec], training: TrainingLayout, config: HybridEngineConfig | None = None,
+    def __init__(self, layout: ModelLayout, training: TrainingLayout, config: HybridEngineConfig | None = None,
                  *, group=None):
         self.config = config or HybridEngineConfig()
         self.group = group
-        self.plan: ReshardPlan = plan_reshard(specs, training, self.config.generation_tp,
+        self.plan: ReshardPlan = plan_reshard(layout, training, self.config.generation_tp,
                                               fmt=self.config.weight_format,
                                               bucket_bytes=int(self.config.bucket_mb * (1 << 20)),
                                               mapping=self.config.rank_mapping)

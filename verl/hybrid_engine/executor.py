@@ -8,9 +8,9 @@ layout permutation happens in that copy). Buffers are dropped before the next bu
 memory a rank holds is one bucket's targets plus its in-flight messages (`ExecutorStats.peak_bytes`).
 
 Training weights are only read (narrow views): the training layout is intact afterwards, also when the
-consumer of the stream fails. A target that is exactly one contiguous block of a local shard is yielded as
-a read-only view of it (no copy at all when TP_g = TP); consumers copy what they receive and must not write
-to it.
+consumer of the stream fails. A target that is exactly one contiguous block of a local tensor is yielded as
+a read-only view of it (no copy at all when TP_g = TP for megatron, or at TP_g = 1 for a data-parallel HF
+module holding every tensor whole); consumers copy what they receive and must not write to it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.hybrid_engine.planner import Bucket, ReshardPlan, TargetPlan
+from verl.hybrid_engine.planner import Bucket, Piece, ReshardPlan, TargetPlan
 from verl.ops.reshard import reshard_gather, reshard_pack
 
 __all__ = ["ExecutorStats", "ReshardExecutor", "agree"]
@@ -55,7 +55,8 @@ def agree(ok: bool, group=None) -> bool:
 
 
 class ReshardExecutor:
-    """Runs `plan` on this rank. `local_params`: Megatron name (global layer index) → local training shard."""
+    """Runs `plan` on this rank. `local_params`: parameter name (the ShardSpec's `name`: megatron's with the
+    global layer index, or the HF name) → this rank's training tensor (shard, chunk or whole)."""
 
     def __init__(self, plan: ReshardPlan, local_params: Mapping[str, torch.Tensor], *, group=None,
                  rank: int | None = None):
@@ -68,6 +69,8 @@ class ReshardExecutor:
             raise VerlConfigError(f"the plan is for {plan.world} ranks (TP×PP×DP = {plan.train.tp}×{plan.train.pp}×"
                                   f"{plan.train.dp}) but the process group has {dist.get_world_size(group)}")
         self.params = dict(local_params)
+        # Receive buffers live where the training tensors do (NCCL moves device memory only).
+        self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
         self.stats = ExecutorStats()
 
     # ------------------------------------------------------------------------------------------- checks
@@ -108,13 +111,12 @@ class ReshardExecutor:
         sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         recvs: dict[tuple[int, torch.dtype], list[tuple[TargetPlan, int]]] = defaultdict(list)
         for tp in bucket.targets:
-            spec = self.plan.specs[tp.param]
             for i, pc in enumerate(tp.pieces):
                 if pc.src_rank == me and tp.rank != me:
-                    block = self.params[tp.param].narrow(spec.dim, pc.src_offset, pc.length)
-                    sends[(tp.rank, spec.dtype)].append(block)
+                    block = self._source(tp, pc).narrow(tp.dim, pc.src_offset, pc.length)
+                    sends[(tp.rank, tp.dtype)].append(block)
                 elif tp.rank == me and pc.src_rank != me:
-                    recvs[(pc.src_rank, spec.dtype)].append((tp, i))
+                    recvs[(pc.src_rank, tp.dtype)].append((tp, i))
         held = 0
         ops, send_bufs, recv_bufs = [], [], {}
         dtypes = sorted({k[1] for k in list(sends) + list(recvs)}, key=str)
@@ -125,7 +127,7 @@ class ReshardExecutor:
             ops.append(dist.P2POp(dist.isend, buf, self._peer(peer), self.group, tag=dtypes.index(dtype)))
         for (peer, dtype), items in sorted(recvs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             numel = sum(tp.piece_nbytes(tp.pieces[i]) // tp.element_size for tp, i in items)
-            buf = torch.empty(numel, dtype=dtype)
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
             recv_bufs[(peer, dtype)] = buf
             held += buf.nbytes
             ops.append(dist.P2POp(dist.irecv, buf, self._peer(peer), self.group, tag=dtypes.index(dtype)))
@@ -153,8 +155,9 @@ class ReshardExecutor:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         except Exception as e:  # noqa: BLE001 - any transport failure is an engine failure
-            raise VerlRuntimeError(f"reshard bucket {bucket.index} ({bucket.params[0]} …) failed to exchange "
-                                   f"weights: {e}", rank=self.rank, cause=e) from e
+            first = bucket.groups[0].names[0]
+            raise VerlRuntimeError(f"reshard bucket {bucket.index} ({first} …) failed to exchange weights: {e}",
+                                   rank=self.rank, cause=e) from e
 
     @staticmethod
     def _received_views(recvs, recv_bufs) -> dict[tuple[int, int], torch.Tensor]:
@@ -164,27 +167,33 @@ class ReshardExecutor:
             buf, off = recv_bufs[key], 0
             for tp, i in items:
                 shape = list(tp.target.shape)
-                shape[tp.target.dim] = tp.pieces[i].length
+                shape[tp.dim] = tp.pieces[i].length
                 n = tp.piece_nbytes(tp.pieces[i]) // tp.element_size
                 views[(id(tp), i)] = buf.narrow(0, off, n).view(shape)
                 off += n
         return views
 
+    def _source(self, tp: TargetPlan, pc: Piece) -> torch.Tensor:
+        """The local training tensor a piece reads from (narrowed first when the plan says so)."""
+        t = self.params[pc.param]
+        return t if tp.narrow is None else t.narrow(*tp.narrow)
+
     def _assemble(self, tp: TargetPlan, views) -> torch.Tensor:
         if len(tp.pieces) == 1 and tp.pieces[0].src_rank == self.rank:
-            # The target is one contiguous block of a local shard (TP_g = TP for plain layouts): hand out a
-            # view instead of a copy. Engines copy what they receive, and nothing writes to the view.
+            # The target is one contiguous block of a local tensor (TP_g = TP for megatron, every target at
+            # TP_g = 1 from a whole copy): hand out a view instead of a copy. Engines copy what they receive,
+            # and nothing writes to the view.
             pc = tp.pieces[0]
-            view = self.params[tp.param].narrow(tp.target.dim, pc.src_offset, pc.length)
+            view = self._source(tp, pc).narrow(tp.dim, pc.src_offset, pc.length)
             if view.is_contiguous():
                 return view
         sources, rows = [], []
         for i, pc in enumerate(tp.pieces):
             if pc.src_rank == self.rank:
-                sources.append(self.params[tp.param])
+                sources.append(self._source(tp, pc))
                 rows.append((len(sources) - 1, pc.src_offset, pc.dst_offset, pc.length))
             else:
                 sources.append(views[(id(tp), i)])
                 rows.append((len(sources) - 1, 0, pc.dst_offset, pc.length))
         plan = torch.tensor(rows, dtype=torch.int64)
-        return reshard_gather(sources, plan, tp.target.dim, tp.target.shape)
+        return reshard_gather(sources, plan, tp.dim, tp.target.shape)

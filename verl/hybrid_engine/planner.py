@@ -1,5 +1,11 @@
-"""The reshard planner: a pure function from parameter metadata and two layouts to "which rank sends which
-slice to which rank". No tensors, no process group: it runs (and is tested) on one process.
+"""The reshard planner: a pure function from a `ModelLayout` (verl.models.layout) and two layouts to "which
+rank sends which slice to which rank". No tensors, no process group: it runs (and is tested) on one process.
+
+The generation side comes from the architecture: each `TensorGroup` (q/k/v, gate/up, or one HF tensor)
+becomes per-rank `Target`s in the chosen format (verl.hybrid_engine.targets). The training side is a set
+of `ShardSpec`s; every row of a target is looked up among the training parameters that hold it, so one
+target may be built from several parameters (vLLM's qkv_proj from a Hugging Face module's q, k and v), and
+a parameter may be a megatron TP shard, an FSDP2 dim-0 chunk, or a whole tensor on every rank.
 
 Training layout TP × PP × DP (megatron-core's default rank order tp-dp-pp: rank = t + TP·(d + DP·p));
 generation layout TP_g × DP_g over the same world, no pipeline. With the default `hybrid` rank mapping
@@ -10,7 +16,9 @@ nothing at all. Pipeline stages other than a rank's own send it their layers poi
 
 A source among equal replicas (DP copies, or all TP ranks for replicated tensors) is chosen as the rank
 itself when it holds the data, else a replica in the rank's own training DP group (same data-parallel
-index: the merged TP group), else the least loaded one, so that senders share the work.
+index: the merged TP group), else the least loaded one, so that senders share the work. A rank that holds
+every tensor whole (data-parallel HF module) therefore builds all its targets from its own copy: no bytes
+move. Buckets follow the training parameters' order (megatron: named_parameters, by layer).
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from verl.errors import VerlConfigError
-from verl.hybrid_engine.specs import FORMATS, ParamSpec, Target, generation_targets, training_segments
+from verl.hybrid_engine.targets import FORMATS, Target, generation_targets
+from verl.models.layout import ModelLayout, Segment, ShardSpec, TensorGroup
 
 __all__ = ["TrainingLayout", "Piece", "TargetPlan", "Bucket", "ReshardPlan", "plan_reshard", "generation_coords",
            "RANK_MAPPINGS"]
@@ -83,40 +94,50 @@ def generation_coords(train: TrainingLayout, tp_g: int, mapping: str = "hybrid")
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Piece:
-    """Rows [src_offset, +length) of the source rank's local shard → rows [dst_offset, +length) of a target."""
+    """Rows [src_offset, +length) of training parameter `param` on `src_rank` → rows [dst_offset, +length)
+    of a target (along the TargetPlan's `dim`)."""
 
+    param: str
     src_rank: int
     src_offset: int
     dst_offset: int
     length: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TargetPlan:
     """One tensor a generation rank receives, and the pieces (in target order) that build it."""
 
     rank: int
-    param: str
     target: Target
     pieces: tuple[Piece, ...]
-    element_size: int
+    dtype: torch.dtype
+    dim: int
+    """The dim the pieces run along: the target's, or the sources' cut dim when they are cut across it."""
+    narrow: tuple[int, int, int] | None = None
+    """(dim, start, length) taken of every source before the pieces: an FSDP2 dim-0 chunk read for a target
+    cut along dim 1 (o_proj / down_proj at generation TP > 1)."""
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.target.shape) * self.element_size
 
     def piece_nbytes(self, piece: Piece) -> int:
-        return self.nbytes // self.target.shape[self.target.dim] * piece.length
+        return self.nbytes // self.target.shape[self.dim] * piece.length
 
 
 @dataclass(slots=True)
 class Bucket:
-    """A run of consecutive parameters (in layer order) whose transfers happen together."""
+    """A run of consecutive tensor groups (in training-parameter order) whose transfers happen together."""
 
     index: int
-    params: list[str] = field(default_factory=list)
+    groups: list[TensorGroup] = field(default_factory=list)
     targets: list[TargetPlan] = field(default_factory=list)
 
 
@@ -128,7 +149,7 @@ class ReshardPlan:
     tp_g: int
     fmt: str
     coords: list[tuple[int, int]]
-    specs: dict[str, ParamSpec]
+    specs: dict[str, ShardSpec]
     buckets: list[Bucket]
     bucket_bytes: int
 
@@ -140,16 +161,9 @@ class ReshardPlan:
         return [t for b in self.buckets for t in b.targets if t.rank == rank]
 
     def local_params(self, rank: int) -> dict[str, tuple[int, ...]]:
-        """Megatron name → local shard shape of every parameter `rank` holds in the training layout."""
-        t, _, p = self.train.coords(rank)
-        out = {}
-        for spec in self.specs.values():
-            if spec.stage == p:
-                rows = sum(s.length for s in training_segments(spec, self.train.tp, t))
-                shape = list(spec.hf_shapes[0])
-                shape[spec.dim] = rows
-                out[spec.name] = tuple(shape)
-        return out
+        """Parameter name → local shape of every training parameter `rank` holds."""
+        t, d, p = self.train.coords(rank)
+        return {s.name: s.local_shape(t if s.axis == "tp" else d) for s in self.specs.values() if s.stage == p}
 
     def traffic(self) -> dict[str, list[int]]:
         """Bytes each rank sends to and receives from OTHER ranks, and the largest bucket it holds."""
@@ -169,35 +183,50 @@ class ReshardPlan:
         return {"sent": sent, "received": recv, "bucket_peak": peak}
 
 
-def _order_key(spec: ParamSpec) -> tuple[int, int]:
+def _order_key(spec: ShardSpec) -> tuple[int, int]:
     if spec.layer is not None:
         return (1, spec.layer)
     return (0, 0) if spec.stage == 0 and "embed" in spec.name else (2, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Holder:
+    """Chunk k of `spec` holds HF rows [start, +length) at `local` in the chunk (along spec.cut_dim)."""
+
+    spec: ShardSpec
+    k: int
+    local: int
+    start: int
+    length: int
+
+
 class _SourceIndex:
-    """For one spec: which training TP rank holds which HF rows, and at which local offset."""
+    """Which chunk of which training parameter holds which HF rows."""
 
-    def __init__(self, spec: ParamSpec, tp: int):
-        self.by_name: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)  # (t, local, start, length)
-        ranks = [0] if spec.layout == "replicated" else range(tp)
-        for t in ranks:
-            local = 0
-            for seg in training_segments(spec, tp, t):
-                if seg.hf_name is not None:
-                    self.by_name[seg.hf_name].append((t, local, seg.start, seg.length))
-                local += seg.length
+    def __init__(self, specs: Sequence[ShardSpec]):
+        self.by_name: dict[str, list[_Holder]] = defaultdict(list)
+        for spec in specs:
+            for k in range(1 if spec.dim is None else spec.parts):
+                for seg, local in spec.local_segments(k):
+                    if seg.hf_name is not None:
+                        self.by_name[seg.hf_name].append(_Holder(spec, k, local, seg.start, seg.length))
 
-    def cover(self, hf_name: str, start: int, length: int) -> list[tuple[int, int, int, int]]:
-        """(tp rank, local offset, offset into the request, length) blocks covering the requested rows."""
+    def cover(self, hf_name: str, start: int, length: int, dim: int) -> list[tuple[_Holder, int, int, int]]:
+        """(holder, offset in its chunk, offset into the request, length) blocks covering the requested rows."""
         out, end = [], start + length
-        for t, local, s, n in self.by_name.get(hf_name, ()):
+        for h in self.by_name.get(hf_name, ()):
+            s, n = h.start, h.length
+            if dim != h.spec.cut_dim:
+                if h.spec.dim is not None or len(h.spec.segments) != 1:
+                    continue
+                s, n = 0, h.spec.global_shape[dim]  # the whole HF tensor: its own offsets along every dim
             lo, hi = max(start, s), min(end, s + n)
             if lo < hi:
-                out.append((t, local + lo - s, lo - start, hi - lo))
+                out.append((h, h.local + lo - s, lo - start, hi - lo))
         if sum(b[3] for b in out) != length:
-            raise VerlConfigError(f"no training shard holds rows [{start}, {end}) of {hf_name}; the parameter "
-                                  f"metadata is inconsistent")
+            raise VerlConfigError(f"the training parameters hold rows [{start}, {end}) of {hf_name} along dim {dim} "
+                                  f"{sum(b[3] for b in out)} times instead of once; the parameter metadata is "
+                                  f"inconsistent")
         return sorted(out, key=lambda b: b[2])
 
 
@@ -206,10 +235,14 @@ class _SourceChooser:
         self.train = train
         self.load = [0] * train.world
 
-    def choose(self, spec: ParamSpec, t: int, dst: int, nbytes: int) -> int:
+    def choose(self, spec: ShardSpec, k: int, dst: int, nbytes: int) -> int:
         tr = self.train
-        ts = range(tr.tp) if spec.layout == "replicated" else [t]
-        candidates = [tr.rank(tt, d, spec.stage) for tt in ts for d in range(tr.dp)]
+        if spec.dim is None:
+            candidates = [tr.rank(t, d, spec.stage) for t in range(tr.tp) for d in range(tr.dp)]
+        elif spec.axis == "tp":
+            candidates = [tr.rank(k, d, spec.stage) for d in range(tr.dp)]
+        else:
+            candidates = [tr.rank(t, k, spec.stage) for t in range(tr.tp)]
         if dst in candidates:
             return dst
         _, d_dst, _ = tr.coords(dst)
@@ -222,64 +255,119 @@ def _merge(pieces: list[Piece]) -> list[Piece]:
     out: list[Piece] = []
     for p in pieces:
         q = out[-1] if out else None
-        if (q is not None and q.src_rank == p.src_rank and q.src_offset + q.length == p.src_offset
-                and q.dst_offset + q.length == p.dst_offset):
-            out[-1] = Piece(q.src_rank, q.src_offset, q.dst_offset, q.length + p.length)
+        if (q is not None and q.param == p.param and q.src_rank == p.src_rank
+                and q.src_offset + q.length == p.src_offset and q.dst_offset + q.length == p.dst_offset):
+            out[-1] = Piece(param=q.param, src_rank=q.src_rank, src_offset=q.src_offset, dst_offset=q.dst_offset,
+                            length=q.length + p.length)
         else:
             out.append(p)
     return out
 
 
-def _plan_target(spec: ParamSpec, index: _SourceIndex, target: Target, rank: int, chooser: _SourceChooser,
-                 row_bytes: int) -> TargetPlan:
-    pieces, dst = [], 0
-    for seg in target.segments:
-        for t, local, off, n in index.cover(seg.hf_name, seg.start, seg.length):
-            src = chooser.choose(spec, t, rank, n * row_bytes)
-            # A replicated tensor is held whole by every TP rank of the stage: same local offsets.
-            pieces.append(Piece(src, local, dst + off, n))
+def _assembly(target: Target, index: _SourceIndex) -> tuple[int, tuple[Segment, ...], tuple[int, int, int] | None]:
+    """(dim the pieces run along, segments along it, narrowing of every source) for `target`.
+
+    Sources cut along the target's own dim (megatron) or not cut (whole copies) serve the target's segments
+    directly. Sources cut along another dim (FSDP2's dim 0 for a column-split o_proj) are read as their
+    chunks along that dim, each narrowed to the target's columns first."""
+    cut = {h.spec.dim for s in target.segments for h in index.by_name.get(s.hf_name, ())} - {None, target.dim}
+    if not cut:
+        return target.dim, target.segments, None
+    if len(cut) > 1 or len(target.segments) != 1:
+        raise VerlConfigError(f"{target.name}: its training parameters are cut along dims {sorted(cut)}, across the "
+                              f"generation cut along dim {target.dim}, which the planner serves for single-tensor "
+                              f"targets only; use weight_format='hf' or a training layout cut along dim {target.dim}")
+    (d,) = cut
+    seg = target.segments[0]
+    return d, (Segment(hf_name=seg.hf_name, start=0, length=target.shape[d]),), (target.dim, seg.start, seg.length)
+
+
+def _plan_target(target: Target, index: _SourceIndex, rank: int, chooser: _SourceChooser) -> TargetPlan:
+    dim, segments, narrow = _assembly(target, index)
+    blocks, dst = [], 0
+    for seg in segments:
+        covered = index.cover(seg.hf_name, seg.start, seg.length, dim)
+        blocks += [(h, local, dst + off, n) for h, local, off, n in covered]
         dst += seg.length
-    return TargetPlan(rank, spec.name, target, tuple(_merge(pieces)), spec.element_size)
+    dtypes = {h.spec.dtype for h, *_ in blocks}
+    if len(dtypes) != 1:
+        raise VerlConfigError(f"{target.name} would be built from parameters of dtypes {sorted(map(str, dtypes))}; "
+                              f"cast the training model to one dtype")
+    dtype = dtypes.pop()
+    row_bytes = math.prod(target.shape) // target.shape[dim] * torch.empty((), dtype=dtype).element_size()
+    pieces = []
+    for h, local, off, n in blocks:
+        src = chooser.choose(h.spec, h.k, rank, n * row_bytes)
+        pieces.append(Piece(param=h.spec.name, src_rank=src, src_offset=local, dst_offset=off, length=n))
+    return TargetPlan(rank=rank, target=target, pieces=tuple(_merge(pieces)), dtype=dtype, dim=dim, narrow=narrow)
 
 
-def plan_reshard(specs: Sequence[ParamSpec], train: TrainingLayout, tp_g: int, *, fmt: str = "hf",
-                 bucket_bytes: int = 64 << 20, mapping: str = "hybrid") -> ReshardPlan:
-    """Plans the move of `specs` from `train` to a generation layout with TP size `tp_g`.
-
-    bucket_bytes bounds, per rank, the bytes of one bucket (targets received plus slices sent); a single
-    parameter larger than that forms a bucket of its own.
-    """
+def _check(layout: ModelLayout, train: TrainingLayout, tp_g: int, fmt: str, bucket_bytes: int) -> None:
     if fmt not in FORMATS:
         raise VerlConfigError(f"unknown generation weight format {fmt!r}; choose one of {FORMATS}")
     if bucket_bytes <= 0:
         raise VerlConfigError(f"bucket_bytes={bucket_bytes} must be positive")
-    names = [s.name for s in specs]
+    if layout.unknown and (tp_g > 1 or fmt != "hf"):
+        raise VerlConfigError(
+            f"architecture {layout.architecture!r}: the hybrid engine knows how to cut and fuse the weights of "
+            f"Llama / Qwen2 / Mistral-family models only ({layout.unknown}); for other models use "
+            f"weight_format='hf' with generation_tp=1 (got weight_format={fmt!r}, generation_tp={tp_g})")
+    names = [s.name for s in layout.params]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise VerlConfigError(f"parameter names must be unique; repeated: {dup[:3]}")
-    for s in specs:
+    for s in layout.params:
         if not 0 <= s.stage < train.pp:
             raise VerlConfigError(f"{s.name} is on pipeline stage {s.stage} but the training layout has PP={train.pp}")
+        size = train.tp if s.axis == "tp" else train.dp
+        if s.dim is not None and s.parts != size:
+            raise VerlConfigError(f"{s.name} is cut into {s.parts} chunks along the training {s.axis.upper()} axis but "
+                                  f"the training layout has {s.axis.upper()}={size}; describe the parameters for "
+                                  f"this layout")
+
+
+def _ordered_groups(layout: ModelLayout, index: _SourceIndex) -> list[TensorGroup]:
+    """The groups in the order of the first training parameter holding them (layer order)."""
+    order = {s.name: i for i, s in enumerate(sorted(layout.params, key=_order_key))}
+    wanted = {n for g in layout.groups for n in g.names}
+    extra = sorted(set(index.by_name) - wanted)
+    if extra:
+        raise VerlConfigError(f"training parameters hold {extra[:3]}, which no generation tensor of "
+                              f"{layout.architecture!r} includes; the ModelLayout's groups and params disagree")
+    missing = sorted(wanted - set(index.by_name))
+    if missing:
+        raise VerlConfigError(f"no training parameter holds {missing[:3]} ({len(missing)} tensors); the "
+                              f"ModelLayout's groups and params disagree")
+    return sorted(layout.groups, key=lambda g: min(order[h.spec.name] for n in g.names for h in index.by_name[n]))
+
+
+def plan_reshard(layout: ModelLayout, train: TrainingLayout, tp_g: int, *, fmt: str = "hf",
+                 bucket_bytes: int = 64 << 20, mapping: str = "hybrid") -> ReshardPlan:
+    """Plans the move of `layout`'s weights from `train` to a generation layout with TP size `tp_g`.
+
+    bucket_bytes bounds, per rank, the bytes of one bucket (targets received plus slices sent); a single
+    tensor group larger than that forms a bucket of its own.
+    """
+    _check(layout, train, tp_g, fmt, bucket_bytes)
     coords = generation_coords(train, tp_g, mapping)
+    index = _SourceIndex(layout.params)
     chooser = _SourceChooser(train)
-    ordered = sorted(specs, key=_order_key)
     buckets: list[Bucket] = [Bucket(0)]
     held = [0] * train.world
-    for spec in ordered:
-        index = _SourceIndex(spec, train.tp)
-        row_bytes = spec.row_numel() * spec.element_size
-        unit = [_plan_target(spec, index, tgt, r, chooser, row_bytes)
-                for r, (tg, _) in enumerate(coords) for tgt in generation_targets(spec, tp_g, tg, fmt)]
+    for group in _ordered_groups(layout, index):
+        unit = [_plan_target(tgt, index, r, chooser)
+                for r, (tg, _) in enumerate(coords) for tgt in generation_targets(group, tp_g, tg, fmt)]
         cost = [0] * train.world
         for tp in unit:
             cost[tp.rank] += tp.nbytes
             for pc in tp.pieces:
                 if pc.src_rank != tp.rank:
                     cost[pc.src_rank] += tp.piece_nbytes(pc)
-        if buckets[-1].params and any(h + c > bucket_bytes for h, c in zip(held, cost)):
+        if buckets[-1].groups and any(h + c > bucket_bytes for h, c in zip(held, cost)):
             buckets.append(Bucket(len(buckets)))
             held = [0] * train.world
-        buckets[-1].params.append(spec.name)
+        buckets[-1].groups.append(group)
         buckets[-1].targets.extend(unit)
         held = [h + c for h, c in zip(held, cost)]
-    return ReshardPlan(train, tp_g, fmt, coords, {s.name: s for s in ordered}, buckets, bucket_bytes)
+    specs = {s.name: s for s in sorted(layout.params, key=_order_key)}
+    return ReshardPlan(train, tp_g, fmt, coords, specs, buckets, bucket_bytes)

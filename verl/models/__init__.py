@@ -45,9 +45,9 @@ Optimizer (megatron-core's, incl. the distributed optimizer; grad clipping; LR s
 
 Shard descriptions (for the 3D-HybridEngine; pure metadata)::
 
-    for spec in model.shard_specs():          # one ShardSpec per local parameter
-        spec.name, spec.local_name, spec.hf_names, spec.global_shape, spec.partition_dim, spec.kind
-        spec.local_segments()                 # [(Segment(hf_name, start, length), offset_in_local_tensor)]
+    for spec in model.shard_specs():          # one ShardSpec per local parameter (verl.models.layout)
+        spec.name, spec.local_name, spec.hf_names, spec.global_shape, spec.dim, spec.parts, spec.kind
+        spec.local_segments(model.pg.tp_rank) # [(Segment(hf_name, start, length), offset_in_local_tensor)]
     tensor = dict(model.gpt.named_parameters())[spec.local_name]
 
 Kinds: qkv-fused (per query group [q heads; k; v], TP rank r holds rows [r*R/tp, (r+1)*R/tp) — a group may be

@@ -66,10 +66,10 @@ class _LazyReader:
         self._handles.clear()
 
 
-def _read_shard(reader: _LazyReader, spec: ShardSpec, like: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(spec.local_shape, dtype=like.dtype)
-    dim = spec.partition_dim if spec.partition_dim is not None else 0
-    for seg, offset in spec.local_segments():
+def _read_shard(reader: _LazyReader, spec: ShardSpec, tp_rank: int, like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(spec.local_shape(tp_rank), dtype=like.dtype)
+    dim = spec.cut_dim
+    for seg, offset in spec.local_segments(tp_rank):
         dst = out.narrow(dim, offset, seg.length)
         if seg.hf_name is None:
             dst.zero_()
@@ -109,7 +109,7 @@ def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Pat
                 missing.append(spec.name)
                 continue
             try:
-                shard = _read_shard(reader, spec, param)
+                shard = _read_shard(reader, spec, model.pg.tp_rank, param)
             except Exception as e:
                 raise VerlRuntimeError(f"reading {spec.hf_names} for {spec.name} from {path} failed: {e}",
                                        rank=dist.get_rank() if dist.is_initialized() else None, cause=e) from e
@@ -123,16 +123,16 @@ def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Pat
 # ------------------------------------------------------------------------------------------------ export
 
 def _gather_tp(t: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
-    if spec.partition_dim is None or spec.tp_size == 1:
+    if spec.dim is None or spec.parts == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(spec.tp_size)]
+    parts = [torch.empty_like(t) for _ in range(spec.parts)]
     dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=spec.partition_dim)
+    return torch.cat(parts, dim=spec.dim)
 
 
 def _split_to_hf(full: torch.Tensor, spec: ShardSpec, out: dict[str, torch.Tensor],
                  shapes: dict[str, tuple[int, ...]]) -> None:
-    dim = spec.partition_dim if spec.partition_dim is not None else 0
+    dim = spec.cut_dim
     pos = 0
     for seg in spec.segments:
         piece = full.narrow(dim, pos, seg.length)

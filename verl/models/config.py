@@ -46,7 +46,7 @@ class ArchSpec:
     rope_llama3_factor: float | None
     """Llama-3.1 frequency scaling factor (HF rope_type 'llama3'), or None."""
     qkv_bias: bool
-    """Bias on the q/k/v projections (Qwen2; Llama with attention_bias)."""
+    """Bias on the q/k/v projections (Qwen2)."""
     tie_word_embeddings: bool
     """The output layer reuses the input embedding matrix."""
     sliding_window: int | None
@@ -86,6 +86,11 @@ def arch_from_hf(hf_config) -> ArchSpec:
         raise VerlConfigError(f"hidden_act={act!r} is not supported (SwiGLU needs 'silu')")
     if getattr(hf_config, "mlp_bias", False):
         raise VerlConfigError("mlp_bias=True is not supported (the Llama/Qwen2/Mistral MLPs have no bias)")
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        # Llama's attention_bias also gives o_proj a bias, which the megatron model (add_bias_linear=False)
+        # does not have: loading would silently drop it.
+        raise VerlConfigError(f"attention_bias=True is not supported for {model_type} (it adds an o_proj bias); "
+                              f"q/k/v biases alone are the qwen2 architecture")
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % kv:
@@ -101,7 +106,7 @@ def arch_from_hf(hf_config) -> ArchSpec:
         vocab_size=hf_config.vocab_size, max_position_embeddings=hf_config.max_position_embeddings,
         rms_norm_eps=float(hf_config.rms_norm_eps), rope_theta=theta, rope_linear_factor=linear,
         rope_llama3_factor=llama3,
-        qkv_bias=True if model_type == "qwen2" else bool(getattr(hf_config, "attention_bias", False)),
+        qkv_bias=model_type == "qwen2",
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), sliding_window=window)
 
 

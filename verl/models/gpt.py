@@ -73,10 +73,11 @@ class MegatronGPT:
         return layers[0].layer_number - 1 if len(layers) else 0
 
     def shard_specs(self) -> list[ShardSpec]:
-        """Per local parameter: megatron name, HF names, global shape, TP partition dim, layout kind."""
-        return [shard_spec(name, arch=self.arch, layout=self.layout, tp_rank=self.pg.tp_rank,
-                           layer_offset=self.layer_offset)
-                for name, _ in self.gpt.named_parameters()]
+        """Per local parameter: megatron name, HF segments, global shape, TP dim, stage, dtype (this rank holds
+        chunk `pg.tp_rank` of each)."""
+        return [shard_spec(name, arch=self.arch, layout=self.layout, layer_offset=self.layer_offset,
+                           stage=self.pg.pp_rank, dtype=p.dtype)
+                for name, p in self.gpt.named_parameters()]
 
 
 class ValueHead(torch.nn.Module):

@@ -1,0 +1,98 @@
+"""The seam between a Hugging Face torch module trained data-parallel and the hybrid engine.
+
+    he = hybrid_engine_for_module(model, HybridEngineConfig(generation_tp=1, weight_format="vllm"))
+    he.sync(module_local_params(model), rollout)             # every rank of `group`
+
+Two training layouts, both TrainingLayout(tp=1, pp=1, dp=world): plain data parallelism (every rank holds
+every parameter whole — a single process, or DistributedDataParallel), where every target is built from
+the rank's own copy and nothing moves; and FSDP2 (`torch.distributed.fsdp.fully_shard` on a 1-D mesh
+over the group), where rank k holds dim-0 chunk k of every parameter and each generation rank gathers
+only the rows its targets need. Parameter names are the module's HF names; a tied `lm_head.weight` is
+the embedding itself and not a separate target (vLLM and the torch engine share it too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from verl.errors import VerlConfigError
+from verl.hybrid_engine.engine import HybridEngine, HybridEngineConfig
+from verl.hybrid_engine.planner import TrainingLayout
+from verl.models.layout import ModelLayout, hf_model_layout
+
+__all__ = ["module_layout", "module_local_params", "hybrid_engine_for_module"]
+
+
+def _bare(module: torch.nn.Module) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _fsdp_shards(params: dict[str, torch.Tensor], group) -> int:
+    """1 for whole parameters; the mesh size for FSDP2 dim-0 shards over exactly `group`, in its rank order."""
+    from torch.distributed.tensor import Shard
+    sharded = [n for n, p in params.items() if _is_dtensor(p)]
+    if not sharded:
+        return 1
+    if len(sharded) != len(params):
+        whole = sorted(set(params) - set(sharded))
+        raise VerlConfigError(f"{whole[:3]} are not sharded while {sharded[:3]} are (FSDP2); the hybrid engine "
+                              f"needs every parameter whole or every parameter fully_shard-ed on one mesh")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    for n in sharded:
+        p = params[n]
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.device_mesh.mesh.tolist() != ranks:
+            raise VerlConfigError(f"{n} is a DTensor with placements {tuple(p.placements)} on mesh "
+                                  f"{p.device_mesh.mesh.tolist()}; the hybrid engine serves FSDP2's Shard(0) on a 1-D "
+                                  f"mesh over the ranks {ranks} of its group (HSDP and 2-D meshes are not supported)")
+    return len(ranks)
+
+
+def module_layout(module: torch.nn.Module, group=None) -> ModelLayout:
+    """The ModelLayout of `module` (metadata only, no communication)."""
+    bare = _bare(module)
+    params = dict(bare.named_parameters())
+    shards = _fsdp_shards(params, group) if dist.is_initialized() else 1
+    config = getattr(bare, "config", None)
+    return hf_model_layout(params, config, shards=shards,
+                           architecture=None if config is not None else type(bare).__name__)
+
+
+def module_local_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's training tensors by HF name: the live parameters, or their FSDP2 local chunks (views)."""
+    out = {}
+    for name, p in _bare(module).named_parameters():
+        t = p.detach()
+        out[name] = t.to_local() if _is_dtensor(t) else t
+    return out
+
+
+def _same_everywhere(layout: ModelLayout, group) -> None:
+    """Every rank must plan the same model, or the point-to-point messages would not pair up."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    text = repr([(s.name, s.global_shape, str(s.dtype), s.dim) for s in layout.params])
+    mine = hashlib.sha256(text.encode()).hexdigest()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    odd = [r for r, h in enumerate(everyone) if h != everyone[0]]
+    if odd:
+        raise VerlConfigError(f"ranks {odd} hold a different model (parameter names, shapes or dtypes) than rank 0; "
+                              f"every rank of the group must hold the same actor")
+
+
+def hybrid_engine_for_module(module: torch.nn.Module, config: HybridEngineConfig | None = None,
+                             group=None) -> HybridEngine:
+    """A HybridEngine planned for a Hugging Face module trained data-parallel over `group` (collective)."""
+    layout = module_layout(module, group)
+    _same_everywhere(layout, group)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    return HybridEngine(layout, TrainingLayout(tp=1, pp=1, dp=world), config, group=group)
