@@ -85,14 +85,14 @@ def _model_layout(cfg, tp: int, pp: int):
 def _naive(local, meta, layout, rank):
     """Full all-gather of every parameter over the world, then Megatron → HF layout on every rank."""
     shapes = {n: s for g in meta.groups for n, s in zip(g.names, g.shapes)}
-    world = layout.world
+    world = layout.world_size
     out, held = {}, 0
     for spec in meta.params:
         t = local[spec.name]
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t)
         held = max(held, sum(p.nbytes for p in parts) + sum(v.nbytes for v in out.values()))
-        tp_parts = [parts[layout.rank(r, 0, 0)] for r in range(layout.tp)]
+        tp_parts = [parts[layout.rank_of(r, 0, 0)] for r in range(layout.tp_size)]
         for r, piece in enumerate(tp_parts if spec.dim is not None else tp_parts[:1]):
             for seg, off in spec.local_segments(r):
                 if seg.hf_name is not None:
@@ -105,10 +105,11 @@ def _naive(local, meta, layout, rank):
 
 
 def body(rank, world, case, model, bucket_mb, repeats):
-    from verl.hybrid_engine import HybridEngine, HybridEngineConfig, TrainingLayout
+    from verl.distributed import Placement
+    from verl.hybrid_engine import HybridEngine, HybridEngineConfig
     torch.set_num_threads(1)
     tp, pp, dp, tp_g = case
-    layout = TrainingLayout(tp=tp, pp=pp, dp=dp)
+    layout = Placement.layout(tp=tp, pp=pp, dp=dp)
     meta = _model_layout(_config(model), tp, pp)
     he = HybridEngine(meta, layout, HybridEngineConfig(generation_tp=tp_g, bucket_mb=bucket_mb))
     g = torch.Generator().manual_seed(rank)

@@ -5,11 +5,12 @@ engine-layout tensors a generation rank must end up with, written directly from 
 
 from __future__ import annotations
 
+from verl.distributed import Placement
+
 from types import SimpleNamespace
 
 import torch
 
-from verl.hybrid_engine import TrainingLayout
 
 
 # A plain namespace with a LlamaConfig's fields: importing transformers would cost every spawned rank seconds.
@@ -58,15 +59,15 @@ def random_hf_state_dict(cfg: LlamaConfig, dtype=torch.float32, seed=0) -> dict[
     return sd
 
 
-def megatron_shards(sd, cfg: LlamaConfig, layout: TrainingLayout, rank: int, vocab_multiple: int) -> dict:
+def megatron_shards(sd, cfg: LlamaConfig, layout: Placement, rank: int, vocab_multiple: int) -> dict:
     """The local shards of `rank` in megatron-core's layout (fused QKV per query group, [gate_r; up_r])."""
     t, _, p = layout.coords(rank)
-    tp, L = layout.tp, cfg.num_hidden_layers
+    tp, L = layout.tp_size, cfg.num_hidden_layers
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = cfg.hidden_size // nq
     step = vocab_multiple * tp
     padded = -(-cfg.vocab_size // step) * step
-    per_stage = L // layout.pp
+    per_stage = L // layout.pp_size
 
     def vocab(w):
         full = torch.cat([w, w.new_zeros(padded - w.shape[0], *w.shape[1:])])
@@ -90,7 +91,7 @@ def megatron_shards(sd, cfg: LlamaConfig, layout: TrainingLayout, rank: int, voc
         out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"].chunk(tp)[t],
                                                       sd[h + "mlp.up_proj.weight"].chunk(tp)[t]])
         out[m + "mlp.linear_fc2.weight"] = sd[h + "mlp.down_proj.weight"].chunk(tp, dim=1)[t].clone()
-    if p == layout.pp - 1:
+    if p == layout.pp_size - 1:
         out["decoder.final_layernorm.weight"] = sd["model.norm.weight"].clone()
         if not cfg.tie_word_embeddings:
             out["output_layer.weight"] = vocab(sd["lm_head.weight"])

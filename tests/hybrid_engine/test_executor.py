@@ -9,7 +9,8 @@ import torch
 from tests.hybrid_engine.reference import (expected_generation, megatron_meta, megatron_shards, padded_vocab,
                                            random_hf_state_dict, tiny_config)
 from verl.errors import VerlRuntimeError
-from verl.hybrid_engine import HybridEngine, HybridEngineConfig, TrainingLayout
+from verl.distributed import Placement
+from verl.hybrid_engine import HybridEngine, HybridEngineConfig
 from verl.testing import run_distributed
 
 VOCAB_MULTIPLE = 8
@@ -26,7 +27,7 @@ def _matrix_body(rank, world, combos):
         fmt = "vllm" if i % 3 == 2 else "hf"
         dtype = torch.bfloat16 if i % 2 else torch.float32
         cfg = tiny_config(bias=(i % 4 == 1), tied=(i % 5 == 3))
-        layout = TrainingLayout(tp=tp, pp=pp, dp=dp)
+        layout = Placement.layout(tp=tp, pp=pp, dp=dp)
         sd = random_hf_state_dict(cfg, dtype=dtype, seed=i)
         shards = megatron_shards(sd, cfg, layout, rank, VOCAB_MULTIPLE)
         before = {k: v.clone() for k, v in shards.items()}
@@ -72,7 +73,7 @@ class _FailingEngine:
 
 def _failure_body(rank, world, fail_rank):
     cfg = tiny_config()
-    layout = TrainingLayout(tp=2, pp=1, dp=world // 2)
+    layout = Placement.layout(tp=2, pp=1, dp=world // 2)
     sd = random_hf_state_dict(cfg)
     shards = megatron_shards(sd, cfg, layout, rank, VOCAB_MULTIPLE)
     before = {k: v.clone() for k, v in shards.items()}
@@ -100,7 +101,7 @@ def test_engine_failure_mid_update_raises_on_every_rank_and_keeps_training_weigh
 
 def _bad_shard_body(rank, world):
     cfg = tiny_config()
-    layout = TrainingLayout(tp=2)
+    layout = Placement.layout(tp=2)
     shards = megatron_shards(random_hf_state_dict(cfg), cfg, layout, rank, VOCAB_MULTIPLE)
     if rank == 0:
         shards["decoder.layers.1.mlp.linear_fc2.weight"] = shards["decoder.layers.1.mlp.linear_fc2.weight"][:, :-1]
@@ -130,7 +131,7 @@ class _NamedEngine(_FailingEngine):
 
 def _unknown_name_body(rank, world):
     cfg = tiny_config()
-    layout = TrainingLayout(tp=2)
+    layout = Placement.layout(tp=2)
     shards = megatron_shards(random_hf_state_dict(cfg), cfg, layout, rank, VOCAB_MULTIPLE)
     he = HybridEngine(megatron_meta(cfg, tp=2, vocab_multiple=VOCAB_MULTIPLE), layout)
     names = {t.target.name for t in he.plan.targets_of(rank)}

@@ -13,7 +13,8 @@ import torch
 from tests.hybrid_engine.reference import (expected_generation, megatron_meta, megatron_shards, padded_vocab,
                                            random_hf_state_dict, tiny_config)
 from verl.errors import VerlConfigError
-from verl.hybrid_engine import TrainingLayout, generation_coords, plan_reshard
+from verl.distributed import Placement
+from verl.hybrid_engine import generation_coords, plan_reshard
 from verl.ops import reshard_gather_ref
 
 VOCAB_MULTIPLE = 8
@@ -59,12 +60,12 @@ def check_against_reference(plan, shards, sd, cfg, padded):
 @pytest.mark.parametrize("fmt", ["hf", "vllm"])
 def test_plan_assembles_engine_weights_bit_exactly(tp, pp, dp, tp_g, fmt):
     cfg = tiny_config(bias=(tp_g == 2))  # Qwen2-style QKV bias in part of the matrix
-    layout = TrainingLayout(tp=tp, pp=pp, dp=dp)
+    layout = Placement.layout(tp=tp, pp=pp, dp=dp)
     sd = random_hf_state_dict(cfg, dtype=torch.bfloat16)
     meta = megatron_meta(cfg, tp=tp, pp=pp, dtype=torch.bfloat16, vocab_multiple=VOCAB_MULTIPLE)
     plan = plan_reshard(meta, layout, tp_g, fmt=fmt, bucket_bytes=8 << 10)
-    shards = [megatron_shards(sd, cfg, layout, r, VOCAB_MULTIPLE) for r in range(layout.world)]
-    for r in range(layout.world):  # the planner's view of local shard shapes agrees with megatron's
+    shards = [megatron_shards(sd, cfg, layout, r, VOCAB_MULTIPLE) for r in range(layout.world_size)]
+    for r in range(layout.world_size):  # the planner's view of local shard shapes agrees with megatron's
         assert {k: tuple(v.shape) for k, v in shards[r].items()} == plan.local_params(r)
     check_against_reference(plan, shards, sd, cfg, padded_vocab(cfg, tp, VOCAB_MULTIPLE))
 
@@ -73,7 +74,7 @@ def test_plan_assembles_engine_weights_bit_exactly(tp, pp, dp, tp_g, fmt):
 @pytest.mark.parametrize("fmt", ["hf", "vllm"])
 def test_megatron_qkv_split_across_ranks_when_tp_exceeds_kv_heads(tp_g, fmt):
     cfg = tiny_config(heads=8, kv_heads=2, bias=True)
-    layout = TrainingLayout(tp=4, pp=1, dp=1)
+    layout = Placement.layout(tp=4, pp=1, dp=1)
     sd = random_hf_state_dict(cfg)
     plan = plan_reshard(megatron_meta(cfg, tp=4), layout, tp_g, fmt=fmt, bucket_bytes=8 << 10)
     check_against_reference(plan, [megatron_shards(sd, cfg, layout, r, 8) for r in range(4)], sd, cfg,
@@ -83,7 +84,7 @@ def test_megatron_qkv_split_across_ranks_when_tp_exceeds_kv_heads(tp_g, fmt):
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2), (4, 1), (4, 2), (8, 1)])
 def test_lazy_gather_stays_inside_the_merged_group(tp, dp):
     cfg = tiny_config(heads=8, kv_heads=8, hidden=64, ffn=64)
-    layout = TrainingLayout(tp=tp, pp=1, dp=dp)
+    layout = Placement.layout(tp=tp, pp=1, dp=dp)
     meta = megatron_meta(cfg, tp=tp, vocab_multiple=VOCAB_MULTIPLE)
     for tp_g in [g for g in (1, 2, 4, 8) if tp % g == 0]:
         plan = plan_reshard(meta, layout, tp_g)
@@ -104,7 +105,7 @@ def test_lazy_gather_stays_inside_the_merged_group(tp, dp):
 
 def test_pipeline_stages_send_their_layers_and_nothing_is_sent_twice():
     cfg = tiny_config()
-    layout = TrainingLayout(tp=2, pp=2, dp=1)
+    layout = Placement.layout(tp=2, pp=2, dp=1)
     plan = plan_reshard(megatron_meta(cfg, tp=2, pp=2, vocab_multiple=VOCAB_MULTIPLE), layout, 2)
     for b in plan.buckets:
         for tgt in b.targets:
@@ -117,7 +118,7 @@ def test_pipeline_stages_send_their_layers_and_nothing_is_sent_twice():
 
 def test_naive_all_gather_moves_far_more_than_the_plan():
     cfg = tiny_config(layers=8, hidden=64, ffn=128)
-    layout = TrainingLayout(tp=4, pp=1, dp=1)
+    layout = Placement.layout(tp=4, pp=1, dp=1)
     meta = megatron_meta(cfg, tp=4, vocab_multiple=VOCAB_MULTIPLE)
     plan = plan_reshard(meta, layout, 2)
     sharded = sum(4 * math.prod(shape) for g in meta.groups if g.kind != "replicated" for shape in g.shapes)
@@ -128,12 +129,12 @@ def test_naive_all_gather_moves_far_more_than_the_plan():
 
 def test_buckets_respect_the_bound_except_single_oversized_params():
     cfg = tiny_config(layers=6)
-    layout = TrainingLayout(tp=2, pp=1, dp=2)
+    layout = Placement.layout(tp=2, pp=1, dp=2)
     bound = 6 << 10
     plan = plan_reshard(megatron_meta(cfg, tp=2, vocab_multiple=VOCAB_MULTIPLE), layout, 1, bucket_bytes=bound)
     assert len(plan.buckets) > 3
     for b in plan.buckets:
-        held = [0] * layout.world
+        held = [0] * layout.world_size
         for tgt in b.targets:
             held[tgt.rank] += tgt.nbytes
             for pc in tgt.pieces:
@@ -148,9 +149,9 @@ def test_buckets_respect_the_bound_except_single_oversized_params():
 
 def test_generation_coords_are_a_permutation():
     for tp, pp, dp, tp_g in COMBOS:
-        layout = TrainingLayout(tp=tp, pp=pp, dp=dp)
+        layout = Placement.layout(tp=tp, pp=pp, dp=dp)
         coords = generation_coords(layout, tp_g)
-        assert sorted(coords) == sorted((a, b) for b in range(layout.world // tp_g) for a in range(tp_g))
+        assert sorted(coords) == sorted((a, b) for b in range(layout.world_size // tp_g) for a in range(tp_g))
 
 
 def test_configuration_errors_name_the_bad_value():
@@ -159,24 +160,24 @@ def test_configuration_errors_name_the_bad_value():
         megatron_meta(cfg, tp=3)
     meta = megatron_meta(cfg, tp=2)
     with pytest.raises(VerlConfigError, match="must divide the world size 2"):
-        plan_reshard(meta, TrainingLayout(tp=2), 4)
+        plan_reshard(meta, Placement.layout(tp=2), 4)
     with pytest.raises(VerlConfigError, match="weight format 'sglang'"):
-        plan_reshard(meta, TrainingLayout(tp=2), 1, fmt="sglang")
+        plan_reshard(meta, Placement.layout(tp=2), 1, fmt="sglang")
     with pytest.raises(VerlConfigError, match="pp=3"):
         megatron_meta(cfg, pp=3)
     with pytest.raises(VerlConfigError, match="2 chunks along the training TP axis but the training layout has TP=4"):
-        plan_reshard(meta, TrainingLayout(tp=4), 4)
+        plan_reshard(meta, Placement.layout(tp=4), 4)
     with pytest.raises(VerlConfigError, match="stage 1 but the training layout has PP=1"):
-        plan_reshard(megatron_meta(cfg, pp=2), TrainingLayout(dp=2), 1)
+        plan_reshard(megatron_meta(cfg, pp=2), Placement.layout(dp=2), 1)
     with pytest.raises(VerlConfigError, match="not a multiple"):
-        plan_reshard(megatron_meta(tiny_config(heads=6, kv_heads=2, hidden=24)), TrainingLayout(dp=3), 3)
+        plan_reshard(megatron_meta(tiny_config(heads=6, kv_heads=2, hidden=24)), Placement.layout(dp=3), 3)
     with pytest.raises(VerlConfigError, match="8 query heads do not split over generation TP=3"):
-        plan_reshard(megatron_meta(cfg), TrainingLayout(dp=3), 3)
+        plan_reshard(megatron_meta(cfg), Placement.layout(dp=3), 3)
 
 
 def test_kv_heads_are_replicated_when_generation_tp_exceeds_them():
     cfg = tiny_config(heads=8, kv_heads=2)
-    layout = TrainingLayout(tp=2, pp=1, dp=2)
+    layout = Placement.layout(tp=2, pp=1, dp=2)
     sd = random_hf_state_dict(cfg)
     plan = plan_reshard(megatron_meta(cfg, tp=2), layout, 4)
     got = simulate(plan, [megatron_shards(sd, cfg, layout, r, 8) for r in range(4)])

@@ -12,7 +12,8 @@ import torch
 from tests.hybrid_engine.reference import fsdp_bytes_needed, fsdp_chunk, random_hf_state_dict, tiny_config
 from tests.hybrid_engine.test_planner import check_against_reference, simulate
 from verl.errors import VerlConfigError
-from verl.hybrid_engine import TrainingLayout, plan_reshard
+from verl.distributed import Placement
+from verl.hybrid_engine import plan_reshard
 from verl.models.layout import hf_model_layout
 
 PLAIN = [(world, tp_g) for world in (1, 2, 4) for tp_g in (1, 2, 4) if world % tp_g == 0]
@@ -26,7 +27,7 @@ def test_whole_copies_on_every_rank_move_nothing(world, tp_g, fmt, variant):
     sd = random_hf_state_dict(cfg, dtype=torch.bfloat16)
     layout = hf_model_layout(sd, cfg)
     assert not layout.unknown
-    plan = plan_reshard(layout, TrainingLayout(dp=world), tp_g, fmt=fmt, bucket_bytes=8 << 10)
+    plan = plan_reshard(layout, Placement.layout(dp=world), tp_g, fmt=fmt, bucket_bytes=8 << 10)
     traffic = plan.traffic()
     assert traffic["sent"] == [0] * world and traffic["received"] == [0] * world
     for r in range(world):
@@ -52,7 +53,7 @@ def test_fsdp_dim0_shards_gather_only_the_rows_a_rank_lacks(world, tp_g, fmt):
     cfg = tiny_config(kv_heads=2, bias=True)            # vocab 101 and 16-row biases: uneven chunks
     sd = random_hf_state_dict(cfg)
     layout = hf_model_layout(sd, cfg, shards=world)
-    train = TrainingLayout(dp=world)
+    train = Placement.layout(dp=world)
     plan = plan_reshard(layout, train, tp_g, fmt=fmt, bucket_bytes=8 << 10)
     shards = [{n: fsdp_chunk(w, r, world) for n, w in sd.items()} for r in range(world)]
     for r in range(world):
@@ -72,7 +73,7 @@ def test_empty_fsdp_chunks_are_skipped():
     # still receive everything.
     sd = {"w": torch.arange(12.0).view(3, 4), "b": torch.arange(5.0)}
     layout = hf_model_layout(sd, SimpleNamespace(model_type="toy"), shards=4)
-    plan = plan_reshard(layout, TrainingLayout(dp=4), 1)
+    plan = plan_reshard(layout, Placement.layout(dp=4), 1)
     assert plan.local_params(3) == {"w": (0, 4), "b": (0,)}
     got = simulate(plan, [{n: fsdp_chunk(t, r, 4) for n, t in sd.items()} for r in range(4)])
     for r in range(4):
@@ -85,14 +86,14 @@ def test_unknown_architecture_works_whole_and_refuses_cutting_or_fusing():
           "transformer.ln_f.weight": torch.randn(4)}
     layout = hf_model_layout(sd, SimpleNamespace(model_type="gpt2"))
     assert layout.unknown and all(g.kind == "whole" for g in layout.groups)
-    plan = plan_reshard(layout, TrainingLayout(dp=2), 1)
+    plan = plan_reshard(layout, Placement.layout(dp=2), 1)
     assert plan.traffic()["sent"] == [0, 0]
     assert {t.target.name for t in plan.targets_of(1)} == set(sd)
     with pytest.raises(VerlConfigError, match=r"architecture 'gpt2'.*weight_format='hf' with generation_tp=1 "
                                               r"\(got weight_format='vllm'"):
-        plan_reshard(layout, TrainingLayout(dp=2), 1, fmt="vllm")
+        plan_reshard(layout, Placement.layout(dp=2), 1, fmt="vllm")
     with pytest.raises(VerlConfigError, match=r"architecture 'gpt2'.*generation_tp=2"):
-        plan_reshard(layout, TrainingLayout(dp=2), 2)
+        plan_reshard(layout, Placement.layout(dp=2), 2)
 
 
 def test_a_known_architecture_with_unexpected_parameters_says_why_it_cannot_be_cut():
@@ -100,9 +101,9 @@ def test_a_known_architecture_with_unexpected_parameters_says_why_it_cannot_be_c
     sd = random_hf_state_dict(cfg)
     sd["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(cfg.intermediate_size)
     layout = hf_model_layout(sd, cfg)
-    assert plan_reshard(layout, TrainingLayout(), 1).traffic()["sent"] == [0]
+    assert plan_reshard(layout, Placement.layout(), 1).traffic()["sent"] == [0]
     with pytest.raises(VerlConfigError, match=r"'llama'.*gate_proj\.bias"):
-        plan_reshard(layout, TrainingLayout(dp=2), 2)
+        plan_reshard(layout, Placement.layout(dp=2), 2)
 
 
 def test_a_fused_target_from_parameters_of_different_dtypes_is_refused():
@@ -110,5 +111,5 @@ def test_a_fused_target_from_parameters_of_different_dtypes_is_refused():
     sd = random_hf_state_dict(cfg)
     sd["model.layers.1.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"].bfloat16()
     with pytest.raises(VerlConfigError, match="qkv_proj.weight would be built from parameters of dtypes"):
-        plan_reshard(hf_model_layout(sd, cfg), TrainingLayout(), 1, fmt="vllm")
+        plan_reshard(hf_model_layout(sd, cfg), Placement.layout(), 1, fmt="vllm")
 

@@ -59,7 +59,8 @@ def test_temperature_one_with_a_fixed_seed_agrees(vllm_engine, torch_engine):
 def test_update_from_hybrid_engine_generates_what_transformers_generates(vllm_engine, model_dir):
     from transformers import AutoModelForCausalLM
 
-    from verl.hybrid_engine import HybridEngine, HybridEngineConfig, TrainingLayout
+    from verl.distributed import Placement
+    from verl.hybrid_engine import HybridEngine, HybridEngineConfig
     from tests.hybrid_engine.reference import megatron_meta, megatron_shards
     sp = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     before = vllm_engine.generate(PROMPTS, sp)  # fills the prefix cache with the old weights' keys/values
@@ -68,8 +69,8 @@ def test_update_from_hybrid_engine_generates_what_transformers_generates(vllm_en
     new_sd = {k: v + 0.3 * torch.randn(v.shape, generator=g) * v.std() for k, v in hf.state_dict().items()}
     hf.load_state_dict(new_sd)
     cfg = hf.config
-    shards = megatron_shards(new_sd, cfg, TrainingLayout(), 0, vocab_multiple=8)
-    he = HybridEngine(megatron_meta(cfg, vocab_multiple=8), TrainingLayout(),
+    shards = megatron_shards(new_sd, cfg, Placement.layout(), 0, vocab_multiple=8)
+    he = HybridEngine(megatron_meta(cfg, vocab_multiple=8), Placement.layout(),
                       HybridEngineConfig(bucket_mb=0.1))
     he.sync(shards, vllm_engine)
     after = vllm_engine.generate(PROMPTS, sp)

@@ -22,14 +22,13 @@ from verl.hybrid_engine.planner import (
     Piece,
     ReshardPlan,
     TargetPlan,
-    TrainingLayout,
     generation_coords,
     plan_reshard,
 )
 from verl.hybrid_engine.targets import FORMATS, Target, generation_targets
 
 __all__ = ["HybridEngine", "HybridEngineConfig", "ExecutorStats", "ReshardExecutor", "Bucket", "Piece",
-           "ReshardPlan", "TargetPlan", "TrainingLayout", "generation_coords", "plan_reshard", "RANK_MAPPINGS",
+           "ReshardPlan", "TargetPlan", "generation_coords", "plan_reshard", "RANK_MAPPINGS",
            "FORMATS", "Target", "generation_targets", "hybrid_engine_for", "megatron_layout",
            "megatron_local_params", "megatron_training_layout", "hybrid_engine_for_module", "module_layout",
            "module_local_params"]

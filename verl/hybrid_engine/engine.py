@@ -2,7 +2,7 @@
 generation layout and pushes the weights into the rollout engine; training continues on the untouched
 training shards afterwards.
 
-    he = HybridEngine(layout, TrainingLayout(tp=2, pp=1, dp=2), HybridEngineConfig(generation_tp=1))
+    he = HybridEngine(layout, Placement.layout(tp=2, pp=1, dp=2), HybridEngineConfig(generation_tp=1))
     stats = he.sync(local_params, rollout)      # every rank calls it; rollout.update_weights(stream)
 
 `layout` is a `verl.models.layout.ModelLayout`; the seams build it (and the local params) for a model:
@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.hybrid_engine.executor import ExecutorStats, ReshardExecutor, agree
-from verl.hybrid_engine.planner import RANK_MAPPINGS, ReshardPlan, TrainingLayout, plan_reshard
+from verl.distributed.placement import Placement
+from verl.hybrid_engine.planner import RANK_MAPPINGS, ReshardPlan, plan_reshard
 from verl.hybrid_engine.targets import FORMATS
 from verl.models.layout import ModelLayout
 
@@ -76,7 +77,7 @@ class _Tracked:
 class HybridEngine:
     """Plans once (metadata only), then moves weights on every `sync` / `stream`."""
 
-    def __init__(self, layout: ModelLayout, training: TrainingLayout, config: HybridEngineConfig | None = None,
+    def __init__(self, layout: ModelLayout, training: Placement, config: HybridEngineConfig | None = None,
                  *, group=None):
         self.config = config or HybridEngineConfig()
         self.group = group

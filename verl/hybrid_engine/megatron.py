@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError
 from verl.hybrid_engine.engine import HybridEngine, HybridEngineConfig
-from verl.hybrid_engine.planner import TrainingLayout
+from verl.distributed.placement import Placement
 from verl.models.layout import ModelLayout, ShardSpec, megatron_model_layout
 
 __all__ = ["megatron_layout", "megatron_local_params", "megatron_training_layout", "hybrid_engine_for"]
@@ -43,12 +43,12 @@ def megatron_local_params(model) -> dict[str, torch.Tensor]:
     return {s.name: params[s.local_name].data for s in _exported(model)}
 
 
-def megatron_training_layout(model) -> TrainingLayout:
-    """The TrainingLayout of the model's process groups (checks that the rank order is megatron's tp-dp-pp)."""
+def megatron_training_layout(model) -> Placement:
+    """The Placement of the model's process groups (checks that the rank order is megatron's tp-dp-pp)."""
     pg = model.pg
-    layout = TrainingLayout(tp=pg.tp_size, pp=pg.pp_size, dp=pg.dp_size)
+    layout = Placement.layout(tp=pg.tp_size, pp=pg.pp_size, dp=pg.dp_size)
     if dist.is_initialized():
-        want = layout.rank(pg.tp_rank, pg.dp_rank, pg.pp_rank)
+        want = layout.rank_of(pg.tp_rank, pg.dp_rank, pg.pp_rank)
         if dist.get_rank() != want:
             raise VerlConfigError(f"rank {dist.get_rank()} has (tp, dp, pp) = ({pg.tp_rank}, {pg.dp_rank}, "
                                   f"{pg.pp_rank}) but the hybrid engine expects megatron's rank order tp-dp-pp "

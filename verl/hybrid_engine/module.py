@@ -3,7 +3,7 @@
     he = hybrid_engine_for_module(model, HybridEngineConfig(generation_tp=1, weight_format="vllm"))
     he.sync(module_local_params(model), rollout)             # every rank of `group`
 
-Two training layouts, both TrainingLayout(tp=1, pp=1, dp=world): plain data parallelism (every rank holds
+Two training layouts, both Placement.layout(tp=1, pp=1, dp=world): plain data parallelism (every rank holds
 every parameter whole — a single process, or DistributedDataParallel), where every target is built from
 the rank's own copy and nothing moves; and FSDP2 (`torch.distributed.fsdp.fully_shard` on a 1-D mesh
 over the group), where rank k holds dim-0 chunk k of every parameter and each generation rank gathers
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError
 from verl.hybrid_engine.engine import HybridEngine, HybridEngineConfig
-from verl.hybrid_engine.planner import TrainingLayout
+from verl.distributed.placement import Placement
 from verl.models.layout import ModelLayout, hf_model_layout
 
 __all__ = ["module_layout", "module_local_params", "hybrid_engine_for_module"]
@@ -95,4 +95,4 @@ def hybrid_engine_for_module(module: torch.nn.Module, config: HybridEngineConfig
     layout = module_layout(module, group)
     _same_everywhere(layout, group)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    return HybridEngine(layout, TrainingLayout(tp=1, pp=1, dp=world), config, group=group)
+    return HybridEngine(layout, Placement.layout(tp=1, pp=1, dp=world), config, group=group)

@@ -30,50 +30,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verl.distributed.placement import Placement
 from verl.errors import VerlConfigError
 from verl.hybrid_engine.targets import FORMATS, Target, generation_targets
 from verl.models.layout import ModelLayout, Segment, ShardSpec, TensorGroup
 
-__all__ = ["TrainingLayout", "Piece", "TargetPlan", "Bucket", "ReshardPlan", "plan_reshard", "generation_coords",
+__all__ = ["Piece", "TargetPlan", "Bucket", "ReshardPlan", "plan_reshard", "generation_coords",
            "RANK_MAPPINGS"]
 
 RANK_MAPPINGS = ("hybrid", "contiguous")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainingLayout:
-    """Megatron's training layout over the world (rank order tp-dp-pp, megatron-core's default)."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    dp: int = 1
-    """Data-parallel size."""
-
-    def __post_init__(self):
-        for k in ("tp", "pp", "dp"):
-            if getattr(self, k) < 1:
-                raise VerlConfigError(f"TrainingLayout.{k}={getattr(self, k)} must be >= 1")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, t: int, d: int, p: int) -> int:
-        return t + self.tp * (d + self.dp * p)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp index, dp index, pp stage) of `rank`."""
-        return rank % self.tp, (rank // self.tp) % self.dp, rank // (self.tp * self.dp)
-
-
-def generation_coords(train: TrainingLayout, tp_g: int, mapping: str = "hybrid") -> list[tuple[int, int]]:
+def generation_coords(train: Placement, tp_g: int, mapping: str = "hybrid") -> list[tuple[int, int]]:
     """(generation TP index, generation DP index) of every rank."""
-    world = train.world
+    world = train.world_size
     if tp_g < 1 or world % tp_g:
         raise VerlConfigError(f"generation TP={tp_g} must divide the world size {world} (TP×PP×DP = "
-                              f"{train.tp}×{train.pp}×{train.dp})")
+                              f"{train.tp_size}×{train.pp_size}×{train.dp_size})")
     if mapping not in RANK_MAPPINGS:
         raise VerlConfigError(f"unknown rank mapping {mapping!r}; choose one of {RANK_MAPPINGS}")
     if mapping == "contiguous":
@@ -81,15 +54,15 @@ def generation_coords(train: TrainingLayout, tp_g: int, mapping: str = "hybrid")
     out = []
     for r in range(world):
         t, d, p = train.coords(r)
-        j = d + train.dp * p  # index of the rank's training TP group
-        if train.tp % tp_g == 0:
-            k = train.tp // tp_g
+        j = d + train.dp_size * p  # index of the rank's training TP group
+        if train.tp_size % tp_g == 0:
+            k = train.tp_size // tp_g
             out.append((t // k, t % k + k * j))
-        elif tp_g % train.tp == 0:
-            m = tp_g // train.tp
-            out.append((t + train.tp * (j % m), j // m))
+        elif tp_g % train.tp_size == 0:
+            m = tp_g // train.tp_size
+            out.append((t + train.tp_size * (j % m), j // m))
         else:
-            raise VerlConfigError(f"generation TP={tp_g} must divide training TP={train.tp} or be a multiple of it "
+            raise VerlConfigError(f"generation TP={tp_g} must divide training TP={train.tp_size} or be a multiple of it "
                                   f"for the hybrid mapping; use mapping='contiguous' for other sizes")
     return out
 
@@ -145,7 +118,7 @@ class Bucket:
 class ReshardPlan:
     """The whole plan: identical on every rank, so sends and receives pair up without negotiation."""
 
-    train: TrainingLayout
+    train: Placement
     tp_g: int
     fmt: str
     coords: list[tuple[int, int]]
@@ -155,7 +128,7 @@ class ReshardPlan:
 
     @property
     def world(self) -> int:
-        return self.train.world
+        return self.train.world_size
 
     def targets_of(self, rank: int) -> list[TargetPlan]:
         return [t for b in self.buckets for t in b.targets if t.rank == rank]
@@ -231,18 +204,18 @@ class _SourceIndex:
 
 
 class _SourceChooser:
-    def __init__(self, train: TrainingLayout):
+    def __init__(self, train: Placement):
         self.train = train
-        self.load = [0] * train.world
+        self.load = [0] * train.world_size
 
     def choose(self, spec: ShardSpec, k: int, dst: int, nbytes: int) -> int:
         tr = self.train
         if spec.dim is None:
-            candidates = [tr.rank(t, d, spec.stage) for t in range(tr.tp) for d in range(tr.dp)]
+            candidates = [tr.rank_of(t, d, spec.stage) for t in range(tr.tp_size) for d in range(tr.dp_size)]
         elif spec.axis == "tp":
-            candidates = [tr.rank(k, d, spec.stage) for d in range(tr.dp)]
+            candidates = [tr.rank_of(k, d, spec.stage) for d in range(tr.dp_size)]
         else:
-            candidates = [tr.rank(t, k, spec.stage) for t in range(tr.tp)]
+            candidates = [tr.rank_of(t, k, spec.stage) for t in range(tr.tp_size)]
         if dst in candidates:
             return dst
         _, d_dst, _ = tr.coords(dst)
@@ -302,7 +275,7 @@ def _plan_target(target: Target, index: _SourceIndex, rank: int, chooser: _Sourc
     return TargetPlan(rank=rank, target=target, pieces=tuple(_merge(pieces)), dtype=dtype, dim=dim, narrow=narrow)
 
 
-def _check(layout: ModelLayout, train: TrainingLayout, tp_g: int, fmt: str, bucket_bytes: int) -> None:
+def _check(layout: ModelLayout, train: Placement, tp_g: int, fmt: str, bucket_bytes: int) -> None:
     if fmt not in FORMATS:
         raise VerlConfigError(f"unknown generation weight format {fmt!r}; choose one of {FORMATS}")
     if bucket_bytes <= 0:
@@ -317,9 +290,9 @@ def _check(layout: ModelLayout, train: TrainingLayout, tp_g: int, fmt: str, buck
         dup = sorted({n for n in names if names.count(n) > 1})
         raise VerlConfigError(f"parameter names must be unique; repeated: {dup[:3]}")
     for s in layout.params:
-        if not 0 <= s.stage < train.pp:
-            raise VerlConfigError(f"{s.name} is on pipeline stage {s.stage} but the training layout has PP={train.pp}")
-        size = train.tp if s.axis == "tp" else train.dp
+        if not 0 <= s.stage < train.pp_size:
+            raise VerlConfigError(f"{s.name} is on pipeline stage {s.stage} but the training layout has PP={train.pp_size}")
+        size = train.tp_size if s.axis == "tp" else train.dp_size
         if s.dim is not None and s.parts != size:
             raise VerlConfigError(f"{s.name} is cut into {s.parts} chunks along the training {s.axis.upper()} axis but "
                                   f"the training layout has {s.axis.upper()}={size}; describe the parameters for "
@@ -341,7 +314,7 @@ def _ordered_groups(layout: ModelLayout, index: _SourceIndex) -> list[TensorGrou
     return sorted(layout.groups, key=lambda g: min(order[h.spec.name] for n in g.names for h in index.by_name[n]))
 
 
-def plan_reshard(layout: ModelLayout, train: TrainingLayout, tp_g: int, *, fmt: str = "hf",
+def plan_reshard(layout: ModelLayout, train: Placement, tp_g: int, *, fmt: str = "hf",
                  bucket_bytes: int = 64 << 20, mapping: str = "hybrid") -> ReshardPlan:
     """Plans the move of `layout`'s weights from `train` to a generation layout with TP size `tp_g`.
 
@@ -353,11 +326,11 @@ def plan_reshard(layout: ModelLayout, train: TrainingLayout, tp_g: int, *, fmt: 
     index = _SourceIndex(layout.params)
     chooser = _SourceChooser(train)
     buckets: list[Bucket] = [Bucket(0)]
-    held = [0] * train.world
+    held = [0] * train.world_size
     for group in _ordered_groups(layout, index):
         unit = [_plan_target(tgt, index, r, chooser)
                 for r, (tg, _) in enumerate(coords) for tgt in generation_targets(group, tp_g, tg, fmt)]
-        cost = [0] * train.world
+        cost = [0] * train.world_size
         for tp in unit:
             cost[tp.rank] += tp.nbytes
             for pc in tp.pieces:
@@ -365,7 +338,7 @@ def plan_reshard(layout: ModelLayout, train: TrainingLayout, tp_g: int, *, fmt: 
                     cost[pc.src_rank] += tp.piece_nbytes(pc)
         if buckets[-1].groups and any(h + c > bucket_bytes for h, c in zip(held, cost)):
             buckets.append(Bucket(len(buckets)))
-            held = [0] * train.world
+            held = [0] * train.world_size
         buckets[-1].groups.append(group)
         buckets[-1].targets.extend(unit)
         held = [h + c for h, c in zip(held, cost)]

@@ -135,4 +135,10 @@ class TorchEngine:
     # -- weights for the rollout engine -------------------------------------------------------------------------
     def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's weights by Hugging Face name (the live tensors; the hybrid engine only reads them)."""
-        return {n: p.data for n, p in self.module.named_parameters()}
+        from verl.hybrid_engine.module import module_local_params
+        return module_local_params(self.module)
+
+    def hybrid_engine(self, config):
+        """The 3D-HybridEngine planned for this module's data-parallel replicas (collective)."""
+        from verl.hybrid_engine.module import hybrid_engine_for_module
+        return hybrid_engine_for_module(self.module, config, group=self.placement.dp)

@@ -103,7 +103,8 @@ class RolloutWorker:
     def sync_weights(self, actor) -> dict[str, float]:
         """Moves the actor's current weights into the engine; returns perf/sync_* metrics of this transfer."""
         if self.shares_module(actor):
-            return {"perf/sync_s": 0.0, "perf/sync_bytes": 0.0, "perf/sync_peak_bytes": 0.0, "perf/sync_shared": 1.0}
+            return {"perf/sync_s": 0.0, "perf/sync_bytes": 0.0, "perf/sync_comm_bytes": 0.0, "perf/sync_peak_bytes": 0.0,
+                    "perf/sync_shared": 1.0}
         t0 = time.perf_counter()
         if self.engine.released:
             self.engine.resume()
@@ -111,8 +112,9 @@ class RolloutWorker:
             from verl.hybrid_engine import HybridEngineConfig
             self._hybrid = actor.engine.hybrid_engine(HybridEngineConfig(
                 generation_tp=self.cfg.tp, bucket_mb=self.cfg.sync_bucket_mb,
-                weight_format=getattr(self.engine, "weight_format", "hf")))
+                weight_format=getattr(self.engine, "weight_format", "hf"), rank_mapping="contiguous"))
+            self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(self.placement.rank))
         stats = self._hybrid.sync(actor.engine.local_params(), self.engine)
-        return {"perf/sync_s": time.perf_counter() - t0,
-                "perf/sync_bytes": float(stats.bytes_sent + stats.bytes_received),
+        return {"perf/sync_s": time.perf_counter() - t0, "perf/sync_bytes": float(self._engine_bytes),
+                "perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received),
                 "perf/sync_peak_bytes": float(stats.peak_bytes), "perf/sync_shared": 0.0}
