@@ -74,7 +74,8 @@ def test_push_in_the_fused_format_is_loaded_as_is(engine, model_dir):
             fused[k.replace(".q_proj.", ".qkv_proj.")] = torch.cat(
                 [v, sd[k.replace(".q_proj.", ".k_proj.")], sd[k.replace(".q_proj.", ".v_proj.")]])
         elif ".gate_proj." in k:
-            fused[k.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([v, sd[k.replace(".gate_proj.", ".up_proj.")]])
+            up = sd[k.replace(".gate_proj.", ".up_proj.")]
+            fused[k.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([v, up])
         elif not any(f".{p}." in k for p in ("k_proj", "v_proj", "up_proj")):
             fused[k] = v
     engine.update_weights(fused.items())
@@ -85,7 +86,7 @@ def test_push_in_the_fused_format_is_loaded_as_is(engine, model_dir):
 def test_bad_pushes_and_long_prompts_fail_clearly(engine):
     with pytest.raises(VerlRuntimeError, match="no weight named 'model.layers.0.attn.wq.weight'"):
         engine.update_weights([("model.layers.0.attn.wq.weight", torch.zeros(2))])
-    with pytest.raises(VerlRuntimeError, match=r"has shape \(3, 3\), but the checkpoint's is"):
+    with pytest.raises(VerlRuntimeError, match=r"has shape \(3, 3\), but the engine expects \(128,\)"):
         engine.update_weights([("model.norm.weight", torch.zeros(3, 3))])
     with pytest.raises(VerlConfigError, match="prompt 0 has 64 tokens"):
         engine.generate([[1] * 64], GREEDY)

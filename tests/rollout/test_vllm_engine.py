@@ -266,6 +266,18 @@ def test_multiprocess_engine_receives_weights_as_safetensors_blobs(model_dir):
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == _hf_greedy(hf, _ids(eng), 12)
 
 
+@pytest.mark.slow
+def test_multiprocess_engine_with_its_own_two_tp_workers(model_dir):
+    """in_process=False, tp=2: vLLM starts both TP workers itself (on a one-NUMA-node CPU the engine splits
+    this process's CPUs between them); full checkpoint tensors go to both and vLLM's loaders shard them."""
+    eng = _engine(model_dir, in_process=False, tp=2)
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in eng.weight_names()  # one RPC cannot route shards
+    hf = _hf(model_dir)
+    hf.load_state_dict(_perturbed(hf.state_dict(), seed=10))
+    eng.update_weights(hf.state_dict().items())
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == _hf_greedy(hf, _ids(eng), 12)
+
+
 # -- torchrun layouts (2 gloo ranks) ----------------------------------------------------------------------------
 
 def _tp1_per_rank_body(rank, world, model_dir):

@@ -3,9 +3,9 @@
 
     engine = SGLangRollout(RolloutConfig(engine="sglang", tp=2), "/ckpt/actor")   # on every torchrun rank
 
-SGLang runs on CUDA GPUs (its CPU backend needs its kernel library, sgl-kernel, built from source for CPU;
-PyPI carries only the CUDA build), so where it cannot run the engine refuses to start with the reason, and its tests skip
-with it.
+SGLang runs on CUDA GPUs (its CPU backend needs its kernel library, sgl-kernel, built from source for
+CPU; PyPI carries only the CUDA build), so where it cannot run the engine refuses to start with the
+reason, and its tests skip with it.
 
 Layouts. Without a process group this process owns one `sglang.Engine` with tp_size = rollout.tp (SGLang
 starts its own scheduler process per TP rank). Under torchrun with rollout.tp = T, the world is cut into
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -44,6 +45,7 @@ from verl.rollout.tokenizer import Tokenizer
 __all__ = ["SGLangRollout", "sglang_available"]
 
 _FUSED = (".qkv_proj.", ".gate_up_proj.")
+_UNFUSED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 # sglang.Engine arguments that RolloutConfig fields own.
 _OWNED = {"model_path", "tokenizer_path", "dtype", "tp_size", "mem_fraction_static", "random_seed", "context_length",
           "max_running_requests", "disable_cuda_graph", "enable_memory_saver", "base_gpu_id"}
@@ -147,26 +149,44 @@ class SGLangRollout(RolloutEngine):
         """Checkpoint names (hf format) and their fused counterparts (vllm format: qkv_proj, gate_up_proj)."""
         return set(self._names)
 
-    def _weight_names(self) -> set[str]:
-        names = set(self._hf_shapes)
-        for n in self._hf_shapes:
-            names.add(n.replace(".q_proj.", ".qkv_proj.").replace(".gate_proj.", ".gate_up_proj."))
-        return names
+    def _weight_names(self) -> dict[str, tuple[int, ...]]:
+        """name -> full (TP = 1) shape, for checkpoint names and the fused names built from them."""
+        shapes = dict(self._hf_shapes)
+        parts = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+        for n, shape in self._hf_shapes.items():
+            for fused, (first, *rest) in parts.items():
+                if first in n and all(n.replace(first, p) in self._hf_shapes for p in rest):
+                    rows = sum(self._hf_shapes[n.replace(first, p)][0] for p in (first, *rest))
+                    shapes[n.replace(first, fused)] = (rows, *shape[1:])
+        return shapes
+
+    def _nbytes(self, name: str, t: torch.Tensor) -> int:
+        shape = self._names.get(name, t.shape)
+        return math.prod(shape) * t.element_size()
 
     def _check(self, name: str, t: torch.Tensor, loaded: int) -> None:
         if name not in self._names:
             raise VerlRuntimeError(f"the SGLang model has no weight named {name!r}; {loaded} tensors were loaded "
                                    f"before it")
         if str(t.dtype).removeprefix("torch.") != self.dtype:
-            raise VerlRuntimeError(f"weight {name!r} has dtype {t.dtype}, the engine holds {self.dtype}; cast it on the "
-                                   f"sending side")
-        want = self._hf_shapes.get(name)
-        if want is not None and self.config.tp == 1 and tuple(t.shape) != tuple(want):
-            raise VerlRuntimeError(f"weight {name!r} has shape {tuple(t.shape)}, but the checkpoint's is {want}")
+            raise VerlRuntimeError(f"weight {name!r} has dtype {t.dtype}, the engine holds {self.dtype}; cast it on "
+                                   f"the sending side")
+        if self.group is None and self.config.tp > 1 and any(f in name for f in _FUSED):
+            raise VerlConfigError(f"{name!r}: this process drives all {self.config.tp} TP ranks of its SGLang engine, "
+                                  f"so it takes full checkpoint tensors (hf format), not one rank's fused shard")
+        if self.group is not None and any(f".{p}." in name for p in _UNFUSED):
+            raise VerlConfigError(f"{name!r}: rollout.engine=sglang with rollout.tp>1 under torchrun takes the vllm "
+                                  f"weight format (each rank its fused shard); hf-format slices of q/k/v and gate/up "
+                                  f"cannot be re-joined here; set the hybrid engine's weight_format='vllm'")
+        want = self._names[name]
+        if self.config.tp == 1 and tuple(t.shape) != tuple(want):  # per-rank shards (TP > 1) are SGLang's to check
+            raise VerlRuntimeError(f"weight {name!r} has shape {tuple(t.shape)}, but the engine expects {want}; "
+                                   f"{loaded} tensors were loaded before it")
 
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         count = 0
-        for bucket in _buckets(iter(named_tensors), self.config.sync_bucket_mb):
+        # Bucket by each name's full size, the same on every rank of a group (shards can differ by a few rows).
+        for bucket in _buckets(iter(named_tensors), self.config.sync_bucket_mb, self._nbytes):
             for name, t in bucket:
                 self._check(name, t, count)
             direct = any(f in name for name, _ in bucket for f in _FUSED)
@@ -183,21 +203,24 @@ class SGLangRollout(RolloutEngine):
     def _push_group_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Every rank of the group sends its own shard of each tensor; the owner hands SGLang one
         LocalSerializedTensor per name whose values[r] is TP rank r's tensor. Under torchrun only the `vllm`
-        format (per-rank shards) can arrive this way; hf-format slices of full tensors cannot be re-joined."""
+        format (per-rank shards) arrives this way (checked in _check)."""
         import torch.distributed as dist
         from sglang.srt.model_executor.model_runner import LocalSerializedTensor
         from sglang.srt.utils import MultiprocessingSerializer
-        if not any(f in n for n, _ in bucket for f in _FUSED) and any(".q_proj." in n for n, _ in bucket):
-            raise VerlConfigError("rollout.engine=sglang with rollout.tp>1 under torchrun takes the vllm weight format "
-                                  "(per-rank fused shards); set the hybrid engine's weight_format='vllm'")
-        mine = [(n, MultiprocessingSerializer.serialize(t.detach().cuda())) for n, t in bucket]
+        alive = [t.detach().cuda() for _, t in bucket]   # the CUDA IPC handles point into these until the barrier
+        mine = [(n, MultiprocessingSerializer.serialize(t)) for (n, _), t in zip(bucket, alive)]
         gathered = [None] * len(self.group_ranks) if self.engine is not None else None
         dist.gather_object(mine, gathered, dst=self.group_ranks[0], group=self.group)
+        verdict = [_name_mismatch(gathered, self.group_ranks) if self.engine is not None else None]
+        dist.broadcast_object_list(verdict, src=self.group_ranks[0], group=self.group)
+        if verdict[0] is not None:
+            raise VerlRuntimeError(f"SGLang weight push: {verdict[0]}")
         if self.engine is not None:
             named = [(name, LocalSerializedTensor(values=[g[k][1] for g in gathered]))
                      for k, (name, _) in enumerate(mine)]
             self.engine.update_weights_from_tensor(named, load_format="direct", flush_cache=False)
-        dist.barrier(group=self.group)  # the CUDA IPC handles must outlive the owner's copy
+        dist.barrier(group=self.group)  # the senders keep `alive` until the owner's engine has copied it
+        del alive
 
     # -- memory -------------------------------------------------------------------------------------------------
 
@@ -233,6 +256,16 @@ def _tp_group(tp: int):
     return mine
 
 
+def _name_mismatch(gathered: list[list], ranks: list[int]) -> str | None:
+    """Why the group's buckets cannot be joined name by name (None when they can)."""
+    names = [[n for n, _ in g] for g in gathered]
+    for rank, got in zip(ranks, names):
+        if got != names[0]:
+            return (f"rank {rank} sent {got[:3]}..., the group's owner {names[0][:3]}...; the ranks of one engine must "
+                    f"push the same names in the same order")
+    return None
+
+
 def _agree(group, ranks: list[int], payload) -> None:
     import torch.distributed as dist
     digest = hashlib.blake2b(repr(payload).encode(), digest_size=8).digest()
@@ -244,11 +277,11 @@ def _agree(group, ranks: list[int], payload) -> None:
                               f"prompts or sampling settings; every rank of the group must pass the same ones (SPMD)")
 
 
-def _buckets(stream: Iterator, bucket_mb: float) -> Iterator[list]:
+def _buckets(stream: Iterator, bucket_mb: float, nbytes) -> Iterator[list]:
     bucket, size = [], 0
     for name, t in stream:
         bucket.append((name, t))
-        size += t.nbytes
+        size += nbytes(name, t)
         if size >= bucket_mb * (1 << 20):
             yield bucket
             bucket, size = [], 0

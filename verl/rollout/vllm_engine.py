@@ -189,11 +189,29 @@ class VLLMRollout(RolloutEngine):
         if not cfg.in_process:
             kwargs["worker_extension_cls"] = "verl.rollout.vllm_worker.VerlWorkerExtension"
         kwargs.update(cfg.engine_kwargs)
+        bind = self._cpu_thread_binding()
         rng = torch.get_rng_state()  # vLLM reseeds the global RNG at start-up; the trainer's stream is kept
         try:
+            if bind:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
             return LLM(**kwargs)
         finally:
             torch.set_rng_state(rng)
+            if bind:
+                del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+    def _cpu_thread_binding(self) -> str | None:
+        """vLLM's own CPU workers (in_process=False, tp>1) bind one NUMA node each and refuse to start with fewer
+        nodes than workers; unless the user chose a binding, split this process's CPUs between them."""
+        cfg = self.config
+        if not self.on_cpu or cfg.in_process or cfg.tp == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            return None
+        from vllm.utils.cpu_resource_utils import get_visible_memory_node
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(get_visible_memory_node()) >= self.config.tp or len(cpus) < self.config.tp:
+            return None
+        per = len(cpus) // self.config.tp
+        return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(self.config.tp))
 
     def _rpc(self, function, *args) -> list:
         """Runs a vllm_worker function on the engine's worker(s): called directly in-process; through the worker
