@@ -30,7 +30,7 @@ def reshard_real_model_body(rank, world, path, layouts):
     hf_cfg = AutoConfig.from_pretrained(path)
     sd = _hf_state_dict(path)
     cfg = SimpleNamespace(num_attention_heads=hf_cfg.num_attention_heads, hidden_size=hf_cfg.hidden_size,
-                          num_key_value_heads=hf_cfg.num_key_value_heads)
+                          num_key_value_heads=hf_cfg.num_key_value_heads, vocab_size=hf_cfg.vocab_size)
     results = []
     for tp, pp, tp_g, fmt in layouts:
         pg = init_process_groups(tp=tp, pp=pp)
@@ -40,7 +40,7 @@ def reshard_real_model_body(rank, world, path, layouts):
         local = megatron_local_params(model)
         before = {k: v.clone() for k, v in local.items()}
         got = dict(he.stream(local))
-        want = expected_generation(sd, cfg, tp_g, he.plan.coords[rank][0], fmt, model.layout.padded_vocab_size)
+        want = expected_generation(sd, cfg, tp_g, he.plan.coords[rank][0], fmt)
         bad = sorted(set(want) ^ set(got)) + [n for n in want if n in got and not torch.equal(got[n], want[n])]
         intact = all(torch.equal(before[k], v) for k, v in megatron_local_params(model).items())
         # The metadata-only derivation (planning without a model) describes the live model exactly.

@@ -98,12 +98,10 @@ def megatron_shards(sd, cfg: LlamaConfig, layout: Placement, rank: int, vocab_mu
     return out
 
 
-def padded_vocab(cfg: LlamaConfig, tp: int, vocab_multiple: int) -> int:
-    step = vocab_multiple * tp
-    return -(-cfg.vocab_size // step) * step
+ENGINE_VOCAB_PADDING = 64  # vLLM's / SGLang's vocab-parallel layers pad the vocabulary to a multiple of this
 
 
-def generation_region(name: str, shape, cfg: LlamaConfig, tp_g: int, tg: int, padded: int) -> tuple[slice, slice]:
+def generation_region(name: str, shape, cfg: LlamaConfig, tp_g: int, tg: int) -> tuple[slice, slice]:
     """(rows, columns) of HF tensor `name` that generation TP rank `tg` of `tp_g` needs (columns: all for 1-D)."""
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     hd = cfg.hidden_size // nq
@@ -124,17 +122,17 @@ def generation_region(name: str, shape, cfg: LlamaConfig, tp_g: int, tg: int, pa
     if leaf in ("o_proj", "down_proj"):
         return slice(0, rows), chunk(shape[1])
     if leaf in ("embed_tokens", "lm_head") and tp_g > 1:
-        per = -(-padded // tp_g)
+        per = -(-cfg.vocab_size // ENGINE_VOCAB_PADDING) * ENGINE_VOCAB_PADDING // tp_g
         return slice(min(tg * per, rows), min((tg + 1) * per, rows)), slice(None)
     return everything
 
 
-def expected_generation(sd, cfg: LlamaConfig, tp_g: int, tg: int, fmt: str, padded: int) -> dict[str, torch.Tensor]:
+def expected_generation(sd, cfg: LlamaConfig, tp_g: int, tg: int, fmt: str) -> dict[str, torch.Tensor]:
     """What generation TP rank `tg` of `tp_g` must receive (HF names, or vLLM fused qkv/gate_up); the
-    vocabulary is split as its `padded` size is, without the padding rows."""
+    vocabulary is split as the engines pad it (ENGINE_VOCAB_PADDING), without the padding rows."""
     out = {}
     for name, w in sd.items():
-        rows, cols = generation_region(name, w.shape, cfg, tp_g, tg, padded)
+        rows, cols = generation_region(name, w.shape, cfg, tp_g, tg)
         out[name] = w[rows] if w.dim() == 1 else w[rows, cols]
     if fmt == "vllm":
         for name in [n for n in out if ".q_proj." in n]:
@@ -155,12 +153,12 @@ def fsdp_chunk(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return w[rank * c:(rank + 1) * c].clone()
 
 
-def fsdp_bytes_needed(sd, cfg: LlamaConfig, tp_g: int, tg: int, rank: int, world: int, padded: int) -> int:
+def fsdp_bytes_needed(sd, cfg: LlamaConfig, tp_g: int, tg: int, rank: int, world: int) -> int:
     """Bytes generation rank `rank` (TP index `tg`) must receive when training shards every HF tensor FSDP2-
     style over `world` ranks: the rows of its region that lie outside its own dim-0 chunk."""
     total = 0
     for name, w in sd.items():
-        rows, cols = generation_region(name, w.shape, cfg, tp_g, tg, padded)
+        rows, cols = generation_region(name, w.shape, cfg, tp_g, tg)
         c = -(-w.shape[0] // world)
         own = range(rank * c, min((rank + 1) * c, w.shape[0]))
         foreign = sum(1 for i in range(w.shape[0])[rows] if i not in own)

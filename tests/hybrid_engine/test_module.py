@@ -39,7 +39,7 @@ def _tiny_llama(tied: bool, bias: bool):
 
 
 def _compare(rank, he, model_sd, cfg, fmt, tp_g, rec, local, before):
-    want = expected_generation(model_sd, cfg, tp_g, he.plan.coords[rank][0], fmt, cfg.vocab_size)
+    want = expected_generation(model_sd, cfg, tp_g, he.plan.coords[rank][0], fmt)
     bad = sorted(set(want) ^ set(rec.got)) + [n for n in want if n in rec.got and not torch.equal(rec.got[n], want[n])]
     intact = all(torch.equal(before[k], v) for k, v in local.items())
     return dict(bad=bad[:5], intact=intact, sent=he.last_stats.bytes_sent, received=he.last_stats.bytes_received,
@@ -99,8 +99,7 @@ def _fsdp_body(rank, world, cases):
         rec = _Recorder()
         he.sync(local, rec)
         res = _compare(rank, he, sd, model.config, fmt, tp_g, rec, local, before)
-        res["needed"] = fsdp_bytes_needed(sd, model.config, tp_g, he.plan.coords[rank][0], rank, world,
-                                          model.config.vocab_size)
+        res["needed"] = fsdp_bytes_needed(sd, model.config, tp_g, he.plan.coords[rank][0], rank, world)
         results.append(dict(res, case=(fmt, tp_g), shards=sorted({s.parts for s in he.plan.specs.values()})))
     return results
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.hybrid_engine.reference import (expected_generation, megatron_meta, megatron_shards, padded_vocab,
+from tests.hybrid_engine.reference import (expected_generation, megatron_meta, megatron_shards,
                                            random_hf_state_dict, tiny_config)
 from verl.errors import VerlConfigError
 from verl.distributed import Placement
@@ -47,10 +47,10 @@ def simulate(plan, shards):
     return out
 
 
-def check_against_reference(plan, shards, sd, cfg, padded):
+def check_against_reference(plan, shards, sd, cfg):
     got = simulate(plan, shards)
     for r, (tg, _) in enumerate(plan.coords):
-        want = expected_generation(sd, cfg, plan.tp_g, tg, plan.fmt, padded)
+        want = expected_generation(sd, cfg, plan.tp_g, tg, plan.fmt)
         assert sorted(got[r]) == sorted(want), f"rank {r}: wrong set of tensors"
         for name, w in want.items():
             assert torch.equal(got[r][name], w), f"rank {r} {name} differs ({plan.train}, tp_g={plan.tp_g})"
@@ -67,7 +67,7 @@ def test_plan_assembles_engine_weights_bit_exactly(tp, pp, dp, tp_g, fmt):
     shards = [megatron_shards(sd, cfg, layout, r, VOCAB_MULTIPLE) for r in range(layout.world_size)]
     for r in range(layout.world_size):  # the planner's view of local shard shapes agrees with megatron's
         assert {k: tuple(v.shape) for k, v in shards[r].items()} == plan.local_params(r)
-    check_against_reference(plan, shards, sd, cfg, padded_vocab(cfg, tp, VOCAB_MULTIPLE))
+    check_against_reference(plan, shards, sd, cfg)
 
 
 @pytest.mark.parametrize("tp_g", [1, 2, 4])
@@ -77,13 +77,13 @@ def test_megatron_qkv_split_across_ranks_when_tp_exceeds_kv_heads(tp_g, fmt):
     layout = Placement.layout(tp=4, pp=1, dp=1)
     sd = random_hf_state_dict(cfg)
     plan = plan_reshard(megatron_meta(cfg, tp=4), layout, tp_g, fmt=fmt, bucket_bytes=8 << 10)
-    check_against_reference(plan, [megatron_shards(sd, cfg, layout, r, 8) for r in range(4)], sd, cfg,
-                            padded_vocab(cfg, 4, 8))
+    check_against_reference(plan, [megatron_shards(sd, cfg, layout, r, 8) for r in range(4)], sd, cfg)
 
 
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2), (4, 1), (4, 2), (8, 1)])
 def test_lazy_gather_stays_inside_the_merged_group(tp, dp):
-    cfg = tiny_config(heads=8, kv_heads=8, hidden=64, ffn=64)
+    # a vocabulary whose megatron padding (a multiple of 8·TP) is also the engines' (64): vocab shards line up
+    cfg = tiny_config(heads=8, kv_heads=8, hidden=64, ffn=64, vocab=128)
     layout = Placement.layout(tp=tp, pp=1, dp=dp)
     meta = megatron_meta(cfg, tp=tp, vocab_multiple=VOCAB_MULTIPLE)
     for tp_g in [g for g in (1, 2, 4, 8) if tp % g == 0]:
@@ -170,9 +170,11 @@ def test_configuration_errors_name_the_bad_value():
     with pytest.raises(VerlConfigError, match="stage 1 but the training layout has PP=1"):
         plan_reshard(megatron_meta(cfg, pp=2), Placement.layout(dp=2), 1)
     with pytest.raises(VerlConfigError, match="not a multiple"):
+        plan_reshard(megatron_meta(tiny_config(heads=6, kv_heads=2, hidden=24, vocab=192)), Placement.layout(dp=3), 3)
+    with pytest.raises(VerlConfigError, match="padded vocabulary of 128 rows does not split over generation TP=3"):
         plan_reshard(megatron_meta(tiny_config(heads=6, kv_heads=2, hidden=24)), Placement.layout(dp=3), 3)
     with pytest.raises(VerlConfigError, match="8 query heads do not split over generation TP=3"):
-        plan_reshard(megatron_meta(cfg), Placement.layout(dp=3), 3)
+        plan_reshard(megatron_meta(tiny_config(vocab=192)), Placement.layout(dp=3), 3)
 
 
 def test_kv_heads_are_replicated_when_generation_tp_exceeds_them():
@@ -185,3 +187,15 @@ def test_kv_heads_are_replicated_when_generation_tp_exceeds_them():
     hd = cfg.hidden_size // cfg.num_attention_heads
     for r, (tg, _) in enumerate(plan.coords):
         assert torch.equal(got[r]["model.layers.0.self_attn.k_proj.weight"], k[(tg // 2) * hd:(tg // 2 + 1) * hd])
+
+
+@pytest.mark.parametrize("vocab,tp_g,rows", [(151936, 2, [75968, 75968]), (50257, 2, [25152, 25105]),
+                                             (101, 4, [32, 32, 32, 5])])
+def test_generation_vocab_shards_follow_the_engines_padding(vocab, tp_g, rows):
+    """vLLM / SGLang pad the vocabulary to a multiple of 64 and give each TP rank an equal range: a shard cut
+    any other way would not fit the engine's parameter (megatron's padding for 151936 at TP=2 gives 76032)."""
+    from verl.hybrid_engine import generation_targets
+    from verl.models.layout import TensorGroup
+    group = TensorGroup(kind="vocab", names=("model.embed_tokens.weight",), shapes=((vocab, 8),))
+    got = [generation_targets(group, tp_g, r, "vllm") for r in range(tp_g)]
+    assert [sum(t.shape[0] for t in ts) for ts in got] == rows

@@ -32,7 +32,7 @@ def test_whole_copies_on_every_rank_move_nothing(world, tp_g, fmt, variant):
     assert traffic["sent"] == [0] * world and traffic["received"] == [0] * world
     for r in range(world):
         assert plan.local_params(r) == {n: tuple(t.shape) for n, t in sd.items()}
-    check_against_reference(plan, [sd] * world, sd, cfg, cfg.vocab_size)
+    check_against_reference(plan, [sd] * world, sd, cfg)
     if tp_g == 1 and fmt == "hf":  # every target is the rank's own whole tensor (the executor hands out a view)
         for t in plan.targets_of(0):
             (pc,) = t.pieces
@@ -58,10 +58,10 @@ def test_fsdp_dim0_shards_gather_only_the_rows_a_rank_lacks(world, tp_g, fmt):
     shards = [{n: fsdp_chunk(w, r, world) for n, w in sd.items()} for r in range(world)]
     for r in range(world):
         assert plan.local_params(r) == {n: tuple(t.shape) for n, t in shards[r].items()}
-    check_against_reference(plan, shards, sd, cfg, cfg.vocab_size)
+    check_against_reference(plan, shards, sd, cfg)
     traffic = plan.traffic()
     for r, (tg, _) in enumerate(plan.coords):
-        assert traffic["received"][r] == fsdp_bytes_needed(sd, cfg, tp_g, tg, r, world, cfg.vocab_size), r
+        assert traffic["received"][r] == fsdp_bytes_needed(sd, cfg, tp_g, tg, r, world), r
     assert sum(traffic["sent"]) == sum(traffic["received"])
     if tp_g > 1:  # o_proj / down_proj are cut by columns while FSDP cuts rows: read narrowed chunks
         o = next(t for t in plan.targets_of(0) if t.target.name == "model.layers.0.self_attn.o_proj.weight")

@@ -10,8 +10,8 @@ pipeline.
   `gate_up_proj` per TP_g shard ([q_r; k_r; v_r], [gate_r; up_r]), everything else as in `hf`.
 
 When TP_g exceeds the KV heads each KV head is replicated on TP_g / KV ranks (vLLM's convention). The
-vocabulary is split as its padded size is (megatron's padding, so generation shards line up with training
-shards), and padding rows are never sent.
+vocabulary is split as the engines' vocab-parallel layers split it (padded to a multiple of 64, equal ranges
+per rank), and padding rows are never sent.
 """
 
 from __future__ import annotations
@@ -76,14 +76,22 @@ def _segments(group: TensorGroup, tp_g: int, rank: int) -> list[Segment]:
     if kind in ("replicated", "whole") or tp_g == 1:
         return [Segment(hf_name=n, start=0, length=s[group.dim]) for n, s in zip(names, group.shapes)]
     if kind == "vocab":
-        # Split the PADDED vocabulary as megatron does, so a generation shard lines up with training shards;
-        # rows past the real vocabulary are not sent.
+        # Split the vocabulary as the engines' vocab-parallel layers hold it (vLLM and SGLang pad it to a
+        # multiple of ENGINE_VOCAB_PADDING, then give each TP rank an equal range); padding rows are not sent.
         vocab = group.shapes[0][0]
-        per = -(-max(group.padded_rows, vocab) // tp_g)
+        padded = -(-vocab // ENGINE_VOCAB_PADDING) * ENGINE_VOCAB_PADDING
+        if padded % tp_g:
+            raise VerlConfigError(f"{names[0]}: the engines' padded vocabulary of {padded} rows does not split over "
+                                  f"generation TP={tp_g}; choose a generation TP dividing {padded}")
+        per = padded // tp_g
         start = min(rank * per, vocab)
         return [Segment(hf_name=names[0], start=start, length=min(per, vocab - start))]
     start, n = _even(group.shapes[0][1], tp_g, rank, names[0] + " (generation)")  # row: columns
     return [Segment(hf_name=names[0], start=start, length=n)]
+
+
+ENGINE_VOCAB_PADDING = 64
+"""vLLM's (and SGLang's) DEFAULT_VOCAB_PADDING_SIZE: the multiple their vocab-parallel layers pad to."""
 
 
 def _shape_with(group: TensorGroup, index: int, rows: int) -> tuple[int, ...]:

@@ -138,7 +138,7 @@ class TensorGroup:
 
     kind: str
     """One of GROUP_KINDS: how tensor parallelism cuts it — qkv (query heads; KV heads, replicated past their
-    count), gate_up and vocab (rows; vocab over `padded_rows`), row (columns), replicated (whole on every
+    count), gate_up and vocab (rows; vocab as the engines pad it), row (columns), replicated (whole on every
     rank), whole (an architecture the layout model does not know: never cut, never fused)."""
     names: tuple[str, ...]
     """HF names, in fused order."""
@@ -150,8 +150,6 @@ class TensorGroup:
     """qkv: key/value heads."""
     head_dim: int = 0
     """qkv: rows per head."""
-    padded_rows: int = 0
-    """vocab: the padded vocabulary the generation split divides (megatron's, so shards line up)."""
 
     def __post_init__(self):
         if self.kind not in GROUP_KINDS or len(self.names) != len(self.shapes):
@@ -185,12 +183,10 @@ def _seg(name: str | None, start: int, length: int) -> Segment:
 
 # ------------------------------------------------------------------------------------------- HF tensors
 
-def hf_tensor_groups(arch: ArchSpec, *, padded_vocab: int | None = None,
-                     value_head: bool = False) -> tuple[TensorGroup, ...]:
+def hf_tensor_groups(arch: ArchSpec, *, value_head: bool = False) -> tuple[TensorGroup, ...]:
     """Every tensor of the HF checkpoint, in model order (embeddings, layers, final norm, output)."""
     h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
-    vp = padded_vocab or arch.vocab_size
-    vocab = dict(kind="vocab", shapes=((arch.vocab_size, h),), padded_rows=vp)
+    vocab = dict(kind="vocab", shapes=((arch.vocab_size, h),))
     heads = dict(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=hd)
     q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
     groups = [TensorGroup(names=("model.embed_tokens.weight",), **vocab)]
@@ -347,7 +343,7 @@ def megatron_model_layout(arch: ArchSpec, layout: ParallelLayout, *, params: lis
     those `megatron_shard_specs` derives for `pp` stages of `dtype`."""
     if params is None:
         params = megatron_shard_specs(arch, layout, pp=pp, dtype=dtype, value_head=value_head)
-    groups = hf_tensor_groups(arch, padded_vocab=layout.padded_vocab_size, value_head=value_head)
+    groups = hf_tensor_groups(arch, value_head=value_head)
     return ModelLayout(architecture=arch.model_type, groups=groups, params=tuple(p for p in params if p.exported))
 
 
