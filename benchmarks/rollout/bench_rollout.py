@@ -36,8 +36,8 @@ SIZES = {"quick": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=688, promp
 
 
 def _prompts(tok, n):
-    from verl.rollout.toy import TOY_CORPUS
-    words = " ".join(TOY_CORPUS).split()
+    from verl.testing.tiny import SAMPLE_TEXT
+    words = " ".join(SAMPLE_TEXT).split()
     return [" ".join(words[(7 * i) % 50:(7 * i) % 50 + 3 + i % 9]) for i in range(n)]
 
 
@@ -70,13 +70,16 @@ def main():
     size = "full" if args.full else "quick"
     cfg = SIZES[size]
     from verl.rollout import RolloutConfig, SamplingParams, build_rollout
-    from verl.rollout.toy import save_toy_model
+    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
     from verl.rollout.vllm_engine import vllm_available
     ok, why = vllm_available()
     if not ok:
         sys.exit(f"bench_rollout needs vLLM: {why}")
-    path = save_toy_model(tempfile.mkdtemp(prefix="verl-bench-rollout-"), seed=0, hidden=cfg["hidden"],
-                          layers=cfg["layers"], heads=cfg["heads"], kv_heads=cfg["kv_heads"], ffn=cfg["ffn"])
+    tok = tiny_tokenizer()
+    model = tiny_model(tokenizer=tok, seed=0, hidden_size=cfg["hidden"], num_layers=cfg["layers"],
+                       num_heads=cfg["heads"], num_kv_heads=cfg["kv_heads"], intermediate_size=cfg["ffn"],
+                       max_position_embeddings=512, initializer_range=0.2)
+    path = str(save_tiny(model, tok, tempfile.mkdtemp(prefix="verl-bench-rollout-")))
     torch.set_num_threads(1)
     torch_engine = build_rollout(RolloutConfig(engine="torch", model_path=path, max_batch_size=cfg["prompts"]))
     prompts = _prompts(torch_engine.tokenizer, cfg["prompts"])

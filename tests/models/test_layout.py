@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models._tiny import tiny_hf_config
 from verl.errors import VerlConfigError
 from verl.models import arch_from_hf, parallel_layout
 from verl.models.layout import KINDS, hf_tensor_shapes, shard_spec
+from verl.testing.tiny import tiny_config
 
 LOCAL_NAMES = [
     "embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
@@ -20,7 +20,7 @@ LOCAL_NAMES = [
 
 
 def _spec(name, tp, rank, **cfg):
-    arch = arch_from_hf(tiny_hf_config("qwen2", **cfg))
+    arch = arch_from_hf(tiny_config(family="qwen2", **cfg))
     return shard_spec(name, arch=arch, layout=parallel_layout(arch, tp), tp_rank=rank, layer_offset=0)
 
 
@@ -40,8 +40,8 @@ def test_qkv_is_grouped_q_then_k_then_v_per_query_group():
 def test_qkv_when_tp_exceeds_kv_heads_splits_a_group_contiguously():
     # 1 KV head, TP 2: the single group [q0 q1 q2 q3 k v] (6 x 16 rows) is cut in half, as megatron does.
     p = "model.layers.0.self_attn"
-    r0 = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, 0, kv_heads=1)
-    r1 = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, 1, kv_heads=1)
+    r0 = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, 0, num_kv_heads=1)
+    r1 = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, 1, num_kv_heads=1)
     assert _pieces(r0) == [(f"{p}.q_proj.weight", 0, 48)]
     assert _pieces(r1) == [(f"{p}.q_proj.weight", 48, 16), (f"{p}.k_proj.weight", 0, 16),
                            (f"{p}.v_proj.weight", 0, 16)]
@@ -55,7 +55,7 @@ def test_gate_up_is_per_rank_gate_then_up():
 
 
 def test_vocab_padding_lands_on_the_last_rank():
-    spec = _spec("embedding.word_embeddings.weight", 2, 1, vocab=101)
+    spec = _spec("embedding.word_embeddings.weight", 2, 1, vocab_size=101)
     assert spec.global_shape == (102, 64) and spec.local_shape == (51, 64)
     assert _pieces(spec) == [("model.embed_tokens.weight", 51, 50), (None, 0, 1)]
 
@@ -70,12 +70,12 @@ def test_row_parallel_splits_columns_and_norms_are_replicated():
 
 
 def test_tied_output_layer_reads_the_embedding_and_is_not_exported():
-    spec = _spec("output_layer.weight", 2, 0, tie=True)
+    spec = _spec("output_layer.weight", 2, 0, tie_word_embeddings=True)
     assert spec.hf_names == ("model.embed_tokens.weight",) and not spec.exported
 
 
 def test_pipeline_offset_gives_global_layer_names():
-    arch = arch_from_hf(tiny_hf_config("llama", layers=4))
+    arch = arch_from_hf(tiny_config(num_layers=4))
     spec = shard_spec("decoder.layers.1.mlp.linear_fc2.weight", arch=arch, layout=parallel_layout(arch, 1),
                       tp_rank=0, layer_offset=2)
     assert spec.name == "decoder.layers.3.mlp.linear_fc2.weight"
@@ -85,7 +85,7 @@ def test_pipeline_offset_gives_global_layer_names():
 
 @pytest.mark.parametrize("tp,kv", [(1, 2), (2, 2), (2, 1), (4, 1), (2, 4)])
 def test_shards_tile_every_hf_tensor_exactly_once(tp, kv):
-    arch = arch_from_hf(tiny_hf_config("qwen2", kv_heads=kv, heads=4, vocab=101))
+    arch = arch_from_hf(tiny_config(family="qwen2", num_kv_heads=kv, num_heads=4, vocab_size=101))
     layout = parallel_layout(arch, tp)
     covered: dict[str, list[tuple[int, int]]] = {}
     for name in LOCAL_NAMES:
@@ -108,10 +108,10 @@ def test_shards_tile_every_hf_tensor_exactly_once(tp, kv):
 
 
 def test_bad_layouts_are_refused_with_the_fix():
-    arch = arch_from_hf(tiny_hf_config("llama", heads=4, kv_heads=2))
+    arch = arch_from_hf(tiny_config(num_heads=4, num_kv_heads=2))
     with pytest.raises(VerlConfigError, match="tp=3"):
         parallel_layout(arch, 3)
     with pytest.raises(VerlConfigError, match="gelu"):
-        arch_from_hf(tiny_hf_config("llama", hidden_act="gelu"))
+        arch_from_hf(tiny_config(hidden_act="gelu"))
     with pytest.raises(VerlConfigError, match="yarn"):
-        arch_from_hf(tiny_hf_config("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+        arch_from_hf(tiny_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))

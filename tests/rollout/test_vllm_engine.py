@@ -20,12 +20,16 @@ _ok, _why = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not _ok, reason=_why or "vllm not importable")]
 
 PROMPTS = ["the quick brown", "one two three four five six", "what", [1, 86, 74, 71]]
+# head_dim = 128 / 4 = 32: vLLM's CPU attention kernels need at least that.
+SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
+             max_position_embeddings=512, initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from verl.rollout.toy import save_toy_model
-    return save_toy_model(str(tmp_path_factory.mktemp("toy")), seed=0)
+    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    tok = tiny_tokenizer()
+    return str(save_tiny(tiny_model(tokenizer=tok, seed=0, **SHAPE), tok, tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +121,11 @@ def test_sleep_mode_on_cpu_is_refused_with_the_reason(vllm_engine, model_dir):
 @pytest.mark.slow
 def test_multiprocess_engine_receives_weights_as_safetensors_blobs(model_dir, torch_engine):
     """vLLM in its own process: weights travel as safetensors blobs to verl's worker extension."""
-    from verl.rollout.toy import toy_llama
+    from verl.testing.tiny import tiny_model
     eng = build_rollout(RolloutConfig(engine="vllm", model_path=model_dir, dtype="float32", in_process=False,
                                       kv_cache_memory_bytes=64 << 20))
-    new = toy_llama(len(eng.tokenizer.hf), seed=9).state_dict()
+    new = tiny_model(tokenizer=eng.tokenizer.hf, seed=9, **SHAPE).state_dict()
     assert eng.update_weights(iter(new.items())) == len(new)
-    want = TorchRollout(toy_llama(len(eng.tokenizer.hf), seed=9), eng.tokenizer)
+    want = TorchRollout(tiny_model(tokenizer=eng.tokenizer.hf, seed=9, **SHAPE), eng.tokenizer)
     sp = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in eng.generate(PROMPTS, sp)] == [o.token_ids for o in want.generate(PROMPTS, sp)]

@@ -10,8 +10,8 @@ import torch
 
 from verl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, TinyModelConfig
 from verl.data import task_corpus
+from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
 from verl.utils.distributed import World, ensure_process_group
-from verl.utils.tiny_model import build_tiny_llama, build_tokenizer, save_pretrained_pair
 from verl.workers import ActorWorker, TorchEngine
 from verl.workers.rollout import HFRollout
 from verl.config import RolloutConfig
@@ -28,9 +28,9 @@ def megatron_setup(tmp_path_factory):
     from verl.distributed import destroy_process_groups, init_process_groups
     ensure_process_group(World(0, 1, 0, torch.device("cpu")))
     pg = init_process_groups(tp=1, pp=1)
-    tok = build_tokenizer(task_corpus("arithmetic"), 96)
-    model = build_tiny_llama(SHAPE, tok, seed=3)
-    path = save_pretrained_pair(model, tok, tmp_path_factory.mktemp("hf"))
+    tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
+    model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=3)
+    path = save_tiny(model, tok, tmp_path_factory.mktemp("hf"))
     yield pg, tok, model, path
     destroy_process_groups()
     dist.destroy_process_group()
@@ -59,7 +59,8 @@ def test_megatron_actor_matches_torch_and_syncs_weights(megatron_setup):
     adv = torch.randn(len(batch))[:, None] * batch.response_mask
     stats = meg.update(batch, None, adv, None)
     assert stats["actor/grad_norm"] > 0
-    rollout_model = build_tiny_llama(SHAPE, tok, seed=99)  # different weights until synced
+    # Different weights until synced.
+    rollout_model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=99)
     rollout = HFRollout(rollout_model, tok, RolloutConfig(n=4, max_new_tokens=5), 16, torch.device("cpu"))
     moved = rollout.sync_weights(meg)
     assert moved > 0

@@ -10,11 +10,15 @@ import torch
 
 from verl.config import RolloutConfig, TinyModelConfig
 from verl.data import task_corpus
-from verl.utils.tiny_model import build_tiny_llama, build_tokenizer
+from verl.testing.tiny import tiny_model, tiny_tokenizer
 from verl.workers.rollout import HFRollout
 
 SHAPE = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 ROWS = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12-5=", "answer": "7"}, {"prompt": "9+9=", "answer": "18"}]
+
+
+def _policy(tok, seed):
+    return tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=seed)
 
 
 def _engines():
@@ -30,12 +34,12 @@ def _engines():
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_tokenizer(task_corpus("arithmetic"), 64)
+    return tiny_tokenizer(task_corpus("arithmetic"), 64)
 
 
 @pytest.mark.parametrize("engine", _engines())
 def test_batch_layout(engine, tok):
-    model = build_tiny_llama(SHAPE, tok, seed=1)
+    model = _policy(tok, seed=1)
     torch.manual_seed(0)
     r = engine(model, tok, RolloutConfig(n=4, max_new_tokens=6), 16, torch.device("cpu"))
     b = r.generate(ROWS)
@@ -59,7 +63,7 @@ def test_batch_layout(engine, tok):
 
 @pytest.mark.parametrize("engine", _engines())
 def test_sync_weights_from_a_separate_actor(engine, tok):
-    rollout_model, actor_model = build_tiny_llama(SHAPE, tok, seed=1), build_tiny_llama(SHAPE, tok, seed=2)
+    rollout_model, actor_model = _policy(tok, seed=1), _policy(tok, seed=2)
     r = engine(rollout_model, tok, RolloutConfig(n=1, max_new_tokens=3), 16, torch.device("cpu"))
     shared = SimpleNamespace(engine=SimpleNamespace(module=rollout_model))
     assert r.sync_weights(shared) == 0
@@ -71,7 +75,7 @@ def test_sync_weights_from_a_separate_actor(engine, tok):
 def test_fast_decoder_setting_changes_the_path_not_the_samples(tok):
     pytest.importorskip("verl.rollout")
     from verl.workers.torch_rollout import TorchEngineRollout
-    model = build_tiny_llama(SHAPE, tok, seed=1)
+    model = _policy(tok, seed=1)
     batches = {}
     for fast in (True, False):
         r = TorchEngineRollout(model, tok, RolloutConfig(n=3, max_new_tokens=6, fast_decoder=fast), 16,
