@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class VerlError(Exception):
     """Base class of verl's own errors."""
@@ -39,3 +42,16 @@ def _rebuild_runtime_error(message, node, rank):
     RuntimeError.__init__(err, message)
     err.node, err.rank, err.cause = node, rank, None
     return err
+
+
+def nearest(name: object, candidates: Iterable[object], what: str = "") -> str:
+    """' (did you mean 'x'?)' for the closest candidate, or the list of valid names when none is close: the
+    tail of an error message about a misspelt name."""
+    cands = sorted({str(c) for c in candidates})
+    close = difflib.get_close_matches(str(name), cands, n=1, cutoff=0.5)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    if not cands:
+        return f" (there are no {what or 'names'})"
+    shown = cands if len(cands) <= 12 else cands[:12] + ["..."]
+    return f" ({what or 'valid names'}: {', '.join(shown)})"

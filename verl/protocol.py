@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
-from verl.errors import VerlConfigError
+from verl.errors import VerlConfigError, nearest
 
 __all__ = ["DataProto"]
 
@@ -89,7 +89,6 @@ class DataProto:
         """``batch["key"]``: a tensor, or a list for a non-tensor field; anything else indexes samples."""
         if isinstance(index, str):
             if index not in self.batch.keys():
-                from verl.dataflow.config import nearest
                 raise KeyError(f"DataProto has no field '{index}'{nearest(index, self.keys(), 'fields')}")
             v = self.batch.get(index)
             if self.batch.is_non_tensor(index):
@@ -118,7 +117,6 @@ class DataProto:
         """The batch with only ``keys`` (meta kept)."""
         missing = [k for k in keys if k not in self]
         if missing:
-            from verl.dataflow.config import nearest
             raise KeyError(f"DataProto.select: no fields {missing}{nearest(missing[0], self.keys(), 'fields')}")
         return DataProto(self.batch.select(*keys), self.meta)
 

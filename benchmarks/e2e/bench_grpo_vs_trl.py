@@ -39,10 +39,10 @@ TINY = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermed
 def build_assets(work: Path) -> tuple[Path, Path, int]:
     from verl.config import TinyModelConfig
     from verl.data import make_task, task_corpus, write_jsonl
-    from verl.utils.tiny_model import build_tiny_llama, build_tokenizer, save_pretrained_pair
-    tok = build_tokenizer(task_corpus("arithmetic"), TINY["vocab_size"])
-    model = build_tiny_llama(TinyModelConfig(**TINY), tok, seed=0)
-    model_dir = save_pretrained_pair(model, tok, work / "model")
+    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    tok = tiny_tokenizer(task_corpus("arithmetic"), TINY["vocab_size"])
+    model = tiny_model(TinyModelConfig(**TINY), tokenizer=tok, tie_word_embeddings=True, seed=0)
+    model_dir = save_tiny(model, tok, work / "model")
     rows = make_task("arithmetic", PROMPTS, seed=0)
     write_jsonl(rows, work / "prompts.jsonl")
     return model_dir, work / "prompts.jsonl", sum(p.numel() for p in model.parameters())

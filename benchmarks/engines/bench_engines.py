@@ -39,8 +39,8 @@ SIZES = {"quick": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=688, promp
 
 
 def _prompts(n: int) -> list[str]:
-    from verl.rollout.toy import TOY_CORPUS
-    words = " ".join(TOY_CORPUS).split()
+    from verl.testing.tiny import SAMPLE_TEXT
+    words = " ".join(SAMPLE_TEXT).split()
     return [" ".join(words[(7 * i) % 50:(7 * i) % 50 + 3 + i % 9]) for i in range(n)]
 
 
@@ -158,10 +158,13 @@ def main() -> int:
         return 0
     size_name = "full" if args.full else "quick"
     size = SIZES[size_name]
-    from verl.rollout.toy import save_toy_model
+    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
     tmp = tempfile.mkdtemp(prefix="verl-bench-engines-")
-    model_dir = save_toy_model(os.path.join(tmp, "model"), seed=0, hidden=size["hidden"], layers=size["layers"],
-                               heads=size["heads"], kv_heads=size["kv_heads"], ffn=size["ffn"])
+    tok = tiny_tokenizer()
+    model = tiny_model(tokenizer=tok, seed=0, hidden_size=size["hidden"], num_layers=size["layers"],
+                       num_heads=size["heads"], num_kv_heads=size["kv_heads"], intermediate_size=size["ffn"],
+                       max_position_embeddings=512, initializer_range=0.2)
+    model_dir = str(save_tiny(model, tok, os.path.join(tmp, "model")))
     engines = ["torch"] + [e for e in args.engines if e != "torch"]  # torch first: the reference
     rows = [_run(e, _interpreter(e, args.vllm_python), model_dir, size, args.repeats, tmp) for e in engines]
     ref = rows[0]

@@ -202,6 +202,22 @@ def test_order_is_deterministic_and_explicit_dependencies_add_ordering():
 
 
 # ---- runtime behaviour -----------------------------------------------------------------------------------------
+def test_the_runtime_caches_one_plan_per_dataflow_without_keeping_it_alive():
+    import gc
+    import weakref
+
+    from verl.dataflow import runtime
+    flow = build_dataflow(nodes=[as_tuple, as_dict, add])
+    assert flow.run({"x": 1})["s"] == 2 + 3
+    plan = runtime._plan_for(flow)
+    assert flow.run({"x": 2})["s"] == 3 + 6 and runtime._plan_for(flow) is plan  # compiled once
+    assert flow in runtime._PLANS
+    ref = weakref.ref(flow)
+    del flow, plan
+    gc.collect()
+    assert ref() is None, "the runtime's plan cache keeps the dataflow alive"
+
+
 def test_retries_only_transient_errors_with_backoff():
     calls = []
 

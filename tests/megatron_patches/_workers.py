@@ -6,13 +6,13 @@ from __future__ import annotations
 def tied_embeddings_two_stages(rank, world_size):
     """Builds a tied-embedding model over 2 pipeline stages without, then with, the tied-embedding patch."""
     import megatron_patches
-    from tests.models._tiny import tiny_hf_config
     from verl.distributed import init_process_groups
     from verl.models import build_gpt
+    from verl.testing.tiny import tiny_config
     pg = init_process_groups(tp=1, pp=2)     # applies every patch; then take the one under test out
     megatron_patches.revert()
     megatron_patches.apply(exclude=("tied_embedding_no_cuda_copy",))
-    cfg = tiny_hf_config("llama", layers=2, hidden=32, ffn=64, vocab=50, tie=True)
+    cfg = tiny_config(num_layers=2, hidden_size=32, intermediate_size=64, vocab_size=50, tie_word_embeddings=True)
     try:
         build_gpt(cfg, pg)
         without = "built"

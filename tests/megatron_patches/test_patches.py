@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 import megatron_patches
 from megatron_patches import _mechanisms as mech
-from tests.models._tiny import tiny_hf_config
 from verl.testing.distributed import free_port
+from verl.testing.tiny import tiny_config
+
+SHAPE = dict(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=50)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches are a no-op with CUDA")
 
@@ -54,7 +56,7 @@ def patched(exclude=()):
 
 def _model(pg, **kw):
     from verl.models import build_gpt
-    return build_gpt(tiny_hf_config("llama", layers=1, hidden=32, ffn=64, vocab=50, **kw), pg)
+    return build_gpt(tiny_config(**SHAPE, **kw), pg)
 
 
 def _rng(pg):
@@ -88,7 +90,7 @@ def _param_type_checks(pg):
     from verl.config import OptimConfig
     from verl.models.optimizer import build_optimizer, train_step
     batch = make_micro_batches(torch.randint(0, 50, (1, 6)), None, 1)
-    cfg = tiny_hf_config("llama", layers=1, hidden=32, ffn=64, vocab=50)
+    cfg = tiny_config(**SHAPE)
     for dtype, sharded in (("float32", True), ("bfloat16", False), ("bfloat16", True)):
         m = build_gpt(cfg, pg, BuildOptions(params_dtype=dtype))
         opt = build_optimizer(m, OptimConfig(grad_clip=1e-3), use_distributed_optimizer=sharded)

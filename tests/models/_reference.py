@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from tests.models._tiny import hf_model
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).float().eval()
 
 
 def _loss(model, ids, mask):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models._tiny import tiny_hf_config
+from verl.testing.tiny import tiny_config
 from verl.errors import VerlConfigError
 from verl.models import arch_from_hf, parallel_layout
 from verl.models.layout import (KINDS, Segment, ShardSpec, hf_model_layout, hf_tensor_groups, hf_tensor_shapes,
@@ -21,7 +21,7 @@ LOCAL_NAMES = [
 
 
 def _spec(name, tp, **cfg):
-    arch = arch_from_hf(tiny_hf_config("qwen2", **cfg))
+    arch = arch_from_hf(tiny_config(family="qwen2", **cfg))
     return shard_spec(name, arch=arch, layout=parallel_layout(arch, tp), layer_offset=0)
 
 
@@ -41,7 +41,7 @@ def test_qkv_is_grouped_q_then_k_then_v_per_query_group():
 def test_qkv_when_tp_exceeds_kv_heads_splits_a_group_contiguously():
     # 1 KV head, TP 2: the single group [q0 q1 q2 q3 k v] (6 x 16 rows) is cut in half, as megatron does.
     p = "model.layers.0.self_attn"
-    spec = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, kv_heads=1)
+    spec = _spec("decoder.layers.0.self_attention.linear_qkv.weight", 2, num_kv_heads=1)
     assert _pieces(spec, 0) == [(f"{p}.q_proj.weight", 0, 48)]
     assert _pieces(spec, 1) == [(f"{p}.q_proj.weight", 48, 16), (f"{p}.k_proj.weight", 0, 16),
                                 (f"{p}.v_proj.weight", 0, 16)]
@@ -55,7 +55,7 @@ def test_gate_up_is_per_rank_gate_then_up():
 
 
 def test_vocab_padding_lands_on_the_last_rank():
-    spec = _spec("embedding.word_embeddings.weight", 2, vocab=101)
+    spec = _spec("embedding.word_embeddings.weight", 2, vocab_size=101)
     assert spec.global_shape == (102, 64) and spec.local_shape(1) == (51, 64)
     assert _pieces(spec, 1) == [("model.embed_tokens.weight", 51, 50), (None, 0, 1)]
 
@@ -70,12 +70,12 @@ def test_row_parallel_splits_columns_and_norms_are_replicated():
 
 
 def test_tied_output_layer_reads_the_embedding_and_is_not_exported():
-    spec = _spec("output_layer.weight", 2, tie=True)
+    spec = _spec("output_layer.weight", 2, tie_word_embeddings=True)
     assert spec.hf_names == ("model.embed_tokens.weight",) and not spec.exported
 
 
 def test_pipeline_offset_gives_global_layer_names():
-    arch = arch_from_hf(tiny_hf_config("llama", layers=4))
+    arch = arch_from_hf(tiny_config(family="llama", num_layers=4))
     spec = shard_spec("decoder.layers.1.mlp.linear_fc2.weight", arch=arch, layout=parallel_layout(arch, 1),
                       layer_offset=2, stage=1)
     assert spec.name == "decoder.layers.3.mlp.linear_fc2.weight" and spec.layer == 3 and spec.stage == 1
@@ -85,7 +85,7 @@ def test_pipeline_offset_gives_global_layer_names():
 
 @pytest.mark.parametrize("tp,kv", [(1, 2), (2, 2), (2, 1), (4, 1), (2, 4)])
 def test_shards_tile_every_hf_tensor_exactly_once(tp, kv):
-    arch = arch_from_hf(tiny_hf_config("qwen2", kv_heads=kv, heads=4, vocab=101))
+    arch = arch_from_hf(tiny_config(family="qwen2", num_kv_heads=kv, num_heads=4, vocab_size=101))
     layout = parallel_layout(arch, tp)
     covered: dict[str, list[tuple[int, int]]] = {}
     for name in LOCAL_NAMES:
@@ -108,15 +108,15 @@ def test_shards_tile_every_hf_tensor_exactly_once(tp, kv):
 
 
 def test_bad_layouts_are_refused_with_the_fix():
-    arch = arch_from_hf(tiny_hf_config("llama", heads=4, kv_heads=2))
+    arch = arch_from_hf(tiny_config(family="llama", num_heads=4, num_kv_heads=2))
     with pytest.raises(VerlConfigError, match="tp=3"):
         parallel_layout(arch, 3)
     with pytest.raises(VerlConfigError, match="gelu"):
-        arch_from_hf(tiny_hf_config("llama", hidden_act="gelu"))
+        arch_from_hf(tiny_config(family="llama", hidden_act="gelu"))
     with pytest.raises(VerlConfigError, match="o_proj bias"):
-        arch_from_hf(tiny_hf_config("llama", attention_bias=True))
+        arch_from_hf(tiny_config(family="llama", attention_bias=True))
     with pytest.raises(VerlConfigError, match="yarn"):
-        arch_from_hf(tiny_hf_config("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+        arch_from_hf(tiny_config(family="llama", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
 
 
 def test_chunks_are_ceil_sized_with_short_or_empty_last_ones():
@@ -134,7 +134,7 @@ def test_chunks_are_ceil_sized_with_short_or_empty_last_ones():
 @pytest.mark.parametrize("family,tie,value_head", [("llama", False, False), ("qwen2", True, False),
                                                    ("mistral", False, True)])
 def test_every_stage_holds_each_hf_tensor_once_and_groups_list_them_all(family, tie, value_head):
-    arch = arch_from_hf(tiny_hf_config(family, layers=4, tie=tie))
+    arch = arch_from_hf(tiny_config(family=family, num_layers=4, tie_word_embeddings=tie))
     layout = parallel_layout(arch, 2, vocab_multiple=4)
     specs = megatron_shard_specs(arch, layout, pp=2, value_head=value_head)
     assert [s.stage for s in specs] == sorted(s.stage for s in specs)
@@ -149,7 +149,7 @@ def test_every_stage_holds_each_hf_tensor_once_and_groups_list_them_all(family, 
 
 def test_an_hf_module_of_a_known_architecture_gets_its_groups_and_whole_or_fsdp_params():
     from transformers import AutoModelForCausalLM
-    cfg = tiny_hf_config("qwen2", tie=True)
+    cfg = tiny_config(family="qwen2", tie_word_embeddings=True)
     params = dict(AutoModelForCausalLM.from_config(cfg).named_parameters())
     whole = hf_model_layout(params, cfg)
     assert not whole.unknown and whole.architecture == "qwen2"

@@ -26,8 +26,8 @@ import torch
 
 from tests.models import _workers
 from tests.models._reference import hf_reference
-from tests.models._tiny import save_tiny_checkpoint
 from verl.testing import run_distributed
+from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
 
 LOGIT_TOL = 1e-4
 GRAD_TOL = 1e-4
@@ -38,23 +38,30 @@ ALL_LAYOUTS = [(1, 1, False), (1, 2, False), (2, 1, False), (2, 1, True), (2, 2,
 
 CASES = {
     # name: (family, checkpoint kwargs, layouts, job options)
-    "llama gqa kv2<q4 untied V101": ("llama", dict(kv_heads=2, vocab=101), ALL_LAYOUTS,
+    "llama gqa kv2<q4 untied V101": ("llama", dict(num_kv_heads=2, vocab_size=101), ALL_LAYOUTS,
                                       dict(dist_opt=True, resume_layouts=[(2, 1, True), (2, 2, True)])),
     "llama mha kv4 tied V101 rope-llama3": (
-        "llama", dict(kv_heads=4, vocab=101, tie=True, max_position_embeddings=16384,
+        "llama", dict(num_kv_heads=4, vocab_size=101, tie_word_embeddings=True, max_position_embeddings=16384,
                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 8192}),
         [(2, 2, True)], {}),
     "qwen2 kv1<tp2 qkv-bias tied V99 rope-linear": (
-        "qwen2", dict(kv_heads=1, vocab=99, tie=True,
+        "qwen2", dict(num_kv_heads=1, vocab_size=99, tie_word_embeddings=True,
                       rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
         [(2, 1, True)], {}),
     "mistral kv2 untied V128 sharded-ckpt+tokenizer recompute": (
-        "mistral", dict(kv_heads=2, vocab=128, max_shard_size="60KB", with_tokenizer=True), [(2, 2, False)],
+        "mistral", dict(num_kv_heads=2, vocab_size=128, max_shard_size="60KB", with_tokenizer=True), [(2, 2, False)],
         dict(recompute=True)),
 }
 VALUE_LAYOUTS = [(2, 1, True)]
+
+
+def _checkpoint(path, family, *, seed, max_shard_size=None, with_tokenizer=False, **shape):
+    """A random checkpoint on disk; norms and biases get noise so that a layout mistake in them shows."""
+    model = tiny_model(family=family, seed=seed, noise=0.1, **shape)
+    tok = tiny_tokenizer(vocab_size=model.config.vocab_size) if with_tokenizer else None
+    return save_tiny(model, tok, path, max_shard_size=max_shard_size)
 
 
 def _batch(vocab, b=2, s=8, seed=1):
@@ -71,8 +78,8 @@ def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     jobs = []
     for i, (name, (family, kw, layouts, opts)) in enumerate(CASES.items()):
-        path = save_tiny_checkpoint(root / f"case{i}", family, seed=i, **kw)
-        batch = _batch(kw["vocab"], seed=i)
+        path = _checkpoint(root / f"case{i}", family, seed=i, **kw)
+        batch = _batch(kw["vocab_size"], seed=i)
         ref = hf_reference(path, *batch, steps=STEPS, lr=LR)
         jobs.append(dict(name=name, path=path, out_dir=str(root / f"out{i}"), layouts=layouts, batch=batch,
                          ref=ref, steps=STEPS, lr=LR, **opts))
@@ -232,7 +239,7 @@ def test_critic_value_head(matrix):
     assert set(r["missing"]) == {"output_layer.value_head.weight", "output_layer.value_head.bias"}
     hf = AutoModelForTokenClassification.from_pretrained(r["export_dir"], dtype=torch.float32).eval()
     job = CASES[next(iter(CASES))]
-    ids, mask = _batch(job[1]["vocab"], seed=0)
+    ids, mask = _batch(job[1]["vocab_size"], seed=0)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits.squeeze(-1)

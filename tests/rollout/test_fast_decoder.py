@@ -9,26 +9,19 @@ import torch
 
 from verl.rollout import RolloutConfig, SamplingParams, TorchRollout
 from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
-from verl.rollout.toy import toy_llama, toy_tokenizer
+from verl.testing.tiny import tiny_model, tiny_tokenizer
 
 
 def _qwen2(vocab: int, **extra):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2, **extra)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # Qwen2 initialises its q/k/v biases at zero: make them count
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.3)
-    return model
+    # Qwen2 initialises its q/k/v biases at zero (and norms at one): noise makes them count.
+    return tiny_model(family="qwen2", vocab_size=vocab, intermediate_size=96, max_position_embeddings=256,
+                      initializer_range=0.2, noise=0.3, **extra).eval()
 
 
 MODELS = {
-    "llama-gqa": lambda: toy_llama(64, hidden=64, heads=4, kv_heads=2, ffn=96),
-    "llama-mha-tied": lambda: toy_llama(64, hidden=64, heads=2, kv_heads=2, ffn=80, tie=True, seed=3),
+    "llama-gqa": lambda: tiny_model(vocab_size=64, intermediate_size=96, initializer_range=0.2).eval(),
+    "llama-mha-tied": lambda: tiny_model(vocab_size=64, num_heads=2, num_kv_heads=2, intermediate_size=80,
+                                         tie_word_embeddings=True, initializer_range=0.2, seed=3).eval(),
     "qwen2-bias": lambda: _qwen2(64),
 }
 
@@ -103,8 +96,8 @@ def test_finish_frees_the_cache_and_step_needs_start():
     dec.step(ids, mask)
     dec.finish()
     assert dec.layers == [] and dec.cos is None
-    tok = toy_tokenizer()
-    engine = TorchRollout(toy_llama(len(tok), hidden=64, heads=4, kv_heads=2, ffn=96), tok)
+    tok = tiny_tokenizer()
+    engine = TorchRollout(tiny_model(tokenizer=tok, intermediate_size=96, initializer_range=0.2), tok)
     engine.generate(["what"], SamplingParams(max_new_tokens=3, temperature=0))
     assert engine._fast.layers == []  # nothing of the rollout's KV cache outlives generate()
 
@@ -117,15 +110,15 @@ def test_unsupported_models_are_named_and_keep_their_own_forward():
         LlamaFamilyDecoder(gpt2)
     windowed = _qwen2(64, use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert unsupported_reason(windowed) == "sliding-window attention"
-    tok = toy_tokenizer()
+    tok = tiny_tokenizer()
     assert TorchRollout(windowed, tok)._fast is None
     assert TorchRollout(MODELS["llama-gqa"](), tok)._fast is not None
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_engine_output_is_the_same_with_and_without_the_fast_decoder(temperature):
-    tok = toy_tokenizer()
-    model = toy_llama(len(tok), hidden=64, heads=4, kv_heads=2, ffn=96)
+    tok = tiny_tokenizer()
+    model = tiny_model(tokenizer=tok, intermediate_size=96, initializer_range=0.2)
     sp = SamplingParams(max_new_tokens=8, n=2, temperature=temperature, seed=5, logprobs=True, ignore_eos=True)
     prompts = ["the quick brown", "what", "one two three four five six"]
     fast = TorchRollout(model, tok, RolloutConfig(decoder="fast")).generate(prompts, sp)

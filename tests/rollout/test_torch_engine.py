@@ -11,19 +11,21 @@ import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import RolloutConfig, SamplingParams, Tokenizer, TorchRollout, build_rollout
-from verl.rollout.toy import toy_llama, toy_tokenizer
+from verl.testing.tiny import tiny_model, tiny_tokenizer
 
 PROMPTS = ["the quick brown", "one two three four five six", "what", [1, 86, 74]]
+# A wide initialisation gives peaked, varied next-token distributions (the sampling tests need both).
+SHAPE = dict(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=96, initializer_range=0.2)
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return toy_tokenizer()
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model(tok):
-    return toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96)
+    return tiny_model(tokenizer=tok, **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +158,8 @@ def test_device_map_auto_model_is_respected(tmp_path, model, tok):
 
 
 def test_update_weights_changes_generation_and_unknown_names_fail(tok):
-    m = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=1)
-    other = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=2)
+    m = tiny_model(tokenizer=tok, seed=1, **SHAPE)
+    other = tiny_model(tokenizer=tok, seed=2, **SHAPE)
     eng = TorchRollout(m, tok)
     sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     assert eng.update_weights(iter(other.state_dict().items())) == len(other.state_dict())
@@ -172,8 +174,8 @@ def test_update_weights_changes_generation_and_unknown_names_fail(tok):
 def test_a_bad_push_names_the_weight_and_both_shapes_and_changes_nothing(tok, engine_cls):
     from verl.rollout.hf_engine import HFRollout
     cls = TorchRollout if engine_cls == "torch" else HFRollout
-    m = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=1)
-    other = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96, seed=2)
+    m = tiny_model(tokenizer=tok, seed=1, **SHAPE)
+    other = tiny_model(tokenizer=tok, seed=2, **SHAPE)
     eng = cls(m, tok)
     sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     before = {k: v.clone() for k, v in m.state_dict().items()}
@@ -192,7 +194,7 @@ def test_a_bad_push_names_the_weight_and_both_shapes_and_changes_nothing(tok, en
 
 
 def test_release_and_resume(tok):
-    m = toy_llama(len(tok), hidden=64, heads=2, kv_heads=1, ffn=96)
+    m = tiny_model(tokenizer=tok, **SHAPE)
     eng = TorchRollout(m, tok, RolloutConfig(release_weights=True))
     sp = SamplingParams(max_new_tokens=4, temperature=0)
     before = eng.generate(PROMPTS, sp)

@@ -69,10 +69,20 @@ def _fused(sd: dict) -> dict:
     return out
 
 
+# head_dim = 128 / 4 = 32: vLLM's CPU attention kernels need at least that.
+SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
+             max_position_embeddings=512, initializer_range=0.2)
+
+
+def _save_tiny(path, *, seed: int, tie: bool = False) -> str:
+    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    tok = tiny_tokenizer()
+    return str(save_tiny(tiny_model(tokenizer=tok, seed=seed, tie_word_embeddings=tie, **SHAPE), tok, path))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from verl.rollout.toy import save_toy_model
-    return save_toy_model(str(tmp_path_factory.mktemp("toy")), seed=0)
+    return _save_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -245,8 +255,7 @@ def test_config_errors_name_the_field(engine, model_dir):
 def test_tied_embeddings_push(tmp_path):
     """embed_tokens and lm_head share one weight: both layers must see the pushed values (vLLM's reload
     processes only one of the two)."""
-    from verl.rollout.toy import save_toy_model
-    d = save_toy_model(str(tmp_path / "tied"), seed=1, tie=True)
+    d = _save_tiny(tmp_path / "tied", seed=1, tie=True)
     eng = _engine(d)
     hf = _hf(d)
     hf.load_state_dict(_perturbed(hf.state_dict(), seed=8))

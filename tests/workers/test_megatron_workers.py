@@ -11,7 +11,7 @@ import torch
 from verl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, TinyModelConfig
 from verl.data import task_corpus
 from verl.rollout import RolloutConfig, build_rollout
-from verl.utils.tiny_model import build_tiny_llama, build_tokenizer, save_pretrained_pair
+from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine
 
 from tests.trainer.conftest import TINY
@@ -26,9 +26,9 @@ def megatron_setup(tmp_path_factory):
 
     from verl.distributed import destroy_process_groups, init_placement
     placement = init_placement("cpu", megatron=True)
-    tok = build_tokenizer(task_corpus("arithmetic"), 96)
-    model = build_tiny_llama(SHAPE, tok, seed=3)
-    path = save_pretrained_pair(model, tok, tmp_path_factory.mktemp("hf"))
+    tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
+    model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=3)
+    path = save_tiny(model, tok, tmp_path_factory.mktemp("hf"))
     yield placement, tok, model, path
     destroy_process_groups()
     dist.destroy_process_group()
@@ -56,7 +56,7 @@ def test_megatron_actor_matches_torch_and_syncs_weights(megatron_setup):
     assert stats["actor/grad_norm"] > 0
     # the rollout/train mismatch of the on-policy update: HF generate against megatron's forward
     assert 0 <= stats["rollout/mismatch_mean"] <= stats["rollout/mismatch_max"] < 1e-3
-    rollout_model = build_tiny_llama(SHAPE, tok, seed=99)  # different weights until synced
+    rollout_model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=99)  # different weights until synced
     rollout = _rollout(rollout_model, tok)
     sync = rollout.sync_weights(meg)
     assert sync["perf/sync_shared"] == 0.0 and sync["perf/sync_s"] > 0

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from verl.data import task_corpus
 from verl.errors import VerlConfigError
-from verl.utils.tiny_model import build_tokenizer
+from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
 from verl.workers import ModelRewardWorker, RolloutBatch, RuleRewardWorker
 
 
@@ -20,13 +19,10 @@ def _batch(texts, answers):
 
 
 def test_model_reward_scores_with_the_classification_head(tmp_path):
-    tok = build_tokenizer(task_corpus("arithmetic"), 64)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    rm = LlamaForSequenceClassification(cfg)
-    rm.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    tok = tiny_tokenizer(task_corpus("arithmetic"), 64)
+    rm = tiny_model(head="score", tokenizer=tok, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                    num_kv_heads=1)
+    save_tiny(rm, tok, tmp_path)
     worker = ModelRewardWorker(str(tmp_path), torch.device("cpu"))
     batch = _batch(["2", "3", "12"], ["2", "2", "2"])
     scores = worker.score(batch)

@@ -12,7 +12,7 @@ from verl.data import task_corpus
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import RolloutConfig, build_rollout
-from verl.utils.tiny_model import build_tiny_llama, build_tokenizer
+from verl.testing.tiny import tiny_model, tiny_tokenizer
 from verl.workers import ActorWorker, RolloutWorker, TorchEngine
 from verl.config import ActorConfig
 
@@ -22,7 +22,7 @@ ROWS = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12-5=", "answer": "7"}, {
 
 @pytest.fixture(scope="module")
 def tok():
-    return build_tokenizer(task_corpus("arithmetic"), 64)
+    return tiny_tokenizer(task_corpus("arithmetic"), 64)
 
 
 def _worker(model, tok, **cfg):
@@ -32,7 +32,7 @@ def _worker(model, tok, **cfg):
 
 @pytest.mark.parametrize("engine", ["hf", "torch"])
 def test_batch_layout(engine, tok):
-    model = build_tiny_llama(SHAPE, tok, seed=1)
+    model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=1)
     r = _worker(model, tok, engine=engine, n=4, max_new_tokens=6)
     b = r.generate(ROWS, seed=0)
     assert b.input_ids.shape[0] == 12 and b.response_mask.shape == (12, 6)
@@ -57,14 +57,14 @@ def test_batch_layout(engine, tok):
 
 
 def test_prompts_longer_than_the_limit_fail_naming_it(tok):
-    r = _worker(build_tiny_llama(SHAPE, tok, seed=1), tok, n=1)
+    r = _worker(tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=1), tok, n=1)
     r.max_prompt_length = 3
     with pytest.raises(VerlConfigError, match="longer than data.max_prompt_length=3"):
         r.generate(ROWS)
 
 
 def test_seeded_calls_reproduce_and_fast_decoder_changes_the_path_not_the_samples(tok):
-    model = build_tiny_llama(SHAPE, tok, seed=1)
+    model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=1)
     batches = {}
     for fast in (True, False):
         r = _worker(model, tok, n=3, max_new_tokens=6, decoder="fast" if fast else "model")
@@ -77,7 +77,7 @@ def test_seeded_calls_reproduce_and_fast_decoder_changes_the_path_not_the_sample
 @pytest.mark.parametrize("engine", ["hf", "torch"])
 def test_sync_weights_shares_the_actor_module_or_moves_the_weights(engine, tok):
     placement = Placement()
-    actor_model, rollout_model = build_tiny_llama(SHAPE, tok, seed=2), build_tiny_llama(SHAPE, tok, seed=1)
+    actor_model, rollout_model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=2), tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=1)
     kw = dict(temperature=1.0, responses_per_mini=3, max_response_length=4)
     actor = ActorWorker(TorchEngine(actor_model, None, placement), ActorConfig(), **kw)
     shared = _worker(actor_model, tok, engine=engine, n=1, max_new_tokens=4).sync_weights(actor)
@@ -95,7 +95,7 @@ def test_train_decoder_makes_the_rollout_train_mismatch_exactly_zero(tok, vocab)
     log-prob pass bit for bit (fp32), across micro-batches, left padding and early EOS."""
     from dataclasses import replace
     from verl.algos import rollout_mismatch
-    model = build_tiny_llama(SHAPE, tok, seed=4)
+    model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=4)
     if vocab is not None:  # a vocabulary large enough for the fused LM-head kernel
         model.resize_token_embeddings(vocab)
         torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.02)
@@ -119,8 +119,8 @@ def test_train_decoder_makes_the_rollout_train_mismatch_exactly_zero(tok, vocab)
 
 
 def _split_generation(rank, world_size):
-    tok = build_tokenizer(task_corpus("arithmetic"), 64)
-    model = build_tiny_llama(SHAPE, tok, seed=1)
+    tok = tiny_tokenizer(task_corpus("arithmetic"), 64)
+    model = tiny_model(SHAPE, tokenizer=tok, tie_word_embeddings=True, seed=1)
     cfg = RolloutConfig(n=2, max_new_tokens=5)
     # one training replica over both ranks (as megatron TP=2), generated as two replicas (rollout.tp=1)
     placement = Placement(rank=rank, world_size=2, tp_size=2, tp_rank=rank, dp_size=1, dp_rank=0)

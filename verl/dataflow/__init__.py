@@ -16,7 +16,8 @@
     out = flow.run({"prompt": prompts, "actor_model": actor, "reward_model": rm})
 
 Modules: `node` (decorators, NodeContext), `config` (NodeConfig), `graph` (building, validation,
-injection), `runtime` (execution), `comm` (redistribution between rank sets), `trace` (Chrome traces, hooks).
+injection: the read-only description), `runtime` (compiling, caching and running plans), `comm`
+(redistribution between rank sets), `trace` (Chrome traces, hooks).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl.dataflow.config import ENGINES, NodeConfig
-from verl.dataflow.graph import Dataflow, NodeEntry, build_dataflow, inject_node
+from verl.dataflow.graph import Dataflow, build_dataflow, inject_node
 from verl.dataflow.node import (
     CustomNode,
     DataflowNode,
     Node,
     NodeContext,
+    NodeEntry,
     TransientError,
     get_node,
     mark_transient,

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl.utils.distributed import comm_device
+
 _GROUPS: dict[tuple, Any] = {}
 
 
@@ -42,12 +44,6 @@ def control_group(ranks: tuple[int, ...]) -> Any:
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
     return _GROUPS[key]
-
-
-def comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # ---- data-parallel shards ----------------------------------------------------------------------------------

@@ -12,27 +12,14 @@ process per device, as torchrun launches). No device map means every rank.
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from verl.errors import VerlConfigError
+from verl.errors import VerlConfigError, nearest
 
 ENGINES = ("torch", "hf", "vllm", "sglang", "megatron", "fsdp", "rule")
-
-
-def nearest(name: str, candidates, what: str = "") -> str:
-    """' (did you mean 'x'?)' for the closest candidate, or the list of valid names when none is close."""
-    cands = sorted({str(c) for c in candidates})
-    close = difflib.get_close_matches(str(name), cands, n=1, cutoff=0.5)
-    if close:
-        return f" (did you mean '{close[0]}'?)"
-    if not cands:
-        return f" (there are no {what or 'names'})"
-    shown = cands if len(cands) <= 12 else cands[:12] + ["..."]
-    return f" ({what or 'valid names'}: {', '.join(shown)})"
 
 
 @dataclass(kw_only=True, slots=True)

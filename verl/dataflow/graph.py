@@ -12,30 +12,25 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
-from verl.dataflow.config import NodeConfig, make_config, nearest, world_size_now
-from verl.dataflow.node import Node, as_node
-from verl.errors import VerlConfigError
+from verl.dataflow.config import NodeConfig, make_config, world_size_now
+from verl.dataflow.node import Node, NodeEntry, as_node
+from verl.dataflow.runtime import execute
+from verl.errors import VerlConfigError, nearest
 
 RESERVED_DICT_KEYS = ("dependencies", "configs", "inputs")
 
 
-@dataclass(frozen=True, slots=True)
-class NodeEntry:
-    """One node of a dataflow under its name there, with its resolved config."""
-
-    name: str
-    node: Node
-    config: NodeConfig
-
-
 class Dataflow:
-    """A validated, immutable dataflow. Build with `build_dataflow`, `Dataflow.from_dict` or `inject_node`."""
+    """A validated, immutable dataflow. Build with `build_dataflow`, `Dataflow.from_dict` or `inject_node`.
+
+    It only describes the graph; `verl.dataflow.runtime` compiles and caches what running it needs (weakly
+    referenced, hence ``__weakref__``)."""
 
     __slots__ = ("_entries", "_index", "_bindings", "_edges", "_exports", "_order", "_world_size", "_inputs",
-                 "_plans", "__weakref__")
+                 "__weakref__")
 
     def __init__(self, entries: Sequence[NodeEntry], bindings: Mapping[str, Mapping[str, str | None]],
                  edges: Mapping[tuple[str, str], str], exports: Mapping[str, str], world_size: int,
@@ -51,7 +46,6 @@ class Dataflow:
         _check_placement(self)
         if inputs is not None:
             self.check_inputs(inputs)
-        self._plans: dict = {}
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -93,6 +87,11 @@ class Dataflow:
             deps[v].append(u)
         return {n: sorted(p, key=self._index.__getitem__) for n, p in deps.items()}
 
+    @property
+    def entries(self) -> tuple[NodeEntry, ...]:
+        """The nodes with their configs, in the order they were given."""
+        return tuple(self._entries.values())
+
     def entry(self, name: str) -> NodeEntry:
         if name not in self._entries:
             raise VerlConfigError(f"no node named '{name}' in this dataflow{nearest(name, self._entries, 'nodes')}")
@@ -119,6 +118,12 @@ class Dataflow:
     def output_keys(self) -> tuple[str, ...]:
         """Keys the nodes produce (each under its final producer)."""
         return tuple(self._exports)
+
+    @property
+    def exports(self) -> Mapping[str, str]:
+        """For each key the nodes produce, the node whose value of it the run returns (the last in a chain of
+        injected replacements). Read-only."""
+        return MappingProxyType(self._exports)
 
     @property
     def world_size(self) -> int:
@@ -169,7 +174,7 @@ class Dataflow:
         each multi-rank node agree that nobody has failed before it starts (one tiny all-reduce per node);
         ``"end"`` checks only once per run.
         """
-        return _execute()(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors)
+        return execute(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors)
 
 
 def _missing_key_message(node: str, key: str, produced: Mapping[str, str], available: set[str]) -> str:
@@ -183,17 +188,6 @@ def _missing_key_message(node: str, key: str, produced: Mapping[str, str], avail
     given = f"inputs given: {sorted(available)}" if available else "no inputs were given"
     return (f"node '{node}' needs key '{key}', which no node produces and the inputs do not contain ({given})."
             f"{could} Otherwise pass '{key}' in the inputs or add a node with output_keys=['{key}'].")
-
-
-_EXECUTE: list = []
-
-
-def _execute():
-    # runtime imports this module, so it is imported on first use; cached because run() is on the hot path.
-    if not _EXECUTE:
-        from verl.dataflow.runtime import execute
-        _EXECUTE.append(execute)
-    return _EXECUTE[0]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -373,14 +367,50 @@ def inject_node(base_dataflow: Dataflow | Mapping[str, Any], node: Node, after: 
     ``name`` defaults to the function's name; ``config`` is its NodeConfig / settings overrides (by default it
     runs where ``before`` runs, with the same engine).
     """
-    base = Dataflow.from_dict(base_dataflow) if not isinstance(base_dataflow, Dataflow) else base_dataflow
+    base = Dataflow.from_dict(base_dataflow)
     node = as_node(node, "inject_node(node=...)")
     name = name or node.name
+    _check_injection_point(base, name, after, before)
+    if config is None:
+        bcfg = base.config(before)
+        config = NodeConfig(device_map=bcfg.device_map, device_types=bcfg.device_types, engine=bcfg.engine)
+    entry = NodeEntry(name, node, make_config(name, config, node.settings))
+
+    upstream = _ancestors(base, after) | {after}
+    downstream = _descendants(base, before) | {before}
+    producers: dict[str, list[str]] = {}
+    for e in base._entries.values():
+        for k in e.node.output_keys:
+            producers.setdefault(k, []).append(e.name)
+    # Reading side: the node's inputs, bound to what `before` would have read.
+    bindings = {n: dict(b) for n, b in base._bindings.items()}
+    bindings[name] = {k: _visible_producer(base, k, before, upstream, producers, name) for k in node.input_keys}
+    edges = dict(base._edges)
+    edges[(after, name)] = "inject_node(after=...)"
+    edges[(name, before)] = "inject_node(before=...)"
+    for k, p in bindings[name].items():
+        if p is not None:
+            edges.setdefault((p, name), f"key '{k}'")
+    # Writing side: each output replaces the upstream version of its key for everything downstream.
+    exports = dict(base._exports)
+    for k in node.output_keys:
+        _check_unambiguous_output(name, k, producers.get(k, []), upstream, downstream, after, before)
+        for d in downstream:
+            b = bindings[d]
+            if k in b and (b[k] is None or b[k] in upstream):
+                b[k] = name
+                edges.setdefault((name, d), f"key '{k}'")
+        if exports.get(k) is None or exports[k] in upstream:
+            exports[k] = name
+    return Dataflow(base.entries + (entry,), bindings, edges, exports, base.world_size, base._inputs)
+
+
+def _check_injection_point(base: Dataflow, name: str, after: str, before: str) -> None:
     for role, n in (("after", after), ("before", before)):
-        if n not in base._entries:
+        if n not in base:
             raise VerlConfigError(f"inject_node: {role}='{n}' is not a node of the dataflow"
-                                  f"{nearest(n, base._entries, 'nodes')}")
-    if name in base._entries:
+                                  f"{nearest(n, base.names, 'nodes')}")
+    if name in base:
         raise VerlConfigError(f"inject_node: the dataflow already has a node named '{name}'; pass name='...'")
     if after == before:
         raise VerlConfigError(f"inject_node: after and before are both '{after}'; the node must run between two "
@@ -391,44 +421,18 @@ def inject_node(base_dataflow: Dataflow | Mapping[str, Any], node: Node, after: 
             f"inject_node: '{before}' does not run after '{after}' (no dependency path {after} -> ... -> {before}), "
             f"so nothing can run between them; pick before= among the nodes downstream of '{after}': "
             f"{sorted(below_after, key=base._index.__getitem__) or 'none'}")
-    if config is None:
-        bcfg = base._entries[before].config
-        config = NodeConfig(device_map=bcfg.device_map, device_types=bcfg.device_types, engine=bcfg.engine)
-    entry = NodeEntry(name, node, make_config(name, config, node.settings))
 
-    upstream = _ancestors(base, after) | {after}
-    downstream = _descendants(base, before) | {before}
-    producers: dict[str, list[str]] = {}
-    for e in base._entries.values():
-        for k in e.node.output_keys:
-            producers.setdefault(k, []).append(e.name)
 
-    bindings = {n: dict(b) for n, b in base._bindings.items()}
-    bindings[name] = {k: _visible_producer(base, k, before, upstream, producers, name)
-                      for k in node.input_keys}
-    edges = dict(base._edges)
-    edges[(after, name)] = "inject_node(after=...)"
-    edges[(name, before)] = "inject_node(before=...)"
-    for k, p in bindings[name].items():
-        if p is not None:
-            edges.setdefault((p, name), f"key '{k}'")
-    exports = dict(base._exports)
-    for k in node.output_keys:
-        others = [p for p in producers.get(k, []) if p not in upstream and p not in downstream]
-        if others:
-            raise VerlConfigError(
-                f"inject_node: '{name}' outputs '{k}', which '{others[0]}' also produces, and '{others[0]}' runs "
-                f"neither before '{after}' nor after '{before}', so which '{k}' a node reads would be ambiguous; "
-                f"rename the output or inject after '{others[0]}'")
-        for d in downstream:
-            b = bindings[d]
-            if k in b and (b[k] is None or b[k] in upstream):
-                b[k] = name
-                edges.setdefault((name, d), f"key '{k}'")
-        if exports.get(k) is None or exports[k] in upstream:
-            exports[k] = name
-    entries = list(base._entries.values()) + [entry]
-    return Dataflow(entries, bindings, edges, exports, base._world_size, base._inputs)
+def _check_unambiguous_output(name: str, key: str, producers: Sequence[str], upstream: set[str],
+                              downstream: set[str], after: str, before: str) -> None:
+    """A producer of ``key`` beside the injection point (neither up- nor downstream) would leave the nodes
+    below it two candidate versions of ``key``."""
+    others = [p for p in producers if p not in upstream and p not in downstream]
+    if others:
+        raise VerlConfigError(
+            f"inject_node: '{name}' outputs '{key}', which '{others[0]}' also produces, and '{others[0]}' runs "
+            f"neither before '{after}' nor after '{before}', so which '{key}' a node reads would be ambiguous; "
+            f"rename the output or inject after '{others[0]}'")
 
 
 def _visible_producer(base: Dataflow, key: str, before: str, upstream: set[str],

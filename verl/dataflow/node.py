@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.errors import VerlConfigError
+from verl.dataflow.config import NodeConfig
+from verl.errors import VerlConfigError, nearest
 
 CONTEXT_PARAM = "ctx"
 
@@ -128,6 +129,18 @@ class Node:
     def __repr__(self) -> str:
         kind = "CustomNode" if self.returns_dict else "DataflowNode"
         return f"{kind}({self.name}: {list(self.input_keys)} -> {list(self.output_keys)})"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEntry:
+    """One node of a dataflow under its name there, with its resolved config."""
+
+    name: str
+    """The node's name in the dataflow (a dict dataflow's key, else the function's name)."""
+    node: Node
+    """The decorated function."""
+    config: NodeConfig
+    """Where and how it runs, with its settings resolved."""
 
 
 def _check_keys(what: str, keys: Sequence[str], fn_name: str) -> tuple[str, ...]:
@@ -319,7 +332,6 @@ def get_node(ref: str) -> Node:
     except ImportError as e:
         raise VerlConfigError(f"node reference {ref!r}: cannot import module '{module}' ({e})") from e
     if ref not in _REGISTRY:
-        from verl.dataflow.config import nearest
         known = [k.split(":", 1)[1] for k in _REGISTRY if k.startswith(module + ":")]
         raise VerlConfigError(f"module '{module}' has no dataflow node '{qualname}'"
                               f"{nearest(qualname, known, 'nodes there')}; decorate it with @DataflowNode or "

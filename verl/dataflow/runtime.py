@@ -1,7 +1,8 @@
 """Running a dataflow on one rank: the compiled plan, the node call, redistribution and error agreement.
 
-A plan is compiled once per dataflow and process: every node input becomes an index into a flat value list,
-so a colocated run is a loop of ``fn(**{param: values[i]})`` calls plus an output check. Under
+A plan is compiled once per dataflow and process (and cached here, keyed weakly by the dataflow, which stays
+a read-only description): every node input becomes an index into a flat value list, so a colocated run is a
+loop of ``fn(**{param: values[i]})`` calls plus an output check. Under
 torch.distributed every rank walks the same plan in the same order: a rank outside a node's device map skips
 the node but still takes part in moving that node's inputs and outputs, which is what keeps the ranks'
 point-to-point calls and collectives matched.
@@ -17,21 +18,39 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as _dist
+import torch.distributed as dist
 
-from verl.dataflow.graph import Dataflow, NodeEntry
-from verl.dataflow.node import NodeContext, TransientError
+from verl.dataflow import comm
+from verl.dataflow.node import NodeContext, NodeEntry, TransientError
 from verl.dataflow.trace import NodeEvent, TraceRecorder, write_trace
 from verl.errors import VerlConfigError, VerlRuntimeError
 
 _MISSING = object()
 _NO_FAILURE = 1 << 30
 _LOCAL_KEY = ("local",)
+
+
+class Dataflow(Protocol):
+    """What the runtime reads of a dataflow: `verl.dataflow.graph.Dataflow`'s public side. Named here rather
+    than imported, because graph.py imports this module to run a dataflow."""
+
+    @property
+    def order(self) -> tuple[str, ...]: ...
+    @property
+    def entries(self) -> tuple[NodeEntry, ...]: ...
+    def entry(self, name: str) -> NodeEntry: ...
+    def producer(self, consumer: str, key: str) -> str | None: ...
+    @property
+    def exports(self) -> Mapping[str, str]: ...
+    @property
+    def world_size(self) -> int: ...
+    def check_inputs(self, available: Iterable[str], only: Iterable[str] | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -96,7 +115,6 @@ def _device_for(entry: NodeEntry, rank: int) -> torch.device:
 
 
 def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
-    from verl.dataflow import comm
     slots: dict[tuple[str | None, str], int] = {}
     views: dict[tuple[int, tuple[int, ...]], int] = {}
     layout: dict[int, tuple[int, ...] | None] = {}  # slot -> ranks holding it (None: every rank, as inputs)
@@ -111,7 +129,7 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
     world_control = comm.control_group(all_ranks) if distributed else None
     steps = []
     for name in df.order:
-        entry = df._entries[name]
+        entry = df.entry(name)
         ranks = entry.config.device_map or all_ranks
         group = comm.group_for(ranks) if distributed else None
         control = comm.control_group(ranks) if distributed else None
@@ -120,14 +138,14 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
                           process_group=group)
         arg_slots, transfers = [], []
         for key in entry.node.input_keys:
-            producer = df._bindings[name][key]
+            producer = df.producer(name, key)
             s = slot(producer, key)
             if producer is not None and layout[s] != ranks:
                 vkey = (s, ranks)
                 if vkey not in views:
                     views[vkey] = len(slots) + len(views)
                     union = tuple(sorted(set(layout[s]) | set(ranks)))
-                    pcfg = df._entries[producer].config
+                    pcfg = df.entry(producer).config
                     transfers.append(_Transfer(s, views[vkey], key, producer, layout[s], ranks,
                                                key in pcfg.replicated_outputs,
                                                comm.control_group(union) if distributed else None))
@@ -146,31 +164,38 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
     # the prompts).
     needed = {s for st in steps if st.runs_here for s in st.arg_slots}
     external = {k: s for (p, k), s in slots.items() if p is None and s in needed}
-    exports = {k: slots[(p, k)] for k, p in df._exports.items()}
+    exports = {k: slots[(p, k)] for k, p in df.exports.items()}
     return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed, world_control)
 
 
+# Plans per dataflow, then per (rank, world size, world group): a dataflow object can be run by a local
+# process and later under a new process group, and a plan holds that group's communicators.
+_PLANS: weakref.WeakKeyDictionary[Dataflow, dict[tuple, _Plan]] = weakref.WeakKeyDictionary()
+
+
 def _plan_for(df: Dataflow) -> _Plan:
-    distributed = _dist.is_available() and _dist.is_initialized() and _dist.get_world_size() > 1
+    plans = _PLANS.get(df)
+    if plans is None:
+        plans = _PLANS[df] = {}
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not distributed:
-        plan = df._plans.get(_LOCAL_KEY)
+        plan = plans.get(_LOCAL_KEY)
         if plan is not None:
             return plan
         if df.world_size > 1:
             raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but torch.distributed is not "
                                   f"initialised; launch with torchrun and call init_process_group first")
-        plan = df._plans[_LOCAL_KEY] = _compile(df, 0, 1, False)
+        plan = plans[_LOCAL_KEY] = _compile(df, 0, 1, False)
         return plan
-    rank, world = _dist.get_rank(), _dist.get_world_size()
-    key = (rank, world, id(_dist.group.WORLD))
-    plan = df._plans.get(key)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = (rank, world, id(dist.group.WORLD))
+    plan = plans.get(key)
     if plan is None:
-        bad = [e.name for e in df._entries.values()
-               if e.config.device_map is not None and e.config.device_map[-1] >= world]
+        bad = [e.name for e in df.entries if e.config.device_map is not None and e.config.device_map[-1] >= world]
         if bad:
             raise VerlConfigError(f"the dataflow was built for {df.world_size} ranks but runs on {world}; the "
                                   f"device_map of {bad} names ranks that do not exist here")
-        plan = df._plans[key] = _compile(df, rank, world, True)
+        plan = plans[key] = _compile(df, rank, world, True)
     return plan
 
 
@@ -342,9 +367,6 @@ class _Run:
 
     # -- distributed pieces --
     def transfer(self, t: _Transfer, vals: list) -> None:
-        import torch.distributed as dist
-
-        from verl.dataflow import comm
         rank = self.plan.rank
         union = sorted(set(t.src_ranks) | set(t.dst_ranks))
         if rank not in union:
@@ -398,7 +420,6 @@ class _Run:
 
     def agree(self, step: _Step) -> None:
         """The node's ranks learn whether any of them has failed (lowest failing rank wins)."""
-        import torch.distributed as dist
         mine = self.failure.rank if self.failure is not None else _NO_FAILURE
         flag = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=step.control)
@@ -408,7 +429,6 @@ class _Run:
 
     def finish_distributed(self) -> list[list[dict]] | None:
         """All ranks exchange status (and trace events); returns events per rank on rank 0 when tracing."""
-        import torch.distributed as dist
         f = self.failure
         mine = None if f is None else (f.node, f.rank, f.message, f.exc is not None)
         statuses: list[Any] = [None] * self.plan.world_size

@@ -38,7 +38,7 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     """(model, tokenizer): a Hugging Face directory, or the tiny local Llama with a BPE trained on the data."""
-    from verl.utils.tiny_model import build_tiny_llama, build_tokenizer
+    from verl.testing.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
@@ -52,8 +52,8 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
         return model, tokenizer
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [p + a for p, a in zip(dataset.prompts, dataset.answers)])
-    tokenizer = build_tokenizer(corpus, cfg.model.tiny.vocab_size)
-    return build_tiny_llama(cfg.model.tiny, tokenizer, seed=cfg.trainer.seed), tokenizer
+    tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
+    return tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed), tokenizer
 
 
 def check_generation_layout(cfg: PPOConfig, hf_config) -> None:

@@ -1,1 +1,1 @@
-"""Trainer utilities: the local tiny model, distributed setup, metrics, checkpoints."""
+"""Trainer utilities: distributed setup, metrics, checkpoints."""
