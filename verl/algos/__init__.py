@@ -18,8 +18,9 @@ from verl.algos.advantages import ADVANTAGES, get_advantage, register_advantage
 from verl.algos.kl import KLS, get_kl, kl_loss, register_kl
 from verl.algos.policy_losses import POLICY_LOSS_FNS, get_policy_loss, register_policy_loss
 from verl.algos.registry import Registry
+from verl.ops.checks import check_name
 from verl.ops.losses import AGG_MODES, Aggregation, PolicyLossOutput, ValueLossOutput, agg_loss, value_loss
-from verl.ops.rl import AdvantageResult, check_name
+from verl.ops.rl import AdvantageResult
 
 __all__ = ["ADVANTAGES", "AGG_MODES", "KLS", "POLICY_LOSS_FNS", "AdvantageResult", "Aggregation", "PolicyLossOutput",
            "Registry", "ValueLossOutput", "agg_loss", "check_agg_mode", "entropy_loss", "get_advantage", "get_kl",
