@@ -362,9 +362,12 @@ std::vector<ScanStats> gae_scan(const GaeArgs& a) {
   return rows;
 }
 
-// a = m ? (a - mean) * rstd : 0 in place over [B, T], chunk by chunk in the compute type.
-template <typename scalar_t>
-void whiten_rows(scalar_t* ap, const bool* mp, int64_t B, int64_t T, double mean, double rstd) {
+// Calls f(b, chunk, base, len) over every row of x [B, T] in kChunk pieces (base: the chunk's flat offset), with
+// the chunk in the compute type: float32 / float64 in place, 16-bit types through an L1 buffer, written back
+// when kWrite.
+template <bool kWrite, typename S, typename F>
+void for_row_chunks(S* x, int64_t B, int64_t T, const F& f) {
+  using scalar_t = std::remove_const_t<S>;
   using T_ = comp_t<scalar_t>;
   at::parallel_for(0, B, row_grain(T), [&](int64_t b0, int64_t b1) {
     T_ buf[std::is_same_v<scalar_t, T_> ? 1 : kChunk];
@@ -372,14 +375,24 @@ void whiten_rows(scalar_t* ap, const bool* mp, int64_t B, int64_t T, double mean
       for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
         const int64_t len = std::min<int64_t>(kChunk, T - t0), base = b * T + t0;
         if constexpr (std::is_same_v<scalar_t, T_>) {
-          whiten_chunk(ap + base, mp + base, len, static_cast<T_>(mean), static_cast<T_>(rstd));
+          f(b, x + base, base, len);
         } else {
-          load_chunk(ap + base, buf, len);
-          whiten_chunk(buf, mp + base, len, static_cast<T_>(mean), static_cast<T_>(rstd));
-          store_chunk(buf, ap + base, len);
+          load_chunk(x + base, buf, len);
+          f(b, buf, base, len);
+          if constexpr (kWrite) store_chunk(buf, x + base, len);
         }
       }
     }
+  });
+}
+
+// a = m ? (a - mean) * rstd : 0 in place over [B, T].
+template <typename scalar_t>
+void whiten_rows(scalar_t* ap, const bool* mp, int64_t B, int64_t T, double mean, double rstd) {
+  using T_ = comp_t<scalar_t>;
+  const T_ mu = static_cast<T_>(mean), rs = static_cast<T_>(rstd);
+  for_row_chunks<true>(ap, B, T, [&](int64_t, T_* a, int64_t base, int64_t len) {
+    whiten_chunk(a, mp + base, len, mu, rs);
   });
 }
 
@@ -437,19 +450,8 @@ template <typename scalar_t>
 void row_scores(const scalar_t* rp, const bool* mp, int64_t B, int64_t T, std::vector<double>& score,
                 std::vector<int64_t>& bad) {
   using T_ = comp_t<scalar_t>;
-  at::parallel_for(0, B, row_grain(T), [&](int64_t b0, int64_t b1) {
-    T_ buf[std::is_same_v<scalar_t, T_> ? 1 : kChunk];
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
-        const int64_t n = std::min<int64_t>(kChunk, T - t0), base = b * T + t0;
-        if constexpr (std::is_same_v<scalar_t, T_>) {
-          masked_sum_nonfinite(rp + base, mp + base, n, &score[b], &bad[b]);
-        } else {
-          load_chunk(rp + base, buf, n);
-          masked_sum_nonfinite(buf, mp + base, n, &score[b], &bad[b]);
-        }
-      }
-    }
+  for_row_chunks<false>(rp, B, T, [&](int64_t b, const T_* r, int64_t base, int64_t len) {
+    masked_sum_nonfinite(r, mp + base, len, &score[b], &bad[b]);
   });
 }
 
@@ -496,9 +498,6 @@ using K = CpuAdvantage;
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(verl, CPU, m) {
-  m.impl("gae", &rl::gae<K>);
-  m.impl("outcome_advantage", &rl::outcome_advantage<K>);
-}
+TORCH_LIBRARY_IMPL(verl, CPU, m) { rl::register_advantage_ops<K>(m); }
 
 }  // namespace verl

@@ -388,15 +388,7 @@ at::Tensor loss_grad_scale(const at::Tensor& grad, const at::Tensor& saved_grad)
 
 TORCH_LIBRARY_IMPL(verl, CompositeExplicitAutograd, m) { m.impl("loss_grad_scale", &loss_grad_scale); }
 
-TORCH_LIBRARY_IMPL(verl, CPU, m) {
-  m.impl("kl_penalty", &rl::kl_penalty<K>);
-  m.impl("kl_penalty_backward", &rl::kl_penalty_backward<K>);
-  m.impl("agg_loss", &rl::agg_loss<K>);
-  m.impl("agg_loss_backward", &rl::agg_loss_backward<K>);
-  m.impl("kl_loss", &rl::kl_loss<K>);
-  m.impl("policy_loss", &rl::policy_loss<K>);
-  m.impl("value_loss", &rl::value_loss<K>);
-}
+TORCH_LIBRARY_IMPL(verl, CPU, m) { rl::register_loss_ops<K>(m); }
 
 // ------------------------------------------------------------------------------------------ agg_loss autograd (C++)
 //

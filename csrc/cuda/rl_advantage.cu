@@ -212,9 +212,6 @@ using K = CudaAdvantage;
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(verl, CUDA, m) {
-  m.impl("gae", &rl::gae<K>);
-  m.impl("outcome_advantage", &rl::outcome_advantage<K>);
-}
+TORCH_LIBRARY_IMPL(verl, CUDA, m) { rl::register_advantage_ops<K>(m); }
 
 }  // namespace verl

@@ -281,14 +281,6 @@ using K = CudaLoss;
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(verl, CUDA, m) {
-  m.impl("kl_penalty", &rl::kl_penalty<K>);
-  m.impl("kl_penalty_backward", &rl::kl_penalty_backward<K>);
-  m.impl("agg_loss", &rl::agg_loss<K>);
-  m.impl("agg_loss_backward", &rl::agg_loss_backward<K>);
-  m.impl("kl_loss", &rl::kl_loss<K>);
-  m.impl("policy_loss", &rl::policy_loss<K>);
-  m.impl("value_loss", &rl::value_loss<K>);
-}
+TORCH_LIBRARY_IMPL(verl, CUDA, m) { rl::register_loss_ops<K>(m); }
 
 }  // namespace verl

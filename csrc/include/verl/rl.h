@@ -14,6 +14,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstddef>
+#include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "verl/checks.h"
@@ -30,6 +33,24 @@
 
 namespace verl {
 namespace rl {
+
+// Enum values by name: the ops take modes, estimators and kinds as strings (schema `str`).
+template <typename E>
+struct Named {
+  std::string_view name;
+  E value;
+};
+
+// The value spelled `s` in `table`, else an error naming the argument and every known spelling, e.g.
+// "kl_loss: unknown KL `kind` 'k4'; known kinds: kl (k1), ...".
+template <typename E, size_t N>
+E parse_named(std::string_view s, const Named<E> (&table)[N], const char* op, const char* what, const char* plural,
+              const char* known) {
+  for (const Named<E>& n : table) {
+    if (n.name == s) return n.value;
+  }
+  TORCH_CHECK(false, op, ": unknown ", what, " '", std::string(s), "'; known ", plural, ": ", known);
+}
 
 struct NoGuard {
   explicit NoGuard(const at::Device&) {}

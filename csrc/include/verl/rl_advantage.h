@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <optional>
@@ -27,14 +28,14 @@ namespace rl {
 using at::Tensor;
 
 enum class Outcome : int { Grpo = 0, Rloo = 1, Remax = 2, ReinforcePPBaseline = 3 };
-constexpr const char* kOutcomeNames = "grpo, rloo, remax, reinforce_plus_plus_baseline";
 
 inline Outcome parse_outcome(std::string_view s, const char* op) {
-  if (s == "grpo") return Outcome::Grpo;
-  if (s == "rloo") return Outcome::Rloo;
-  if (s == "remax") return Outcome::Remax;
-  if (s == "reinforce_plus_plus_baseline") return Outcome::ReinforcePPBaseline;
-  TORCH_CHECK(false, op, ": unknown outcome `estimator` '", std::string(s), "'; known estimators: ", kOutcomeNames);
+  static constexpr Named<Outcome> kNames[] = {{"grpo", Outcome::Grpo},
+                                              {"rloo", Outcome::Rloo},
+                                              {"remax", Outcome::Remax},
+                                              {"reinforce_plus_plus_baseline", Outcome::ReinforcePPBaseline}};
+  return parse_named(s, kNames, op, "outcome `estimator`", "estimators",
+                     "grpo, rloo, remax, reinforce_plus_plus_baseline");
 }
 
 // One sequence's outcome advantage from its score s and its group's (sum, count, centered sum of squares).
@@ -148,6 +149,13 @@ std::tuple<Tensor, Tensor> outcome_advantage(const Tensor& rewards, const Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rewards.scalar_type(), "verl_outcome_advantage",
                                   [&] { K::template outcome<scalar_t>(a); });
   return {a.adv, a.bad};
+}
+
+// Registers the advantage ops of kernel policy K (in a TORCH_LIBRARY_IMPL block of its dispatch key).
+template <class K>
+void register_advantage_ops(torch::Library& m) {
+  m.impl("gae", &gae<K>);
+  m.impl("outcome_advantage", &outcome_advantage<K>);
 }
 
 }  // namespace rl

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <array>
 #include <cmath>
@@ -41,14 +42,14 @@ using at::Tensor;
 
 // Loss aggregation. Every mode is loss = sum_b w_b * sum_t m_bt * l_bt with a per-row weight w_b.
 enum class Agg : int { TokenMean = 0, SeqMeanTokenSum = 1, SeqMeanTokenMean = 2, SeqMeanTokenSumNorm = 3 };
-constexpr const char* kAggNames = "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm";
 
 inline Agg parse_agg(std::string_view s, const char* op) {
-  if (s == "token-mean") return Agg::TokenMean;
-  if (s == "seq-mean-token-sum") return Agg::SeqMeanTokenSum;
-  if (s == "seq-mean-token-mean") return Agg::SeqMeanTokenMean;
-  if (s == "seq-mean-token-sum-norm") return Agg::SeqMeanTokenSumNorm;
-  TORCH_CHECK(false, op, ": unknown aggregation `mode` '", std::string(s), "'; known modes: ", kAggNames);
+  static constexpr Named<Agg> kNames[] = {{"token-mean", Agg::TokenMean},
+                                          {"seq-mean-token-sum", Agg::SeqMeanTokenSum},
+                                          {"seq-mean-token-mean", Agg::SeqMeanTokenMean},
+                                          {"seq-mean-token-sum-norm", Agg::SeqMeanTokenSumNorm}};
+  return parse_named(s, kNames, op, "aggregation `mode`", "modes",
+                     "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm");
 }
 
 // The normalisers of one aggregation, fixed before the per-row weights are computed. With
@@ -122,16 +123,14 @@ VERL_HD T expv(T x) {
 // KL estimators of KL(pi || ref) from per-token log-probs. The "+" kinds are straight-through: the value of
 // k1 / k3 with the gradient of k2 (an unbiased gradient of the KL in expectation).
 enum class Kl : int { K1 = 0, Abs = 1, K2 = 2, K3 = 3, K1Plus = 4, K3Plus = 5 };
-constexpr const char* kKlNames = "kl (k1), abs, mse (k2), low_var_kl (k3), k1+ (kl+), k3+ (low_var_kl+)";
 
 inline Kl parse_kl(std::string_view s, const char* op) {
-  if (s == "kl" || s == "k1") return Kl::K1;
-  if (s == "abs") return Kl::Abs;
-  if (s == "mse" || s == "k2") return Kl::K2;
-  if (s == "low_var_kl" || s == "k3") return Kl::K3;
-  if (s == "k1+" || s == "kl+") return Kl::K1Plus;
-  if (s == "k3+" || s == "low_var_kl+") return Kl::K3Plus;
-  TORCH_CHECK(false, op, ": unknown KL `kind` '", std::string(s), "'; known kinds: ", kKlNames);
+  static constexpr Named<Kl> kNames[] = {
+      {"kl", Kl::K1},         {"k1", Kl::K1},         {"abs", Kl::Abs},          {"mse", Kl::K2},
+      {"k2", Kl::K2},         {"low_var_kl", Kl::K3}, {"k3", Kl::K3},            {"k1+", Kl::K1Plus},
+      {"kl+", Kl::K1Plus},    {"k3+", Kl::K3Plus},    {"low_var_kl+", Kl::K3Plus}};
+  return parse_named(s, kNames, op, "KL `kind`", "kinds",
+                     "kl (k1), abs, mse (k2), low_var_kl (k3), k1+ (kl+), k3+ (low_var_kl+)");
 }
 
 template <typename T>
@@ -189,13 +188,10 @@ VERL_HD auto kl_switch(Kl kind, const F& f) {
 }
 
 enum class Pg : int { Vanilla = 0, Gspo = 1, Reinforce = 2 };
-constexpr const char* kPgNames = "vanilla, gspo, reinforce";
 
 inline Pg parse_pg(std::string_view s, const char* op) {
-  if (s == "vanilla") return Pg::Vanilla;
-  if (s == "gspo") return Pg::Gspo;
-  if (s == "reinforce") return Pg::Reinforce;
-  TORCH_CHECK(false, op, ": unknown policy `loss_type` '", std::string(s), "'; known types: ", kPgNames);
+  static constexpr Named<Pg> kNames[] = {{"vanilla", Pg::Vanilla}, {"gspo", Pg::Gspo}, {"reinforce", Pg::Reinforce}};
+  return parse_named(s, kNames, op, "policy `loss_type`", "types", "vanilla, gspo, reinforce");
 }
 
 template <typename F>
@@ -505,6 +501,18 @@ std::tuple<Tensor, Tensor, Tensor> value_loss(const Tensor& values, const Tensor
   const AggParams p = make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, values.size(1), op);
   const LossArgs a = run_loss<K>(loss, {values, old_values, returns}, mask, p, with_grad, /*row_weight=*/false);
   return {a.loss, a.stats[0], a.grad};
+}
+
+// Registers the loss ops of kernel policy K (in a TORCH_LIBRARY_IMPL block of its dispatch key).
+template <class K>
+void register_loss_ops(torch::Library& m) {
+  m.impl("kl_penalty", &kl_penalty<K>);
+  m.impl("kl_penalty_backward", &kl_penalty_backward<K>);
+  m.impl("agg_loss", &agg_loss<K>);
+  m.impl("agg_loss_backward", &agg_loss_backward<K>);
+  m.impl("kl_loss", &kl_loss<K>);
+  m.impl("policy_loss", &policy_loss<K>);
+  m.impl("value_loss", &value_loss<K>);
 }
 
 }  // namespace rl
