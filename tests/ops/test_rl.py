@@ -230,7 +230,7 @@ def test_gspo_and_straight_through_gradients_follow_their_definitions():
 
 @needs_ext
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_gae_whitened_matches_gae_then_masked_whiten(dtype):
+def test_whitened_gae_matches_gae_then_masked_whiten(dtype):
     for t, m in sample_inputs("cpu", dtype):
         for values in (t["b"], None):
             adv, ret, bad = torch.ops.verl.gae(t["a"], values, m, 0.97, 0.9, 1e-8)
@@ -246,7 +246,7 @@ def test_gae_whitened_matches_gae_then_masked_whiten(dtype):
 
 @needs_ext
 @pytest.mark.parametrize("offset,spread", [(100.0, 1e-2), (10.0, 1e-3)])
-def test_gae_whitened_with_a_large_common_offset(offset, spread):
+def test_whitened_gae_with_a_large_common_offset(offset, spread):
     """Advantages ~ offset + small noise: the whitening statistics must not cancel (mean/std = 1e4)."""
     g = torch.Generator().manual_seed(3)
     B, T = 37, 203  # groups of 8 rows and a row tail, 8-step blocks and a head
