@@ -37,50 +37,37 @@ TORCH_LIBRARY(verl, m) {
   m.def("reshard_unpack(Tensor flat, int[] shapes, int[] ndims) -> Tensor[]");
   m.def("reshard_gather(Tensor[] sources, Tensor plan, int dim, int[] out_shape) -> Tensor");
 
-  // ---- RL losses and advantages (verl/ops/rl.py, csrc/cpu/rl.cpp, csrc/cuda/rl.cu) ------------------
+  // ---- RL advantages (verl/ops/rl.py; drivers in verl/rl_advantage.h, kernels in {cpu,cuda}/rl_advantage) --
   // Shapes: B sequences x T response tokens; every [B, T] tensor comes with `mask` (nonzero = valid).
   // `num_nonfinite` outputs count valid positions whose rewards (or values) are NaN/inf, so callers can
-  // raise instead of training on NaN. Loss ops take one aggregation (`mode`, see csrc/include/verl/rl.h)
-  // and return `row_weight` [B] (float64): loss = sum_b row_weight_b * sum_t mask_bt * loss_bt, which is
-  // what their backward ops consume.
-  m.def("gae(Tensor rewards, Tensor? values, Tensor mask, float gamma, float lam) -> "
+  // raise instead of training on NaN. gae with `whiten_eps` whitens the advantages over the mask
+  // (verl.ops.masked_whiten semantics: mean 0, unbiased variance, eps inside the square root).
+  m.def("gae(Tensor rewards, Tensor? values, Tensor mask, float gamma, float lam, float? whiten_eps=None) -> "
         "(Tensor advantages, Tensor returns, Tensor num_nonfinite)");
   m.def("outcome_advantage(Tensor rewards, Tensor mask, Tensor index, str estimator, float eps, bool norm_by_std, "
         "Tensor? baseline) -> (Tensor advantages, Tensor num_nonfinite)");
+
+  // ---- RL losses (verl/ops/losses.py; drivers in verl/rl_loss.h, kernels in {cpu,cuda}/rl_loss) ----------
+  // kl_penalty: the per-token KL estimate; its backward op gives d / d logprob (d / d ref is the negation).
   m.def("kl_penalty(Tensor logprob, Tensor ref_logprob, str kind) -> Tensor");
   m.def("kl_penalty_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, str kind) -> Tensor");
+  // Loss ops reduce [B, T] per-token losses to a 0-d loss with one aggregation (`mode`, see verl/rl_loss.h):
+  // loss = sum_b w_b * sum_t mask_bt * loss_bt. With `with_grad`, kl_loss / policy_loss / value_loss also
+  // return d loss / d (their first input) at grad_output = 1, written in the same pass over the inputs, and
+  // their backward is loss_grad_scale(grad, that tensor); without, that output is an empty [0] tensor.
+  // agg_loss returns the row weights w_b [B] (float64), which are all its backward, agg_loss_backward, reads.
   m.def("agg_loss(Tensor loss, Tensor mask, str mode, float? global_tokens, float? global_seqs, int dp_size, "
         "float? norm_len) -> (Tensor out, Tensor row_weight)");
   m.def("agg_loss_backward(Tensor grad, Tensor mask, Tensor row_weight) -> Tensor");
   m.def("kl_loss(Tensor logprob, Tensor ref_logprob, Tensor mask, str kind, str mode, float? global_tokens, "
-        "float? global_seqs, int dp_size, float? norm_len) -> (Tensor loss, Tensor row_weight)");
-  m.def("kl_loss_backward(Tensor grad, Tensor logprob, Tensor ref_logprob, Tensor mask, Tensor row_weight, "
-        "str kind) -> Tensor");
+        "float? global_seqs, int dp_size, float? norm_len, bool with_grad) -> (Tensor loss, Tensor grad_logprob)");
   m.def("policy_loss(Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, str loss_type, "
         "float clip_low, float clip_high, float clip_c, str mode, float? global_tokens, float? global_seqs, "
-        "int dp_size, float? norm_len) -> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor ppo_kl, "
-        "Tensor row_weight)");
-  m.def("policy_loss_backward(Tensor grad, Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, "
-        "Tensor row_weight, str loss_type, float clip_low, float clip_high, float clip_c) -> Tensor");
+        "int dp_size, float? norm_len, bool with_grad) -> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, "
+        "Tensor ppo_kl, Tensor grad_logprob)");
   m.def("value_loss(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, str mode, "
-        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len) -> "
-        "(Tensor loss, Tensor clipfrac, Tensor row_weight)");
-  m.def("value_loss_backward(Tensor grad, Tensor values, Tensor old_values, Tensor returns, Tensor mask, "
-        "Tensor row_weight, float clip) -> Tensor");
-  // GAE with the advantages whitened over the mask (verl.ops.masked_whiten semantics), one op.
-  m.def("gae_whitened(Tensor rewards, Tensor? values, Tensor mask, float gamma, float lam, float eps) -> "
-        "(Tensor advantages, Tensor returns, Tensor num_nonfinite)");
-  // *_with_grad: the forward op of the autograd path. It also returns d loss / d input (at grad_output = 1),
-  // written in the same pass over the inputs; the backward is loss_grad_scale(grad, saved grad).
-  m.def("policy_loss_with_grad(Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor mask, str loss_type, "
-        "float clip_low, float clip_high, float clip_c, str mode, float? global_tokens, float? global_seqs, "
-        "int dp_size, float? norm_len) -> (Tensor loss, Tensor clipfrac, Tensor clipfrac_lower, Tensor ppo_kl, "
-        "Tensor grad_logprob)");
-  m.def("value_loss_with_grad(Tensor values, Tensor old_values, Tensor returns, Tensor mask, float clip, str mode, "
-        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len) -> "
+        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len, bool with_grad) -> "
         "(Tensor loss, Tensor clipfrac, Tensor grad_values)");
-  m.def("kl_loss_with_grad(Tensor logprob, Tensor ref_logprob, Tensor mask, str kind, str mode, float? global_tokens, "
-        "float? global_seqs, int dp_size, float? norm_len) -> (Tensor loss, Tensor grad_logprob)");
   m.def("loss_grad_scale(Tensor grad, Tensor saved_grad) -> Tensor");
 
   // ---- log-prob and entropy (verl/ops/logprob.py) ---------------------------------------------

@@ -201,9 +201,10 @@ def test_gradcheck(device):
     old, adv, ret = x.detach() + rnd(0.2), rnd(), rnd()
     fns = [lambda v, mode=mode: torch.ops.verl.agg_loss(v, m, mode, None, None, 1, None)[0] for mode in O.AGG_MODES]
     fns += [lambda v, lt=lt: torch.ops.verl.policy_loss(v, old, adv, m, lt, 0.2, 0.3, 2.0, "seq-mean-token-mean",
-                                                         None, None, 1, None)[0] for lt in ("vanilla", "reinforce")]
-    fns += [lambda v: torch.ops.verl.value_loss(v, old, ret, m, 0.1, "token-mean", 50.0, None, 2, None)[0]]
-    fns += [lambda v, k=k: torch.ops.verl.kl_loss(v, old, m, k, "seq-mean-token-sum", None, None, 1, None)[0]
+                                                         None, None, 1, None, True)[0]
+            for lt in ("vanilla", "reinforce")]
+    fns += [lambda v: torch.ops.verl.value_loss(v, old, ret, m, 0.1, "token-mean", 50.0, None, 2, None, True)[0]]
+    fns += [lambda v, k=k: torch.ops.verl.kl_loss(v, old, m, k, "seq-mean-token-sum", None, None, 1, None, True)[0]
             for k in ("kl", "abs", "mse", "low_var_kl")]
     fns += [lambda v, k=k: torch.ops.verl.kl_penalty(v, old, k) for k in ("kl", "mse", "low_var_kl")]
     for fn in fns:
@@ -229,10 +230,10 @@ def test_gspo_and_straight_through_gradients_follow_their_definitions():
 
 @needs_ext
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_gae_whitened_matches_gae_then_masked_whiten(dtype):
+def test_whitened_gae_matches_gae_then_masked_whiten(dtype):
     for t, m in sample_inputs("cpu", dtype):
         for values in (t["b"], None):
-            adv, ret, bad = torch.ops.verl.gae_whitened(t["a"], values, m, 0.97, 0.9, 1e-8)
+            adv, ret, bad = torch.ops.verl.gae(t["a"], values, m, 0.97, 0.9, 1e-8)
             raw = O.compute_gae_ref(t["a"].double(), None if values is None else values.double(), m, 0.97, 0.9)
             want = O.masked_whiten_ref(raw.advantages, m, eps=1e-8)
             # bf16 whitens its rounded raw advantages: allow the rounding of the raw values, scaled by 1/std
@@ -245,46 +246,59 @@ def test_gae_whitened_matches_gae_then_masked_whiten(dtype):
 
 @needs_ext
 @pytest.mark.parametrize("offset,spread", [(100.0, 1e-2), (10.0, 1e-3)])
-def test_gae_whitened_with_a_large_common_offset(offset, spread):
+def test_whitened_gae_with_a_large_common_offset(offset, spread):
     """Advantages ~ offset + small noise: the whitening statistics must not cancel (mean/std = 1e4)."""
     g = torch.Generator().manual_seed(3)
     B, T = 37, 203  # groups of 8 rows and a row tail, 8-step blocks and a head
     r = offset + torch.randn(B, T, generator=g) * spread
     m = torch.rand(B, T, generator=g) > 0.1
-    adv, _, _ = torch.ops.verl.gae_whitened(r, torch.zeros(B, T), m, 0.0, 0.0, 1e-8)
+    adv, _, _ = torch.ops.verl.gae(r, torch.zeros(B, T), m, 0.0, 0.0, 1e-8)
     raw = O.compute_gae_ref(r.double(), None, m, 0.0, 0.0)
     want = O.masked_whiten_ref(raw.advantages, m, eps=1e-8)
     # float32 inputs carry offset * 6e-8 of rounding, i.e. ~1e-3 of the spread: compare at that level
     torch.testing.assert_close(adv.double(), want, atol=2e-2, rtol=0)
 
 
+def _loss_op_calls(t, m, mode):
+    """(name, with_grad -> outputs of the raw loss op, reference of the first input's gradient at grad = 1)."""
+    agg = (mode, None, None, 1, None)
+    a = O.Aggregation(mode=mode)
+    for pg in O.POLICY_LOSSES:
+        args = (t["a"], t["b"], t["c"], m, pg, 0.2, 0.28, 3.0)
+        yield (f"policy_loss {pg}", lambda wg, args=args: torch.ops.verl.policy_loss(*args, *agg, wg),
+               lambda x, pg=pg: O.policy_loss_ref(x, t["b"].double(), t["c"].double(), m, pg, 0.2, 0.28, 3.0, a).loss)
+    for kind in ("kl", "abs", "mse", "low_var_kl", "k1+", "k3+"):
+        yield (f"kl_loss {kind}", lambda wg, kind=kind: torch.ops.verl.kl_loss(t["a"], t["b"], m, kind, *agg, wg),
+               lambda x, kind=kind: O.kl_loss_ref(x, t["b"].double(), m, kind, a))
+    yield ("value_loss", lambda wg: torch.ops.verl.value_loss(t["a"], t["b"], t["d"], m, 0.3, *agg, wg),
+           lambda x: O.value_loss_ref(x, t["b"].double(), t["d"].double(), m, 0.3, a).loss)
+
+
 @needs_ext
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_with_grad_ops_match_forward_and_backward_ops(dtype):
-    """The one-pass *_with_grad ops give the plain forward's outputs and the backward op's gradient (grad = 1)."""
-    one = torch.ones((), dtype=dtype)
+def test_with_grad_adds_only_the_gradient_output(dtype):
+    """with_grad=True returns the forward outputs of with_grad=False bit for bit, plus d loss / d input (the
+    reference's autograd gradient); with_grad=False returns an empty [0] in its place."""
     for t, m in sample_inputs("cpu", dtype)[::3]:
-        for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-            agg = (mode, None, None, 1, None)
-            for pg_type in ("vanilla", "gspo", "reinforce"):
-                pargs = (t["a"], t["b"], t["c"], m, pg_type, 0.2, 0.28, 3.0)
-                plain = torch.ops.verl.policy_loss(*pargs, *agg)
-                fused = torch.ops.verl.policy_loss_with_grad(*pargs, *agg)
-                for got, want in zip(fused[:4], plain[:4]):
-                    _close(got, want, dtype)
-                want_g = torch.ops.verl.policy_loss_backward(one, *pargs[:4], plain[4], *pargs[4:])
-                _close(fused[4], want_g, dtype)
-            for kind in ("kl", "abs", "mse", "low_var_kl", "k1+", "k3+"):
-                plain = torch.ops.verl.kl_loss(t["a"], t["b"], m, kind, *agg)
-                fused = torch.ops.verl.kl_loss_with_grad(t["a"], t["b"], m, kind, *agg)
-                _close(fused[0], plain[0], dtype)
-                _close(fused[1], torch.ops.verl.kl_loss_backward(one, t["a"], t["b"], m, plain[1], kind), dtype)
-            vargs = (t["a"], t["b"], t["d"], m, 0.3)
-            plain = torch.ops.verl.value_loss(*vargs, *agg)
-            fused = torch.ops.verl.value_loss_with_grad(*vargs, *agg)
-            _close(fused[0], plain[0], dtype)
-            _close(fused[1], plain[1], dtype)
-            _close(fused[2], torch.ops.verl.value_loss_backward(one, *vargs[:4], plain[2], 0.3), dtype)
+        for mode in O.AGG_MODES:
+            for name, call, ref in _loss_op_calls(t, m, mode):
+                plain, fused = call(False), call(True)
+                for got, want in zip(fused[:-1], plain[:-1]):
+                    assert torch.equal(got, want), name
+                assert plain[-1].shape == (0,) and fused[-1].shape == t["a"].shape, name
+                x = t["a"].detach().double().clone().requires_grad_()
+                ref(x).backward()
+                _close(fused[-1], x.grad, dtype, scale=max(1e-3, float(x.grad.abs().max())))
+
+
+@needs_ext
+def test_backward_through_a_loss_op_called_without_grad_says_what_to_do():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    m = torch.ones(3, 4, dtype=torch.bool)
+    loss = torch.ops.verl.value_loss(x, x.detach(), x.detach() + 1, m, 0.5, "token-mean", None, None, 1, None,
+                                     False)[0]
+    with pytest.raises(RuntimeError, match=r"verl::value_loss was called with with_grad=False.*with_grad=True"):
+        loss.backward()
 
 
 @needs_ext
@@ -329,23 +343,18 @@ def test_opcheck():
         (torch.ops.verl.outcome_advantage.default, (r(), m, idx, "remax", 1e-6, True, torch.randn(B))),
         (torch.ops.verl.kl_penalty.default, (x, r(), "low_var_kl")),
         (torch.ops.verl.kl_penalty_backward.default, (r(), r(), r(), "abs")),
+        (torch.ops.verl.gae.default, (r(), r(), m, 0.99, 0.95, 1e-8)),
+        (torch.ops.verl.gae.default, (r(), None, m.float(), 0.9, 1.0, 0.0)),
         (torch.ops.verl.agg_loss.default, (x, m) + agg),
         (torch.ops.verl.agg_loss_backward.default, (one, m, rw)),
-        (torch.ops.verl.kl_loss.default, (x, r(), m, "k3+") + agg),
-        (torch.ops.verl.kl_loss_backward.default, (one, r(), r(), m, rw, "mse")),
-        (torch.ops.verl.policy_loss.default, (x, r(), r(), m, "vanilla", 0.2, 0.28, 3.0) + agg),
+        (torch.ops.verl.kl_loss.default, (r(), r(), m, "k3+") + agg + (False,)),
+        (torch.ops.verl.kl_loss.default, (x, r().requires_grad_(), m, "low_var_kl") + agg + (True,)),
+        (torch.ops.verl.policy_loss.default, (x, r(), r(), m, "vanilla", 0.2, 0.28, 3.0) + agg + (True,)),
         (torch.ops.verl.policy_loss.default, (x, r(), r(), m, "gspo", 0.2, 0.28, 3.0, "token-mean", 30.0, 6.0, 2,
-                                              None)),
-        (torch.ops.verl.policy_loss_backward.default, (one, r(), r(), r(), m, rw, "reinforce", 0.2, 0.2, 3.0)),
-        (torch.ops.verl.value_loss.default, (x, r(), r(), m, 0.5) + agg),
-        (torch.ops.verl.value_loss_backward.default, (one, r(), r(), r(), m, rw, 0.5)),
-        (torch.ops.verl.gae_whitened.default, (r(), r(), m, 0.99, 0.95, 1e-8)),
-        (torch.ops.verl.gae_whitened.default, (r(), None, m.float(), 0.9, 1.0, 0.0)),
-        (torch.ops.verl.policy_loss_with_grad.default, (x, r(), r(), m, "vanilla", 0.2, 0.28, 3.0) + agg),
-        (torch.ops.verl.policy_loss_with_grad.default, (x, r(), r(), m, "gspo", 0.2, 0.28, 3.0, "token-mean", 30.0,
-                                                        6.0, 2, None)),
-        (torch.ops.verl.value_loss_with_grad.default, (x, r(), r(), m, 0.5) + agg),
-        (torch.ops.verl.kl_loss_with_grad.default, (x, r().requires_grad_(), m, "low_var_kl") + agg),
+                                              None, True)),
+        (torch.ops.verl.policy_loss.default, (r(), r(), r(), m, "reinforce", 0.2, 0.2, 3.0) + agg + (False,)),
+        (torch.ops.verl.value_loss.default, (x, r(), r(), m, 0.5) + agg + (True,)),
+        (torch.ops.verl.value_loss.default, (r(), r(), r(), m, 0.5) + agg + (False,)),
         (torch.ops.verl.loss_grad_scale.default, (one, r())),
     ]
     for op, args in checks:
@@ -433,7 +442,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(RuntimeError, match=r"`values` must have the shape of `rewards`"):
         torch.ops.verl.gae(x, torch.randn(3, 5), m, 1.0, 1.0)
     with pytest.raises(RuntimeError, match=r"`mask` must be bool or a real dtype"):
-        torch.ops.verl.policy_loss(x, x, x, m.to(torch.complex64), "vanilla", 0.2, 0.2, 3.0, *agg)
+        torch.ops.verl.policy_loss(x, x, x, m.to(torch.complex64), "vanilla", 0.2, 0.2, 3.0, *agg, False)
     with pytest.raises(RuntimeError, match=r"`index` must be 1-D with one prompt id per sequence \(B=3\)"):
         torch.ops.verl.outcome_advantage(x, m, torch.tensor([0, 1]), "grpo", 1e-6, True, None)
     with pytest.raises(RuntimeError, match=r"`index` .* must be an integer tensor"):
@@ -447,25 +456,31 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(RuntimeError, match=r"unknown KL `kind` 'k4'; known kinds: kl \(k1\)"):
         torch.ops.verl.kl_penalty(x, x, "k4")
     with pytest.raises(RuntimeError, match="unknown policy `loss_type` 'ppo2'; known types: vanilla, gspo"):
-        torch.ops.verl.policy_loss(x, x, x, m, "ppo2", 0.2, 0.2, 3.0, *agg)
+        torch.ops.verl.policy_loss(x, x, x, m, "ppo2", 0.2, 0.2, 3.0, *agg, False)
     with pytest.raises(RuntimeError, match="unknown outcome `estimator` 'grpo2'"):
         torch.ops.verl.outcome_advantage(x, m, idx, "grpo2", 1e-6, True, None)
     with pytest.raises(RuntimeError, match=r"`rewards` is empty .* an empty batch"):
         torch.ops.verl.gae(torch.empty(0, 4), None, torch.empty(0, 4, dtype=torch.bool), 1.0, 1.0)
     with pytest.raises(RuntimeError, match=r"`logprob` must be 2-D \[B, T\]"):
-        torch.ops.verl.kl_loss(torch.randn(12), torch.randn(12), torch.ones(12), "kl", *agg)
+        torch.ops.verl.kl_loss(torch.randn(12), torch.randn(12), torch.ones(12), "kl", *agg, True)
     with pytest.raises(RuntimeError, match=r"`old_logprob` must have the dtype of `logprob`"):
-        torch.ops.verl.policy_loss(x, x.double(), x, m, "vanilla", 0.2, 0.2, 3.0, *agg)
+        torch.ops.verl.policy_loss(x, x.double(), x, m, "vanilla", 0.2, 0.2, 3.0, *agg, True)
     with pytest.raises(RuntimeError, match=r"`clip_c` \(dual-clip constant\) must be > 1"):
-        torch.ops.verl.policy_loss(x, x, x, m, "vanilla", 0.2, 0.2, 0.5, *agg)
+        torch.ops.verl.policy_loss(x, x, x, m, "vanilla", 0.2, 0.2, 0.5, *agg, False)
     with pytest.raises(RuntimeError, match=r"`dp_size` must be >= 1"):
         torch.ops.verl.agg_loss(x, m, "token-mean", None, None, 0, None)
     with pytest.raises(RuntimeError, match=r"`gamma` must be in \[0, 1\]"):
         torch.ops.verl.gae(x, None, m, 1.5, 1.0)
+    with pytest.raises(RuntimeError, match=r"`whiten_eps` must be >= 0"):
+        torch.ops.verl.gae(x, None, m, 1.0, 1.0, -1.0)
+    with pytest.raises(RuntimeError, match=r"`clip` \(value clip range\) must be >= 0"):
+        torch.ops.verl.value_loss(x, x, x, m, -0.1, *agg, True)
     with pytest.raises(RuntimeError, match=r"estimator 'remax' needs `baseline`"):
         torch.ops.verl.outcome_advantage(x, m, idx, "remax", 1e-6, True, None)
     with pytest.raises(RuntimeError, match=r"`row_weight` must be the float64 \[B\] output"):
         torch.ops.verl.agg_loss_backward(torch.tensor(1.0), m, torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"agg_loss_backward: `grad` must be the gradient of the scalar loss"):
+        torch.ops.verl.agg_loss_backward(torch.ones(2), m, torch.ones(3, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"Aggregation.dp_size must be >= 1"):
         O.Aggregation(dp_size=0)
 
@@ -483,7 +498,6 @@ def test_reference_backend_runs_without_kernels():
 @needs_ext
 def test_dispatcher_has_cpu_kernels_for_rl_ops():
     rl_ops = ["gae", "outcome_advantage", "kl_penalty", "kl_penalty_backward", "agg_loss", "agg_loss_backward",
-              "kl_loss", "kl_loss_backward", "policy_loss", "policy_loss_backward", "value_loss", "value_loss_backward",
-              "gae_whitened", "kl_loss_with_grad", "policy_loss_with_grad", "value_loss_with_grad"]
+              "kl_loss", "policy_loss", "value_loss", "loss_grad_scale"]
     missing = [op for op in rl_ops if not _extension.has_kernel(op, "CPU")]
     assert not missing

@@ -19,8 +19,9 @@ from verl.algos.kl import KLS, get_kl, kl_loss, register_kl
 from verl.algos.objectives import ADDITIVE, actor_loss, critic_loss, rollout_mismatch
 from verl.algos.policy_losses import POLICY_LOSS_FNS, get_policy_loss, register_policy_loss
 from verl.algos.registry import Registry
+from verl.ops.checks import check_name
 from verl.ops.losses import AGG_MODES, Aggregation, PolicyLossOutput, ValueLossOutput, agg_loss, value_loss
-from verl.ops.rl import AdvantageResult, check_name
+from verl.ops.rl import AdvantageResult
 
 __all__ = ["ADDITIVE", "ADVANTAGES", "AGG_MODES", "AdvantageInfo", "actor_loss", "advantage_info", "critic_loss",
            "rollout_mismatch", "KLS", "POLICY_LOSS_FNS", "AdvantageResult", "Aggregation", "PolicyLossOutput",

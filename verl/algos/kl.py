@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from verl.algos.registry import Registry
-from verl.ops.losses import Aggregation, agg_loss
+from verl.ops.losses import KL_KINDS, Aggregation, agg_loss, kl_penalty
 from verl.ops.losses import kl_loss as _fused_kl_loss
-from verl.ops.rl import KL_KINDS, kl_penalty
 
 __all__ = ["KLS", "register_kl", "get_kl", "kl_loss"]
 

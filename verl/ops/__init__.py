@@ -36,21 +36,19 @@ from verl.ops.reshard import (  # hybrid engine: bucket pack/unpack, Megatron â†
     reshard_unpack,
     reshard_unpack_ref,
 )
-from verl.ops.rl import (  # RL advantages and KL penalties (kernels-rl)
-    KL_KINDS,
+from verl.ops.rl import (  # RL advantages: GAE, outcome (group) estimators
     OUTCOME_ESTIMATORS,
     AdvantageResult,
     as_group_index,
     compute_gae,
     compute_gae_ref,
-    kl_penalty,
-    kl_penalty_ref,
     outcome_advantage,
     outcome_advantage_ref,
     reinforce_plus_plus,
 )
-from verl.ops.losses import (  # fused RL losses with masked aggregation (kernels-rl)
+from verl.ops.losses import (  # per-token KL and the fused RL losses with masked aggregation
     AGG_MODES,
+    KL_KINDS,
     POLICY_LOSSES,
     Aggregation,
     PolicyLossOutput,
@@ -59,6 +57,8 @@ from verl.ops.losses import (  # fused RL losses with masked aggregation (kernel
     agg_loss_ref,
     kl_loss,
     kl_loss_ref,
+    kl_penalty,
+    kl_penalty_ref,
     policy_loss,
     policy_loss_ref,
     value_loss,
@@ -71,11 +71,13 @@ __all__ = [
     "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref",
     "reshard_pack", "reshard_unpack", "reshard_gather",
     "reshard_pack_ref", "reshard_unpack_ref", "reshard_gather_ref",
-    # RL (kernels-rl)
-    "KL_KINDS", "OUTCOME_ESTIMATORS", "AdvantageResult", "as_group_index", "compute_gae", "compute_gae_ref",
-    "kl_penalty", "kl_penalty_ref", "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus",
-    "AGG_MODES", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput", "ValueLossOutput", "agg_loss", "agg_loss_ref",
-    "kl_loss", "kl_loss_ref", "policy_loss", "policy_loss_ref", "value_loss", "value_loss_ref",
+    # RL advantages (verl/ops/rl.py)
+    "OUTCOME_ESTIMATORS", "AdvantageResult", "as_group_index", "compute_gae", "compute_gae_ref",
+    "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus",
+    # per-token KL and RL losses (verl/ops/losses.py)
+    "KL_KINDS", "kl_penalty", "kl_penalty_ref", "AGG_MODES", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput",
+    "ValueLossOutput", "agg_loss", "agg_loss_ref", "kl_loss", "kl_loss_ref", "policy_loss", "policy_loss_ref",
+    "value_loss", "value_loss_ref",
     # log-prob / entropy (verl/ops/logprob.py)
     "logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
     "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",

@@ -367,67 +367,81 @@ def _fake_linear(hidden, weight, labels):
     return _fake_rows(hidden, labels, "hidden")
 
 
+def _fake_logprob_entropy(logits, labels, temperature=1.0, ignore_index=-100):
+    return _fake_rows(logits, labels, "logits")
+
+
+def _fake_logprob_entropy_shard(logits, labels, temperature, vocab_start, vocab_size, ignore_index=-100):
+    return _fake_rows(logits, labels, "logits")
+
+
+def _fake_logprob_entropy_backward(grad_logprob, grad_entropy, grad_lse, logits, labels, lse, entropy, temperature,
+                                   vocab_start=0, ignore_index=-100):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _fake_linear_logprob_entropy(hidden, weight, labels, temperature=1.0, ignore_index=-100,
+                                 chunk_n=DEFAULT_CHUNK_N, chunk_v=DEFAULT_CHUNK_V):
+    return _fake_linear(hidden, weight, labels)
+
+
+def _fake_linear_logprob_entropy_shard(hidden, weight, labels, temperature, vocab_start, vocab_size,
+                                       ignore_index=-100, chunk_n=DEFAULT_CHUNK_N, chunk_v=DEFAULT_CHUNK_V):
+    return _fake_linear(hidden, weight, labels)
+
+
+def _fake_linear_logprob_entropy_backward(grad_logprob, grad_entropy, grad_lse, hidden, weight, labels, lse, entropy,
+                                          temperature, vocab_start=0, ignore_index=-100, chunk_n=DEFAULT_CHUNK_N,
+                                          chunk_v=DEFAULT_CHUNK_V):
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format))
+
+
+def _setup(ctx, inputs, output):
+    logits, labels, temperature, ignore_index = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(logits, labels, lse, ent)
+    ctx.temperature, ctx.ignore_index = temperature, ignore_index
+
+
+def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
+    logits, labels, lse, ent = ctx.saved_tensors
+    grad = torch.ops.verl.logprob_entropy_backward(grad_logprob, grad_entropy, grad_lse, logits, labels, lse, ent,
+                                                   ctx.temperature, 0, ctx.ignore_index)
+    return grad, None, None, None
+
+
+def _setup_linear(ctx, inputs, output):
+    hidden, weight, labels, temperature, ignore_index, chunk_n, chunk_v = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(hidden, weight, labels, lse, ent)
+    ctx.args = (temperature, ignore_index, chunk_n, chunk_v)
+
+
+def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
+    hidden, weight, labels, lse, ent = ctx.saved_tensors
+    temperature, ignore_index, chunk_n, chunk_v = ctx.args
+    gh, gw = torch.ops.verl.linear_logprob_entropy_backward(grad_logprob, grad_entropy, grad_lse, hidden, weight,
+                                                            labels, lse, ent, temperature, 0, ignore_index, chunk_n,
+                                                            chunk_v)
+    return gh, gw, None, None, None, None, None
+
+
+_FAKES = {"logprob_entropy": _fake_logprob_entropy, "logprob_entropy_shard": _fake_logprob_entropy_shard,
+          "logprob_entropy_backward": _fake_logprob_entropy_backward,
+          "linear_logprob_entropy": _fake_linear_logprob_entropy,
+          "linear_logprob_entropy_shard": _fake_linear_logprob_entropy_shard,
+          "linear_logprob_entropy_backward": _fake_linear_logprob_entropy_backward}
+# op -> (backward, setup_context); each backward is itself an op. The *_shard ops are differentiated by the
+# vocab-parallel autograd functions above, which call the backward ops directly.
+_AUTOGRAD = {"logprob_entropy": (_backward, _setup), "linear_logprob_entropy": (_backward_linear, _setup_linear)}
+
+
 def _register() -> None:
-    lib = "verl::"
-
-    @torch.library.register_fake(lib + "logprob_entropy")
-    def _(logits, labels, temperature=1.0, ignore_index=-100):
-        return _fake_rows(logits, labels, "logits")
-
-    @torch.library.register_fake(lib + "logprob_entropy_shard")
-    def _(logits, labels, temperature, vocab_start, vocab_size, ignore_index=-100):
-        return _fake_rows(logits, labels, "logits")
-
-    @torch.library.register_fake(lib + "logprob_entropy_backward")
-    def _(grad_logprob, grad_entropy, grad_lse, logits, labels, lse, entropy, temperature, vocab_start=0,
-          ignore_index=-100):
-        return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake(lib + "linear_logprob_entropy")
-    def _(hidden, weight, labels, temperature=1.0, ignore_index=-100, chunk_n=DEFAULT_CHUNK_N,
-          chunk_v=DEFAULT_CHUNK_V):
-        return _fake_linear(hidden, weight, labels)
-
-    @torch.library.register_fake(lib + "linear_logprob_entropy_shard")
-    def _(hidden, weight, labels, temperature, vocab_start, vocab_size, ignore_index=-100, chunk_n=DEFAULT_CHUNK_N,
-          chunk_v=DEFAULT_CHUNK_V):
-        return _fake_linear(hidden, weight, labels)
-
-    @torch.library.register_fake(lib + "linear_logprob_entropy_backward")
-    def _(grad_logprob, grad_entropy, grad_lse, hidden, weight, labels, lse, entropy, temperature, vocab_start=0,
-          ignore_index=-100, chunk_n=DEFAULT_CHUNK_N, chunk_v=DEFAULT_CHUNK_V):
-        return (torch.empty_like(hidden, memory_format=torch.contiguous_format),
-                torch.empty_like(weight, memory_format=torch.contiguous_format))
-
-    def _setup(ctx, inputs, output):
-        logits, labels, temperature, ignore_index = inputs
-        _, ent, lse = output
-        ctx.save_for_backward(logits, labels, lse, ent)
-        ctx.temperature, ctx.ignore_index = temperature, ignore_index
-
-    def _backward(ctx, grad_logprob, grad_entropy, grad_lse):
-        logits, labels, lse, ent = ctx.saved_tensors
-        grad = torch.ops.verl.logprob_entropy_backward(grad_logprob, grad_entropy, grad_lse, logits, labels, lse, ent,
-                                                       ctx.temperature, 0, ctx.ignore_index)
-        return grad, None, None, None
-
-    torch.library.register_autograd(lib + "logprob_entropy", _backward, setup_context=_setup)
-
-    def _setup_linear(ctx, inputs, output):
-        hidden, weight, labels, temperature, ignore_index, chunk_n, chunk_v = inputs
-        _, ent, lse = output
-        ctx.save_for_backward(hidden, weight, labels, lse, ent)
-        ctx.args = (temperature, ignore_index, chunk_n, chunk_v)
-
-    def _backward_linear(ctx, grad_logprob, grad_entropy, grad_lse):
-        hidden, weight, labels, lse, ent = ctx.saved_tensors
-        temperature, ignore_index, chunk_n, chunk_v = ctx.args
-        gh, gw = torch.ops.verl.linear_logprob_entropy_backward(grad_logprob, grad_entropy, grad_lse, hidden, weight,
-                                                                labels, lse, ent, temperature, 0, ignore_index,
-                                                                chunk_n, chunk_v)
-        return gh, gw, None, None, None, None, None
-
-    torch.library.register_autograd(lib + "linear_logprob_entropy", _backward_linear, setup_context=_setup_linear)
+    for op, fake in _FAKES.items():
+        torch.library.register_fake("verl::" + op, fake)
+    for op, (backward, setup) in _AUTOGRAD.items():
+        torch.library.register_autograd("verl::" + op, backward, setup_context=setup)
 
 
 if _extension.available():

@@ -1,6 +1,10 @@
 """Fused RL losses with masked aggregation: PPO-family policy loss, clipped value loss, KL loss, and plain
-aggregation (entropy bonus, any per-token loss). Each forward reads its [B, T] inputs once and produces the
-loss and its statistics; each backward writes the gradient in one pass.
+aggregation (entropy bonus, any per-token loss); and the per-token KL estimators (kl_penalty) they share.
+
+Kernels: csrc/cpu/rl_loss.cpp and csrc/cuda/rl_loss.cu, driven by csrc/include/verl/rl_loss.h (schemas in
+csrc/ops.cpp). When autograd records, a loss op reads its [B, T] inputs once and writes the loss, its
+statistics and the gradient (at grad_output = 1) in that one pass; the backward op only scales the saved
+gradient by the incoming scalar. The saved gradient costs one [B, T] tensor of the input's dtype until backward.
 
 Aggregation (`Aggregation.mode`), with m the mask and l the per-token loss:
 - token-mean:              sum(m*l) / tokens
@@ -26,11 +30,15 @@ import torch
 
 from verl import _extension
 from verl.ops._backend import use_fused
-from verl.ops.rl import KL_KINDS, _check_bt, _valid, check_name, kl_penalty_ref
+from verl.ops.checks import check_bt, check_name, valid_mask
 
-__all__ = ["AGG_MODES", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput", "ValueLossOutput", "agg_loss",
-           "agg_loss_ref", "kl_loss", "kl_loss_ref", "policy_loss", "policy_loss_ref", "value_loss", "value_loss_ref"]
+__all__ = ["AGG_MODES", "KL_KINDS", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput", "ValueLossOutput",
+           "agg_loss", "agg_loss_ref", "kl_loss", "kl_loss_ref", "kl_penalty", "kl_penalty_ref", "policy_loss",
+           "policy_loss_ref", "value_loss", "value_loss_ref"]
 
+# Canonical names first; aliases map to them (same spelling as csrc/include/verl/rl_loss.h).
+KL_KINDS = {"kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse", "k2": "mse", "low_var_kl": "low_var_kl",
+            "k3": "low_var_kl", "k1+": "k1+", "kl+": "k1+", "k3+": "k3+", "low_var_kl+": "k3+"}
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("vanilla", "gspo", "reinforce")
 
@@ -92,11 +100,31 @@ class ValueLossOutput(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------- references
 
+def kl_penalty_ref(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of KL(pi || ref). Same shape as the inputs."""
+    kind = KL_KINDS[check_name(kind, KL_KINDS, "KL kind")]
+    d = logprob - ref_logprob
+    if kind == "kl":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "mse":
+        return 0.5 * d.square()
+    k2 = 0.5 * d.square()
+    if kind == "k1+":
+        return d.detach() + (k2 - k2.detach())
+    dr = torch.clamp(ref_logprob - logprob, -20, 20)
+    k3 = torch.clamp(torch.exp(dr) - dr - 1, -10, 10)
+    if kind == "low_var_kl":
+        return k3
+    return k3.detach() + (k2 - k2.detach())
+
+
 def agg_loss_ref(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | None = None) -> torch.Tensor:
     """Pure-PyTorch aggregation of a [B, T] per-token loss into a 0-d tensor."""
     a = _agg(agg)
-    _check_bt(loss, mask, "agg_loss", "loss")
-    valid = _valid(mask)
+    check_bt(loss, mask, "agg_loss", "loss")
+    valid = valid_mask(mask)
     acc = torch.float64 if loss.dtype == torch.float64 else torch.float32
     x = torch.where(valid, loss.to(acc), 0.0)
     count = valid.sum(-1).to(acc)
@@ -129,7 +157,7 @@ def policy_loss_ref(logprob, old_logprob, advantages, mask, loss_type: str = "va
                     agg: Aggregation | str | None = None) -> PolicyLossOutput:
     """Pure-PyTorch PPO-family policy loss (the usual formulation, op by op)."""
     check_name(loss_type, POLICY_LOSSES, "policy loss")
-    valid = _valid(mask)
+    valid = valid_mask(mask)
     neg_kl = logprob - old_logprob
     if loss_type == "gspo":
         count = valid.sum(-1).clamp(min=1)
@@ -164,7 +192,7 @@ def value_loss_ref(values, old_values, returns, mask, clip: float = 0.5,
     l1 = (values - returns).square()
     l2 = (vc - returns).square()
     loss = 0.5 * torch.maximum(l1, l2)
-    return ValueLossOutput(agg_loss_ref(loss, mask, agg), _token_mean_stat(torch.gt(l2, l1), _valid(mask)))
+    return ValueLossOutput(agg_loss_ref(loss, mask, agg), _token_mean_stat(torch.gt(l2, l1), valid_mask(mask)))
 
 
 def kl_loss_ref(logprob, ref_logprob, mask, kind: str = "low_var_kl",
@@ -174,13 +202,21 @@ def kl_loss_ref(logprob, ref_logprob, mask, kind: str = "low_var_kl",
 
 # ---------------------------------------------------------------------------------------------- public wrappers
 #
-# With autograd recording and a differentiable input, the wrappers call the ops' *_with_grad forms: they
-# write d loss / d input (at grad_output = 1) in the same pass over memory as the loss, and the backward op
-# only scales it (one pass over the inputs for forward + backward, instead of one each). The saved gradient
-# costs one [B, T] tensor of the input's dtype until backward. Without grad the plain forward ops run.
+# The loss ops compute d loss / d input in the forward pass only when it will be used (`with_grad`): when
+# autograd records and an input requires grad.
 
 def _wants_grad(*xs: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL penalty, [...] -> [...]: kl/k1 (logp - ref), abs, mse/k2 (0.5 d^2), low_var_kl/k3
+    (exp(ref - logp) - (ref - logp) - 1, argument clamped to +-20, result to +-10), and straight-through k1+ / k3+
+    (value of k1 / k3, gradient of k2). Differentiable in both inputs."""
+    check_name(kind, KL_KINDS, "KL kind")
+    if use_fused("kl_penalty", logprob, ref_logprob):
+        return torch.ops.verl.kl_penalty(logprob, ref_logprob, kind)
+    return kl_penalty_ref(logprob, ref_logprob, kind)
 
 
 def agg_loss(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | None = None) -> torch.Tensor:
@@ -197,9 +233,8 @@ def kl_loss(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor
     check_name(kind, KL_KINDS, "KL kind")
     a = _agg(agg)
     if use_fused("kl_loss", logprob, ref_logprob):
-        if _wants_grad(logprob, ref_logprob):
-            return torch.ops.verl.kl_loss_with_grad(logprob, ref_logprob, mask, kind, *a.args())[0]
-        return torch.ops.verl.kl_loss(logprob, ref_logprob, mask, kind, *a.args())[0]
+        with_grad = _wants_grad(logprob, ref_logprob)
+        return torch.ops.verl.kl_loss(logprob, ref_logprob, mask, kind, *a.args(), with_grad)[0]
     return kl_loss_ref(logprob, ref_logprob, mask, kind, a)
 
 
@@ -217,9 +252,8 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
     a = _agg(agg)
     ch = clip_low if clip_high is None else clip_high
     if use_fused("policy_loss", logprob):
-        op = torch.ops.verl.policy_loss_with_grad if _wants_grad(logprob) else torch.ops.verl.policy_loss
-        out = op(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type, float(clip_low), float(ch),
-                 float(clip_c), *a.args())
+        out = torch.ops.verl.policy_loss(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type,
+                                         float(clip_low), float(ch), float(clip_c), *a.args(), _wants_grad(logprob))
         return PolicyLossOutput(*out[:4])
     return policy_loss_ref(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type, clip_low, ch, clip_c, a)
 
@@ -229,158 +263,126 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """Clipped value loss 0.5 * max((v - R)^2, (old + clamp(v - old, +-clip) - R)^2) aggregated; [B, T] -> 0-d."""
     a = _agg(agg)
     if use_fused("value_loss", values):
-        op = torch.ops.verl.value_loss_with_grad if _wants_grad(values) else torch.ops.verl.value_loss
-        out = op(values, old_values.detach(), returns.detach(), mask, float(clip), *a.args())
+        out = torch.ops.verl.value_loss(values, old_values.detach(), returns.detach(), mask, float(clip), *a.args(),
+                                        _wants_grad(values))
         return ValueLossOutput(*out[:2])
     return value_loss_ref(values, old_values.detach(), returns.detach(), mask, clip, a)
 
 
-# ------------------------------------------------------------------------- fake implementations + autograd
+# ---------------------------------------------------------------------------------------------- fake implementations
+
+def _fake_like(ref: torch.Tensor, *others: torch.Tensor) -> None:
+    torch._check(ref.dim() == 2, lambda: f"expected a 2-D [B, T] tensor, got {tuple(ref.shape)}")
+    for o in others:
+        torch._check(o.shape == ref.shape, lambda o=o: f"shape {tuple(o.shape)} != {tuple(ref.shape)}")
+
+
+def _scalar(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return like.new_empty((), dtype=dtype or like.dtype)
+
+
+def _grad_out(x: torch.Tensor, with_grad: bool) -> torch.Tensor:
+    """The loss ops' gradient output: [B, T] with_grad, else an empty [0]."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format) if with_grad else x.new_empty((0,))
+
+
+def _fake_kl_penalty(logprob, ref_logprob, kind):
+    torch._check(logprob.shape == ref_logprob.shape, lambda: "`ref_logprob` must have the shape of `logprob`")
+    return torch.empty_like(logprob, memory_format=torch.contiguous_format)
+
+
+def _fake_kl_penalty_backward(grad, logprob, ref_logprob, kind):
+    return torch.empty_like(logprob, memory_format=torch.contiguous_format)
+
+
+def _fake_agg_loss(loss, mask, mode, global_tokens, global_seqs, dp_size, norm_len):
+    _fake_like(loss, mask)
+    return _scalar(loss), loss.new_empty((loss.shape[0],), dtype=torch.float64)
+
+
+def _fake_agg_loss_backward(grad, mask, row_weight):
+    return mask.new_empty(mask.shape, dtype=grad.dtype)
+
+
+def _fake_kl_loss(logprob, ref_logprob, mask, kind, mode, global_tokens, global_seqs, dp_size, norm_len, with_grad):
+    _fake_like(logprob, ref_logprob, mask)
+    return _scalar(logprob), _grad_out(logprob, with_grad)
+
+
+def _fake_policy_loss(logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c, mode,
+                      global_tokens, global_seqs, dp_size, norm_len, with_grad):
+    _fake_like(logprob, old_logprob, advantages, mask)
+    f32 = torch.float32
+    return (_scalar(logprob), _scalar(logprob, f32), _scalar(logprob, f32), _scalar(logprob, f32),
+            _grad_out(logprob, with_grad))
+
+
+def _fake_value_loss(values, old_values, returns, mask, clip, mode, global_tokens, global_seqs, dp_size, norm_len,
+                     with_grad):
+    _fake_like(values, old_values, returns, mask)
+    return _scalar(values), _scalar(values, torch.float32), _grad_out(values, with_grad)
+
+
+def _fake_loss_grad_scale(grad, saved_grad):
+    torch._check(grad.numel() == 1, lambda: f"`grad` must be the scalar loss's gradient, got {tuple(grad.shape)}")
+    return torch.empty_like(saved_grad)
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+#
+# agg_loss's autograd kernel is C++ (csrc/cpu/rl_loss.cpp: it saves the row weights; its backward op is
+# agg_loss_backward): the op is cheap enough that the Python wrapper's fixed cost dominated it.
+
+def _setup_kl_penalty(ctx, inputs, output):
+    logprob, ref_logprob, kind = inputs
+    ctx.save_for_backward(logprob, ref_logprob)
+    ctx.kind = kind
+
+
+def _kl_penalty_backward(ctx, grad):
+    logprob, ref_logprob = ctx.saved_tensors
+    g = torch.ops.verl.kl_penalty_backward(grad, logprob, ref_logprob, ctx.kind)
+    # Every estimator is a function of logprob - ref_logprob, so the reference gets the negated gradient.
+    return g, (-g if ctx.needs_input_grad[1] else None), None
+
+
+# kl_loss, policy_loss, value_loss: the last output is d loss / d (first input) at grad_output = 1, written by the
+# forward when called with_grad (their last argument); backward scales it by the incoming gradient.
+def _setup_saved_grad(ctx, inputs, output):
+    ctx.save_for_backward(output[-1])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.with_grad = inputs[-1]
+
+
+def _saved_grad_backward(op: str, ref_sign: int | None):
+    """Backward of a loss op; ref_sign: the sign of d / d (second input) (kl_loss: -1), None if not differentiable."""
+    def backward(ctx, grad, *_unused):
+        if not ctx.with_grad:
+            raise RuntimeError(f"verl::{op} was called with with_grad=False, so it saved no gradient to "
+                               f"differentiate; call it with with_grad=True (verl.ops.{op} does when autograd records)")
+        (saved,) = ctx.saved_tensors
+        g = torch.ops.verl.loss_grad_scale(grad, saved)
+        out = [None] * len(ctx.needs_input_grad)
+        out[0] = g if ctx.needs_input_grad[0] else None
+        if ref_sign is not None and ctx.needs_input_grad[1]:
+            out[1] = g if ref_sign > 0 else -g
+        return tuple(out)
+    return backward
+
+
+_FAKES = {"kl_penalty": _fake_kl_penalty, "kl_penalty_backward": _fake_kl_penalty_backward,
+          "agg_loss": _fake_agg_loss, "agg_loss_backward": _fake_agg_loss_backward, "kl_loss": _fake_kl_loss,
+          "policy_loss": _fake_policy_loss, "value_loss": _fake_value_loss, "loss_grad_scale": _fake_loss_grad_scale}
+
 
 def _register() -> None:
-    lib = "verl::"
-
-    def _fake_like(ref, *others):
-        torch._check(ref.dim() == 2, lambda: f"expected a 2-D [B, T] tensor, got {tuple(ref.shape)}")
-        for o in others:
-            torch._check(o.shape == ref.shape, lambda o=o: f"shape {tuple(o.shape)} != {tuple(ref.shape)}")
-
-    def _scalar(like, dtype=None):
-        return like.new_empty((), dtype=dtype or like.dtype)
-
-    def _rw(like):
-        return like.new_empty((like.shape[0],), dtype=torch.float64)
-
-    def _grad_like(x):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake(lib + "agg_loss")
-    def _(loss, mask, mode, global_tokens, global_seqs, dp_size, norm_len):
-        _fake_like(loss, mask)
-        return _scalar(loss), _rw(loss)
-
-    @torch.library.register_fake(lib + "agg_loss_backward")
-    def _(grad, mask, row_weight):
-        return mask.new_empty(mask.shape, dtype=grad.dtype)
-
-    @torch.library.register_fake(lib + "kl_loss")
-    def _(logprob, ref_logprob, mask, kind, mode, global_tokens, global_seqs, dp_size, norm_len):
-        _fake_like(logprob, ref_logprob, mask)
-        return _scalar(logprob), _rw(logprob)
-
-    @torch.library.register_fake(lib + "kl_loss_backward")
-    def _(grad, logprob, ref_logprob, mask, row_weight, kind):
-        return _grad_like(logprob)
-
-    @torch.library.register_fake(lib + "policy_loss")
-    def _(logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c, mode, global_tokens,
-          global_seqs, dp_size, norm_len):
-        _fake_like(logprob, old_logprob, advantages, mask)
-        f32 = torch.float32
-        return _scalar(logprob), _scalar(logprob, f32), _scalar(logprob, f32), _scalar(logprob, f32), _rw(logprob)
-
-    @torch.library.register_fake(lib + "policy_loss_backward")
-    def _(grad, logprob, old_logprob, advantages, mask, row_weight, loss_type, clip_low, clip_high, clip_c):
-        return _grad_like(logprob)
-
-    @torch.library.register_fake(lib + "value_loss")
-    def _(values, old_values, returns, mask, clip, mode, global_tokens, global_seqs, dp_size, norm_len):
-        _fake_like(values, old_values, returns, mask)
-        return _scalar(values), _scalar(values, torch.float32), _rw(values)
-
-    @torch.library.register_fake(lib + "value_loss_backward")
-    def _(grad, values, old_values, returns, mask, row_weight, clip):
-        return _grad_like(values)
-
-    @torch.library.register_fake(lib + "kl_loss_with_grad")
-    def _(logprob, ref_logprob, mask, kind, mode, global_tokens, global_seqs, dp_size, norm_len):
-        _fake_like(logprob, ref_logprob, mask)
-        return _scalar(logprob), _grad_like(logprob)
-
-    @torch.library.register_fake(lib + "policy_loss_with_grad")
-    def _(logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c, mode, global_tokens,
-          global_seqs, dp_size, norm_len):
-        _fake_like(logprob, old_logprob, advantages, mask)
-        f32 = torch.float32
-        return (_scalar(logprob), _scalar(logprob, f32), _scalar(logprob, f32), _scalar(logprob, f32),
-                _grad_like(logprob))
-
-    @torch.library.register_fake(lib + "value_loss_with_grad")
-    def _(values, old_values, returns, mask, clip, mode, global_tokens, global_seqs, dp_size, norm_len):
-        _fake_like(values, old_values, returns, mask)
-        return _scalar(values), _scalar(values, torch.float32), _grad_like(values)
-
-    @torch.library.register_fake(lib + "loss_grad_scale")
-    def _(grad, saved_grad):
-        torch._check(grad.numel() == 1, lambda: f"`grad` must be the scalar loss's gradient, got {tuple(grad.shape)}")
-        return torch.empty_like(saved_grad)
-
-    # *_with_grad: the last output is d loss / d input at grad_output = 1; backward scales it.
-    def _setup_with_grad(ctx, inputs, output):
-        ctx.save_for_backward(output[-1])
-        ctx.mark_non_differentiable(*output[1:])
-
-    def _with_grad_backward(n_inputs, signs):
-        def backward(ctx, grad, *_unused):
-            (saved,) = ctx.saved_tensors
-            g = torch.ops.verl.loss_grad_scale(grad, saved)
-            out = [None] * n_inputs
-            for i, sign in enumerate(signs):
-                if ctx.needs_input_grad[i]:
-                    out[i] = g if sign > 0 else -g
-            return tuple(out)
-        return backward
-
-    torch.library.register_autograd(lib + "policy_loss_with_grad", _with_grad_backward(13, (1,)),
-                                    setup_context=_setup_with_grad)
-    torch.library.register_autograd(lib + "value_loss_with_grad", _with_grad_backward(10, (1,)),
-                                    setup_context=_setup_with_grad)
-    # The KL estimators depend on logprob - ref_logprob only: d/d ref = -d/d logprob.
-    torch.library.register_autograd(lib + "kl_loss_with_grad", _with_grad_backward(9, (1, -1)),
-                                    setup_context=_setup_with_grad)
-
-    # Each forward returns row_weight [B] (float64) so that backward is one elementwise pass. agg_loss's autograd
-    # kernel is C++ (csrc/cpu/rl.cpp, same saved tensors and backward op): this op is cheap enough that the Python
-    # wrapper's fixed cost dominated it.
-
-    def _setup_kl(ctx, inputs, output):
-        logprob, ref_logprob, mask, kind = inputs[:4]
-        ctx.save_for_backward(logprob, ref_logprob, mask, output[1])
-        ctx.mark_non_differentiable(output[1])
-        ctx.kind = kind
-
-    def _kl_backward(ctx, grad, _grad_rw):
-        logprob, ref_logprob, mask, rw = ctx.saved_tensors
-        g = torch.ops.verl.kl_loss_backward(grad, logprob, ref_logprob, mask, rw, ctx.kind)
-        return (g, -g if ctx.needs_input_grad[1] else None) + (None,) * 7
-
-    torch.library.register_autograd(lib + "kl_loss", _kl_backward, setup_context=_setup_kl)
-
-    def _setup_pg(ctx, inputs, output):
-        logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c = inputs[:8]
-        ctx.save_for_backward(logprob, old_logprob, advantages, mask, output[4])
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.params = (loss_type, clip_low, clip_high, clip_c)
-
-    def _pg_backward(ctx, grad, *_unused):
-        logprob, old_logprob, advantages, mask, rw = ctx.saved_tensors
-        g = torch.ops.verl.policy_loss_backward(grad, logprob, old_logprob, advantages, mask, rw, *ctx.params)
-        return (g,) + (None,) * 12
-
-    torch.library.register_autograd(lib + "policy_loss", _pg_backward, setup_context=_setup_pg)
-
-    def _setup_vf(ctx, inputs, output):
-        values, old_values, returns, mask, clip = inputs[:5]
-        ctx.save_for_backward(values, old_values, returns, mask, output[2])
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.clip = clip
-
-    def _vf_backward(ctx, grad, *_unused):
-        values, old_values, returns, mask, rw = ctx.saved_tensors
-        g = torch.ops.verl.value_loss_backward(grad, values, old_values, returns, mask, rw, ctx.clip)
-        return (g,) + (None,) * 9
-
-    torch.library.register_autograd(lib + "value_loss", _vf_backward, setup_context=_setup_vf)
+    for op, fake in _FAKES.items():
+        torch.library.register_fake("verl::" + op, fake)
+    torch.library.register_autograd("verl::kl_penalty", _kl_penalty_backward, setup_context=_setup_kl_penalty)
+    # The KL estimators depend on logprob - ref_logprob only: d / d ref = -d / d logprob.
+    for op, ref_sign in (("kl_loss", -1), ("policy_loss", None), ("value_loss", None)):
+        torch.library.register_autograd("verl::" + op, _saved_grad_backward(op, ref_sign),
+                                        setup_context=_setup_saved_grad)
 
 
 if _extension.available():

@@ -115,79 +115,80 @@ def _fake_check(values: torch.Tensor, mask: torch.Tensor) -> None:
                  lambda: f"`mask` must have the shape of `values` {tuple(values.shape)}, got {tuple(mask.shape)}")
 
 
+def _fake_reduce(values, mask, dim=None):
+    _fake_check(values, mask)
+    return values.new_empty(_reduced_shape(values, dim))
+
+
+def _fake_var(values, mask, unbiased=True):
+    _fake_check(values, mask)
+    return values.new_empty([])
+
+
+def _fake_whiten(values, mask, shift_mean=True, eps=1e-8):
+    _fake_check(values, mask)
+    return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+
+def _fake_reduce_backward(grad, mask, dim, mean):
+    return mask.new_empty(mask.shape, dtype=grad.dtype)
+
+
+def _fake_like_values(grad, values, mask, *args):
+    return torch.empty_like(values, memory_format=torch.contiguous_format)
+
+
+def _setup_reduce(ctx, inputs, output):
+    _, mask, dim = inputs
+    ctx.save_for_backward(mask)
+    ctx.dim = dim
+
+
+def _sum_backward(ctx, grad):
+    (mask,) = ctx.saved_tensors
+    return torch.ops.verl.masked_reduce_backward(grad, mask, ctx.dim, False), None, None
+
+
+def _mean_backward(ctx, grad):
+    (mask,) = ctx.saved_tensors
+    return torch.ops.verl.masked_reduce_backward(grad, mask, ctx.dim, True), None, None
+
+
+def _setup_var(ctx, inputs, output):
+    values, mask, unbiased = inputs
+    ctx.save_for_backward(values, mask)
+    ctx.unbiased = unbiased
+
+
+def _var_backward(ctx, grad):
+    values, mask = ctx.saved_tensors
+    return torch.ops.verl.masked_var_backward(grad, values, mask, ctx.unbiased), None, None
+
+
+def _setup_whiten(ctx, inputs, output):
+    values, mask, shift_mean, eps = inputs
+    ctx.save_for_backward(values, mask)
+    ctx.shift_mean, ctx.eps = shift_mean, eps
+
+
+def _whiten_backward(ctx, grad):
+    values, mask = ctx.saved_tensors
+    return torch.ops.verl.masked_whiten_backward(grad, values, mask, ctx.shift_mean, ctx.eps), None, None, None
+
+
+_FAKES = {"masked_sum": _fake_reduce, "masked_mean": _fake_reduce, "masked_var": _fake_var,
+          "masked_whiten": _fake_whiten, "masked_reduce_backward": _fake_reduce_backward,
+          "masked_var_backward": _fake_like_values, "masked_whiten_backward": _fake_like_values}
+# op -> (backward, setup_context); each backward is itself an op.
+_AUTOGRAD = {"masked_sum": (_sum_backward, _setup_reduce), "masked_mean": (_mean_backward, _setup_reduce),
+             "masked_var": (_var_backward, _setup_var), "masked_whiten": (_whiten_backward, _setup_whiten)}
+
+
 def _register() -> None:
-    lib = "verl::"
-
-    @torch.library.register_fake(lib + "masked_sum")
-    def _(values, mask, dim=None):
-        _fake_check(values, mask)
-        return values.new_empty(_reduced_shape(values, dim))
-
-    @torch.library.register_fake(lib + "masked_mean")
-    def _(values, mask, dim=None):
-        _fake_check(values, mask)
-        return values.new_empty(_reduced_shape(values, dim))
-
-    @torch.library.register_fake(lib + "masked_var")
-    def _(values, mask, unbiased=True):
-        _fake_check(values, mask)
-        return values.new_empty([])
-
-    @torch.library.register_fake(lib + "masked_whiten")
-    def _(values, mask, shift_mean=True, eps=1e-8):
-        _fake_check(values, mask)
-        return torch.empty_like(values, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake(lib + "masked_reduce_backward")
-    def _(grad, mask, dim, mean):
-        return mask.new_empty(mask.shape, dtype=grad.dtype)
-
-    @torch.library.register_fake(lib + "masked_var_backward")
-    def _(grad, values, mask, unbiased):
-        return torch.empty_like(values, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake(lib + "masked_whiten_backward")
-    def _(grad, values, mask, shift_mean, eps):
-        return torch.empty_like(values, memory_format=torch.contiguous_format)
-
-    def _setup_reduce(ctx, inputs, output):
-        _, mask, dim = inputs
-        ctx.save_for_backward(mask)
-        ctx.dim = dim
-
-    def _sum_backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return torch.ops.verl.masked_reduce_backward(grad, mask, ctx.dim, False), None, None
-
-    def _mean_backward(ctx, grad):
-        (mask,) = ctx.saved_tensors
-        return torch.ops.verl.masked_reduce_backward(grad, mask, ctx.dim, True), None, None
-
-    torch.library.register_autograd(lib + "masked_sum", _sum_backward, setup_context=_setup_reduce)
-    torch.library.register_autograd(lib + "masked_mean", _mean_backward, setup_context=_setup_reduce)
-
-    def _setup_var(ctx, inputs, output):
-        values, mask, unbiased = inputs
-        ctx.save_for_backward(values, mask)
-        ctx.unbiased = unbiased
-
-    def _var_backward(ctx, grad):
-        values, mask = ctx.saved_tensors
-        return torch.ops.verl.masked_var_backward(grad, values, mask, ctx.unbiased), None, None
-
-    torch.library.register_autograd(lib + "masked_var", _var_backward, setup_context=_setup_var)
-
-    def _setup_whiten(ctx, inputs, output):
-        values, mask, shift_mean, eps = inputs
-        ctx.save_for_backward(values, mask)
-        ctx.shift_mean, ctx.eps = shift_mean, eps
-
-    def _whiten_backward(ctx, grad):
-        values, mask = ctx.saved_tensors
-        return (torch.ops.verl.masked_whiten_backward(grad, values, mask, ctx.shift_mean, ctx.eps),
-                None, None, None)
-
-    torch.library.register_autograd(lib + "masked_whiten", _whiten_backward, setup_context=_setup_whiten)
+    for op, fake in _FAKES.items():
+        torch.library.register_fake("verl::" + op, fake)
+    for op, (backward, setup) in _AUTOGRAD.items():
+        torch.library.register_autograd("verl::" + op, backward, setup_context=setup)
 
 
 if _extension.available():

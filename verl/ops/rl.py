@@ -1,7 +1,7 @@
-"""RL advantages and KL penalties: GAE, outcome (group) advantages, per-token KL estimators.
+"""RL advantages: GAE and outcome (group) advantages.
 
-Kernels: csrc/cpu/rl.cpp and csrc/cuda/rl.cu (schemas in csrc/ops.cpp, shared per-token math in
-csrc/include/verl/rl.h). The fused losses (policy, value, KL, aggregation) live in verl/ops/losses.py.
+Kernels: csrc/cpu/rl_advantage.cpp and csrc/cuda/rl_advantage.cu, driven by csrc/include/verl/rl_advantage.h
+(schemas in csrc/ops.cpp). Per-token KL estimators and the fused losses live in verl/ops/losses.py.
 
 Shapes: B sequences x T response tokens. `response_mask` [B, T] marks valid tokens (bool or any real dtype,
 nonzero = valid). Outputs are 0 at masked positions.
@@ -25,17 +25,14 @@ import numpy as np
 import torch
 
 from verl import _extension
-from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.errors import VerlRuntimeError
 from verl.ops._backend import use_fused
+from verl.ops.checks import check_bt, check_name, valid_mask
 from verl.ops.masked import masked_sum_ref, masked_whiten
 
-__all__ = ["AdvantageResult", "KL_KINDS", "OUTCOME_ESTIMATORS", "compute_gae", "compute_gae_ref",
-           "outcome_advantage", "outcome_advantage_ref", "reinforce_plus_plus", "kl_penalty", "kl_penalty_ref",
-           "as_group_index", "check_name"]
+__all__ = ["AdvantageResult", "OUTCOME_ESTIMATORS", "compute_gae", "compute_gae_ref", "outcome_advantage",
+           "outcome_advantage_ref", "reinforce_plus_plus", "as_group_index"]
 
-# Canonical names first; aliases map to them (same spelling as csrc/include/verl/rl.h).
-KL_KINDS = {"kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse", "k2": "mse", "low_var_kl": "low_var_kl",
-            "k3": "low_var_kl", "k1+": "k1+", "kl+": "k1+", "k3+": "k3+", "low_var_kl+": "k3+"}
 OUTCOME_ESTIMATORS = ("grpo", "rloo", "remax", "reinforce_plus_plus_baseline")
 
 
@@ -47,35 +44,8 @@ class AdvantageResult(NamedTuple):
     num_nonfinite: torch.Tensor
 
 
-def check_name(name: str, known, what: str) -> str:
-    """Returns `name` if known, else raises VerlConfigError listing the known names (and the nearest one)."""
-    if name in known:
-        return name
-    import difflib
-    near = difflib.get_close_matches(str(name), list(known), n=1)
-    hint = f" (did you mean '{near[0]}'?)" if near else ""
-    raise VerlConfigError(f"unknown {what} {name!r}{hint}; known: {', '.join(known)}")
-
-
-def _check_bt(x: torch.Tensor, mask: torch.Tensor, op: str, name: str) -> None:
-    if not x.is_floating_point():
-        raise TypeError(f"{op}: `{name}` must be a floating-point tensor, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"{op}: `{name}` must be 2-D [B, T], got shape {tuple(x.shape)}")
-    if x.numel() == 0:
-        raise ValueError(f"{op}: `{name}` is empty (shape {tuple(x.shape)}); an empty batch has nothing to compute")
-    if mask.shape != x.shape:
-        raise ValueError(f"{op}: `mask` must have the shape of `{name}` {tuple(x.shape)}, got {tuple(mask.shape)}")
-    if mask.is_complex():
-        raise TypeError(f"{op}: `mask` must be bool or a real dtype (nonzero = valid), got {mask.dtype}")
-
-
-def _valid(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask.ne(0)
-
-
 def _nonfinite(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (~torch.isfinite(x) & _valid(mask)).sum()
+    return (~torch.isfinite(x) & valid_mask(mask)).sum()
 
 
 def _raise_if_nonfinite(num: torch.Tensor, what: str) -> None:
@@ -92,8 +62,8 @@ _WHITEN_EPS = 1e-8  # masked_whiten's default
 def compute_gae_ref(rewards: torch.Tensor, values: torch.Tensor | None, mask: torch.Tensor, gamma: float,
                     lam: float) -> AdvantageResult:
     """Per-timestep loop over T (vectorised over B): the way most RL frameworks write GAE. Not whitened."""
-    _check_bt(rewards, mask, "gae", "rewards")
-    valid = _valid(mask)
+    check_bt(rewards, mask, "gae", "rewards")
+    valid = valid_mask(mask)
     v = values if values is not None else torch.zeros_like(rewards)
     B, T = rewards.shape
     acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
@@ -124,10 +94,8 @@ def compute_gae(token_level_rewards: torch.Tensor, values: torch.Tensor | None, 
     """
     args = (token_level_rewards.detach(), None if values is None else values.detach(), response_mask)
     fused = use_fused("gae", token_level_rewards)
-    if fused and whiten:  # the whitening statistics come out of the scan: one extra elementwise pass
-        out = AdvantageResult(*torch.ops.verl.gae_whitened(*args, float(gamma), float(lam), _WHITEN_EPS))
-    elif fused:
-        out = AdvantageResult(*torch.ops.verl.gae(*args, float(gamma), float(lam)))
+    if fused:  # whitening statistics come out of the scan: one extra elementwise pass
+        out = AdvantageResult(*torch.ops.verl.gae(*args, float(gamma), float(lam), _WHITEN_EPS if whiten else None))
     else:
         out = compute_gae_ref(*args, gamma, lam)
     if check_finite:
@@ -172,8 +140,8 @@ def outcome_advantage_ref(rewards: torch.Tensor, mask: torch.Tensor, index: torc
                           baseline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch outcome advantages: (advantages [B, T], num_nonfinite int64 0-d)."""
     check_name(estimator, OUTCOME_ESTIMATORS, "outcome estimator")
-    _check_bt(rewards, mask, "outcome_advantage", "rewards")
-    valid = _valid(mask)
+    check_bt(rewards, mask, "outcome_advantage", "rewards")
+    valid = valid_mask(mask)
     scores = masked_sum_ref(rewards.double(), mask, -1)
     bad = _nonfinite(rewards, mask)
     if estimator == "remax":
@@ -229,91 +197,31 @@ def outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Te
     return AdvantageResult(adv, adv, bad)
 
 
-# ---------------------------------------------------------------------------------------------- KL penalty
+# ------------------------------------------------------------------------- fake implementations
 
-def kl_penalty_ref(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate of KL(pi || ref). Same shape as the inputs."""
-    kind = KL_KINDS[check_name(kind, KL_KINDS, "KL kind")]
-    d = logprob - ref_logprob
-    if kind == "kl":
-        return d
-    if kind == "abs":
-        return d.abs()
-    if kind == "mse":
-        return 0.5 * d.square()
-    k2 = 0.5 * d.square()
-    if kind == "k1+":
-        return d.detach() + (k2 - k2.detach())
-    dr = torch.clamp(ref_logprob - logprob, -20, 20)
-    k3 = torch.clamp(torch.exp(dr) - dr - 1, -10, 10)
-    if kind == "low_var_kl":
-        return k3
-    return k3.detach() + (k2 - k2.detach())
+def _fake_bt(x: torch.Tensor, mask: torch.Tensor) -> None:
+    torch._check(x.dim() == 2, lambda: f"expected a 2-D [B, T] tensor, got {tuple(x.shape)}")
+    torch._check(x.shape == mask.shape, lambda: f"`mask` must have shape {tuple(x.shape)}, got {tuple(mask.shape)}")
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
-    """Per-token KL penalty, [...] -> [...]: kl/k1 (logp - ref), abs, mse/k2 (0.5 d^2), low_var_kl/k3
-    (exp(ref - logp) - (ref - logp) - 1, argument clamped to +-20, result to +-10), and straight-through k1+ / k3+
-    (value of k1 / k3, gradient of k2). Differentiable in both inputs."""
-    check_name(kind, KL_KINDS, "KL kind")
-    if use_fused("kl_penalty", logprob, ref_logprob):
-        return torch.ops.verl.kl_penalty(logprob, ref_logprob, kind)
-    return kl_penalty_ref(logprob, ref_logprob, kind)
+def _fake_gae(rewards, values, mask, gamma, lam, whiten_eps=None):
+    _fake_bt(rewards, mask)
+    if values is not None:
+        torch._check(values.shape == rewards.shape, lambda: "`values` must have the shape of `rewards`")
+    new = torch.empty_like(rewards, memory_format=torch.contiguous_format)
+    return new, torch.empty_like(new), rewards.new_empty((), dtype=torch.int64)
 
 
-# ------------------------------------------------------------------------- fake implementations + autograd
+def _fake_outcome_advantage(rewards, mask, index, estimator, eps, norm_by_std, baseline):
+    _fake_bt(rewards, mask)
+    torch._check(index.shape == rewards.shape[:1], lambda: "`index` must have shape [B]")
+    return torch.empty_like(rewards, memory_format=torch.contiguous_format), rewards.new_empty((), dtype=torch.int64)
+
 
 def _register() -> None:
-    lib = "verl::"
-
-    def _fake_bt(x, mask):
-        torch._check(x.dim() == 2, lambda: f"expected a 2-D [B, T] tensor, got {tuple(x.shape)}")
-        torch._check(x.shape == mask.shape, lambda: f"`mask` must have shape {tuple(x.shape)}, got {tuple(mask.shape)}")
-
-    @torch.library.register_fake(lib + "gae")
-    def _(rewards, values, mask, gamma, lam):
-        _fake_bt(rewards, mask)
-        if values is not None:
-            torch._check(values.shape == rewards.shape, lambda: "`values` must have the shape of `rewards`")
-        new = torch.empty_like(rewards, memory_format=torch.contiguous_format)
-        return new, torch.empty_like(new), rewards.new_empty((), dtype=torch.int64)
-
-    @torch.library.register_fake(lib + "gae_whitened")
-    def _(rewards, values, mask, gamma, lam, eps):
-        _fake_bt(rewards, mask)
-        if values is not None:
-            torch._check(values.shape == rewards.shape, lambda: "`values` must have the shape of `rewards`")
-        new = torch.empty_like(rewards, memory_format=torch.contiguous_format)
-        return new, torch.empty_like(new), rewards.new_empty((), dtype=torch.int64)
-
-    @torch.library.register_fake(lib + "outcome_advantage")
-    def _(rewards, mask, index, estimator, eps, norm_by_std, baseline):
-        _fake_bt(rewards, mask)
-        torch._check(index.shape == rewards.shape[:1], lambda: "`index` must have shape [B]")
-        return (torch.empty_like(rewards, memory_format=torch.contiguous_format),
-                rewards.new_empty((), dtype=torch.int64))
-
-    @torch.library.register_fake(lib + "kl_penalty")
-    def _(logprob, ref_logprob, kind):
-        torch._check(logprob.shape == ref_logprob.shape, lambda: "`ref_logprob` must have the shape of `logprob`")
-        return torch.empty_like(logprob, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake(lib + "kl_penalty_backward")
-    def _(grad, logprob, ref_logprob, kind):
-        return torch.empty_like(logprob, memory_format=torch.contiguous_format)
-
-    def _setup_kl(ctx, inputs, output):
-        logprob, ref_logprob, kind = inputs
-        ctx.save_for_backward(logprob, ref_logprob)
-        ctx.kind = kind
-
-    def _kl_backward(ctx, grad):
-        logprob, ref_logprob = ctx.saved_tensors
-        g = torch.ops.verl.kl_penalty_backward(grad, logprob, ref_logprob, ctx.kind)
-        # Every estimator is a function of logprob - ref_logprob, so the reference gets the negated gradient.
-        return g, (-g if ctx.needs_input_grad[1] else None), None
-
-    torch.library.register_autograd(lib + "kl_penalty", _kl_backward, setup_context=_setup_kl)
+    """Advantages take no gradient (their inputs are rewards and detached values): fake kernels only."""
+    torch.library.register_fake("verl::gae", _fake_gae)
+    torch.library.register_fake("verl::outcome_advantage", _fake_outcome_advantage)
 
 
 if _extension.available():
