@@ -143,7 +143,7 @@ def test_device_map_auto_model_is_respected(tmp_path, model, tok):
     model.save_pretrained(tmp_path / "m")
     # A small memory budget makes accelerate split the model (embeddings in memory, the rest offloaded),
     # the CPU-only stand-in for a model spread over several GPUs.
-    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map="auto", max_memory={"cpu": "300KB"},
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map="auto", max_memory={"cpu": "200KB"},
                                                 offload_folder=str(tmp_path / "off"), dtype=torch.float32)
     assert len(set(auto.hf_device_map.values())) > 1
     devices = {n: p.device for n, p in auto.named_parameters()}

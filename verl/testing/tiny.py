@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -74,13 +74,17 @@ def tiny_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 96) ->
     """BPE trained in memory on ``corpus`` (default: `SAMPLE_TEXT` and `CHAT_EXAMPLE`), with at most
     ``vocab_size`` tokens (fewer when the corpus runs out of merges). Digits are always single tokens, so a
     number is spelled the same way wherever it appears (what keeps the arithmetic task learnable by a tiny
-    model); characters the corpus never shows become ``<unk>``. Left padding (for generation) and a plain
-    ``<|role|> text`` chat template."""
+    model); characters the corpus never shows become ``<unk>``. Like Llama's tokenizer it starts every encoded
+    text with ``<s>`` (its own special-token rule, which the rollout's prompt encoding follows); left padding
+    (for generation) and a plain ``<|role|> text`` chat template."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Digits(individual_digits=True)
     tok.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(SAMPLE_TEXT + CHAT_EXAMPLE if corpus is None else list(corpus), trainer=trainer)
+    bos = SPECIAL_TOKENS.index("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                  unk_token="<unk>", padding_side="left")
     hf.chat_template = CHAT_TEMPLATE
