@@ -101,14 +101,15 @@ def _tp2_fit(overrides):
     history = trainer.fit()
     rollout_params = torch.cat([p.detach().reshape(-1) for p in trainer.policy.parameters()])
     p = trainer.placement
-    out = {"dp": (p.dp_rank, p.dp_size), "rollout": rollout_params, "reward": history[-1]["reward/mean"],
+    out = {"dp": (p.dp_rank, p.dp_size), "rollout": rollout_params, "last": history[-1], "reward": history[-1]["reward/mean"],
            "grad_norm": history[-1]["actor/grad_norm"]}
     destroy_process_groups()
     return out
 
 
 def _tp2_run(rank, world_size, overrides, root):
-    full = _tp2_fit([*overrides, "trainer.total_steps=3", "trainer.save_final=false", f"trainer.output_dir={root}/full"])
+    full = _tp2_fit([*overrides, "trainer.total_steps=3", "trainer.save_final=false", "rollout.compare_full_gather=true",
+                     f"trainer.output_dir={root}/full"])
     _tp2_fit([*overrides, "trainer.total_steps=2", f"trainer.output_dir={root}/part"])
     resumed = _tp2_fit([*overrides, "trainer.total_steps=3", "trainer.resume=auto", "trainer.save_final=false",
                         f"trainer.output_dir={root}/part"])
@@ -126,4 +127,9 @@ def test_megatron_tensor_parallel_two_ranks(tmp_path):
     assert r0["dp"] == r1["dp"] == (0, 1)
     assert torch.equal(r0["rollout"], r1["rollout"]) and r0["reward"] == r1["reward"]
     assert r0["grad_norm"] > 0
+    # TP=2 trained, TP=1 generated: each rank gathers its peer's half lazily; the old full gather, timed in the
+    # same run, moved the whole model to every rank
+    m = r0["last"]
+    assert m["perf/sync_shared"] == 0 and 0 < m["perf/sync_comm_bytes"] < m["perf/sync_bytes"]
+    assert m["perf/full_gather_bytes"] == m["perf/sync_bytes"] and m["perf/full_gather_s"] > 0
     assert torch.equal(r0["resumed"], r0["rollout"]) and torch.equal(r1["resumed"], r1["rollout"])

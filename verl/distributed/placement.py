@@ -58,6 +58,8 @@ class Placement:
     """Pipeline-parallel group (megatron engines only)."""
     dp: dist.ProcessGroup | None = None
     """Data-parallel group (None when the world is one rank)."""
+    mp: dist.ProcessGroup | None = None
+    """Model-parallel group: the TP × PP ranks of this rank's replica (megatron engines only)."""
     tp_global_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's TP group, in TP order."""
     pp_global_ranks: tuple[int, ...] = (0,)
@@ -190,7 +192,7 @@ def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = F
         tp_size=tp, pp_size=pp, dp_size=ps.get_data_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(), sequence_parallel=sequence_parallel,
-        tp=tp_group, pp=pp_group, dp=ps.get_data_parallel_group(),
+        tp=tp_group, pp=pp_group, dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
         tp_global_ranks=tuple(dist.get_process_group_ranks(tp_group)),
         pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)))
 

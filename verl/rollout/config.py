@@ -47,6 +47,10 @@ class RolloutConfig:
     vllm / sglang shard their model over TP_g ranks; torch and hf need 1."""
     sync_bucket_mb: float = 64.0
     """Per-rank bound (MiB) on one bucket of the weight sync (targets received plus slices sent)."""
+    compare_full_gather: bool = False
+    """Benchmark: before each sync also move the weights the way the 3D-HybridEngine replaced (megatron actors:
+    the whole model gathered to one rank, broadcast to the model-parallel group, loaded whole) and log its time
+    as perf/full_gather_s beside perf/sync_s, measured in the same run."""
     seed: int = 0
     """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

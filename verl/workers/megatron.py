@@ -41,8 +41,12 @@ class MegatronEngine:
         from verl.models import BuildOptions, build_gpt, load_hf_checkpoint
         from verl.models.optimizer import build_optimizer
         self.placement = placement
+        # Pad the vocabulary as the generation engines do (a multiple of 64), so at rollout.tp = tp the
+        # embedding and output shards line up with the engines' and the weight sync moves no vocabulary row.
+        tp = placement.tp_size
         self.model = build_gpt(AutoConfig.from_pretrained(hf_dir), placement,
-                               BuildOptions(params_dtype=mcfg.params_dtype, value_head=value_head))
+                               BuildOptions(params_dtype=mcfg.params_dtype, value_head=value_head,
+                                            vocab_multiple=64 // tp if 64 % tp == 0 else 1))
         load_hf_checkpoint(self.model, hf_dir)
         self.opt = None
         if optim is not None:
@@ -165,6 +169,24 @@ class MegatronEngine:
         """The 3D-HybridEngine planned from every rank's shard metadata (collective)."""
         from verl.hybrid_engine.megatron import hybrid_engine_for
         return hybrid_engine_for(self.model, config)
+
+    def full_gather_weights(self) -> dict[str, torch.Tensor]:
+        """The transfer the 3D-HybridEngine replaced, kept to compare against (rollout.compare_full_gather):
+        the whole model gathered to the replica's first rank, then every tensor broadcast over the
+        model-parallel group, so every rank holds every weight whole (collective)."""
+        from verl.models.checkpoint import gather_hf_state_dict
+        from verl.models.layout import hf_tensor_shapes
+        p = self.placement
+        full = gather_hf_state_dict(self.model)
+        src = p.rank_of(0, p.dp_rank, 0)
+        out = {}
+        for name, shape in sorted(hf_tensor_shapes(self.model.arch).items()):
+            dtype = self.model.gpt.config.params_dtype
+            t = full[name].contiguous() if full is not None else torch.empty(shape, dtype=dtype)
+            if p.tp_size * p.pp_size > 1:
+                dist.broadcast(t, src=src, group=p.mp)
+            out[name] = t
+        return out
 
     def export_hf(self, path: Path, tokenizer=None) -> None:
         """Writes the model as a Hugging Face directory (collective: gathers the shards to one writer)."""

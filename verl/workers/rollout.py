@@ -95,6 +95,13 @@ class RolloutWorker:
         return [by_row[(i, j)] for i in range(mine.start, mine.stop) for j in range(n)]
 
     # -- weights ----------------------------------------------------------------------------------------------
+    @property
+    def weight_format(self) -> str:
+        """What the engine is handed: full HF tensors (its own loaders fuse and shard them), or, for a
+        tensor-parallel vLLM / SGLang engine, each rank's fused shard exactly as its parameters hold it (their
+        loaders would expect full tensors and shard them again)."""
+        return "vllm" if self.cfg.tp > 1 and self.engine.name in ("vllm", "sglang") else "hf"
+
     def shares_module(self, actor) -> bool:
         """The engine generates with the actor's own module (torch / hf engine beside a torch actor)."""
         return getattr(self.engine, "model", None) is not None and \
@@ -105,16 +112,28 @@ class RolloutWorker:
         if self.shares_module(actor):
             return {"perf/sync_s": 0.0, "perf/sync_bytes": 0.0, "perf/sync_comm_bytes": 0.0, "perf/sync_peak_bytes": 0.0,
                     "perf/sync_shared": 1.0}
-        t0 = time.perf_counter()
         if self.engine.released:
             self.engine.resume()
+        baseline = self._full_gather(actor) if self.cfg.compare_full_gather else {}
+        t0 = time.perf_counter()
         if self._hybrid is None:
             from verl.hybrid_engine import HybridEngineConfig
             self._hybrid = actor.engine.hybrid_engine(HybridEngineConfig(
                 generation_tp=self.cfg.tp, bucket_mb=self.cfg.sync_bucket_mb,
-                weight_format=getattr(self.engine, "weight_format", "hf"), rank_mapping="contiguous"))
+                weight_format=self.weight_format, rank_mapping="contiguous"))
             self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(self.placement.rank))
         stats = self._hybrid.sync(actor.engine.local_params(), self.engine)
         return {"perf/sync_s": time.perf_counter() - t0, "perf/sync_bytes": float(self._engine_bytes),
                 "perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received),
-                "perf/sync_peak_bytes": float(stats.peak_bytes), "perf/sync_shared": 0.0}
+                "perf/sync_peak_bytes": float(stats.peak_bytes), "perf/sync_shared": 0.0, **baseline}
+
+    def _full_gather(self, actor) -> dict[str, float]:
+        """The old transfer, timed (rollout.compare_full_gather): gather everything, broadcast, load whole."""
+        if not hasattr(actor.engine, "full_gather_weights"):
+            raise VerlConfigError("rollout.compare_full_gather compares with the full gather of a megatron actor; "
+                                  "set actor.engine=megatron or turn it off")
+        t0 = time.perf_counter()
+        weights = actor.engine.full_gather_weights()
+        self.engine.update_weights(weights.items())
+        return {"perf/full_gather_s": time.perf_counter() - t0,
+                "perf/full_gather_bytes": float(sum(t.nbytes for t in weights.values()))}
