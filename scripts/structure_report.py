@@ -32,7 +32,7 @@ LAYERS = [
     ("workers", ("verl.workers",)),
     ("trainer", ("verl.trainer", "verl.dataflow", "verl.debug", "verl.cli")),
 ]
-PLACEMENT_TYPES = ("World", "ProcessGroups", "TrainingLayout", "NodeContext", "Placement", "ParallelDims")
+PLACEMENT_TYPES = ("World", "ProcessGroups", "TrainingLayout", "NodeContext", "Placement", "ParallelDims")  # before / after
 
 
 def modname(path: Path) -> str:

@@ -7,7 +7,7 @@ import torch
 
 from verl.testing import run_distributed
 from verl.distributed import Placement
-from verl.utils.distributed import reduce_metrics
+from verl.distributed.collectives import reduce_metrics
 
 
 def _reduce(rank, world_size):

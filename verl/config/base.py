@@ -54,19 +54,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Checks (and for strings from the command line, converts) `value` against the field type `tp`."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
-            if type(None) in args:
-                return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except VerlConfigError as e:
-                errors.append(str(e))
-        raise VerlConfigError(f"config key '{key}': {value!r} does not match {tp}; " + "; ".join(errors))
+        return _coerce_union(value, tp, key)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices:
@@ -85,41 +73,64 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise VerlConfigError(f"config key '{key}': expected a mapping, got {value!r}")
         return dict(value)
-    if tp is Any:
+    scalar = _SCALARS.get(tp)
+    return value if scalar is None else scalar(value, key)
+
+
+def _coerce_union(value: Any, tp: Any, key: str) -> Any:
+    args = typing.get_args(tp)
+    if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(value, arg, key)
+        except VerlConfigError as e:
+            errors.append(str(e))
+    raise VerlConfigError(f"config key '{key}': {value!r} does not match {tp}; " + "; ".join(errors))
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise VerlConfigError(f"config key '{key}': expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise VerlConfigError(f"config key '{key}': expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise VerlConfigError(f"config key '{key}': expected true/false, got {value!r}")
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
             return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise VerlConfigError(f"config key '{key}': expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        except ValueError:
+            pass
+    raise VerlConfigError(f"config key '{key}': expected an integer, got {value!r}")
+
+
+def _to_float(value: Any, key: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-6` (no dot) as a string
             return float(value)
-        if isinstance(value, str):
-            try:  # YAML 1.1 reads `1e-6` (no dot) as a string
-                return float(value)
-            except ValueError:
-                pass
-        raise VerlConfigError(f"config key '{key}': expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise VerlConfigError(f"config key '{key}': expected a string, got {value!r}")
-    return value
+        except ValueError:
+            pass
+    raise VerlConfigError(f"config key '{key}': expected a number, got {value!r}")
+
+
+def _to_str(value: Any, key: str) -> str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise VerlConfigError(f"config key '{key}': expected a string, got {value!r}")
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl.utils.distributed import comm_device
+from verl.distributed.placement import comm_device
 
 _GROUPS: dict[tuple, Any] = {}
 

@@ -18,8 +18,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from verl.errors import VerlConfigError, nearest
+from verl.rollout.config import ENGINES as GENERATION_ENGINES
 
-ENGINES = ("torch", "hf", "vllm", "sglang", "megatron", "fsdp", "rule")
+TRAINING_ENGINES = ("torch", "megatron", "fsdp")
+ENGINES = tuple(dict.fromkeys(GENERATION_ENGINES + TRAINING_ENGINES + ("rule",)))
+"""What a node's `engine` may name: a generation engine (`verl.rollout.ENGINES`), a training engine, or `rule`
+(plain Python). The runtime hands it to the node's context; what runs the node is the worker the node calls."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -95,45 +95,50 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
              for r in range(world_size)]
     for p in procs:
         p.start()
-    outputs: dict[int, Any] = {}
     failure: RankFailure | None = None
-    deadline = time.monotonic() + timeout
     try:
-        while len(outputs) < world_size and failure is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(outputs))
-                failure = RankFailure(f"run_distributed({getattr(fn, '__name__', fn)}) timed out after {timeout:.0f}s; "
-                                      f"ranks {missing} did not finish")
-                break
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
-                        and r not in outputs]
-                if dead:
-                    # A rank died without reporting (segfault, os._exit): give its message a moment to arrive.
-                    try:
-                        rank, status, payload = results.get(timeout=2.0)
-                    except queue.Empty:
-                        r = dead[0]
-                        failure = RankFailure(f"rank {r} exited with code {procs[r].exitcode} without a result", r)
-                        break
-                else:
-                    continue
-            if status == "ok":
-                outputs[rank] = pickle.loads(payload)
-            else:
-                failure = RankFailure(f"rank {rank} of {world_size} failed: {payload}", rank)
+        outputs, failure = _collect(procs, results, world_size, time.monotonic() + timeout, fn, timeout)
     finally:
-        grace = time.monotonic() + (5.0 if failure is None else 0.5)
-        for p in procs:
-            p.join(timeout=max(0.0, grace - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        results.close()
+        _reap(procs, results, quick=failure is not None)
     if failure is not None:
         raise failure
     return [outputs[r] for r in range(world_size)]
+
+
+def _collect(procs, results, world_size: int, deadline: float, fn, timeout: float):
+    """Every rank's result, or the first failure (a rank's exception, a rank that died silently, the deadline)."""
+    outputs: dict[int, Any] = {}
+    while len(outputs) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(outputs))
+            return outputs, RankFailure(f"run_distributed({getattr(fn, '__name__', fn)}) timed out after "
+                                        f"{timeout:.0f}s; ranks {missing} did not finish")
+        try:
+            rank, status, payload = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                    and r not in outputs]
+            if not dead:
+                continue
+            try:  # a rank died without reporting (segfault, os._exit): give its message a moment to arrive
+                rank, status, payload = results.get(timeout=2.0)
+            except queue.Empty:
+                return outputs, RankFailure(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a "
+                                            f"result", dead[0])
+        if status != "ok":
+            return outputs, RankFailure(f"rank {rank} of {world_size} failed: {payload}", rank)
+        outputs[rank] = pickle.loads(payload)
+    return outputs, None
+
+
+def _reap(procs, results, quick: bool) -> None:
+    """Joins the ranks (briefly after a failure), kills stragglers, closes the queue."""
+    grace = time.monotonic() + (0.5 if quick else 5.0)
+    for p in procs:
+        p.join(timeout=max(0.0, grace - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+    results.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from verl import DataflowNode, build_dataflow
 from verl.algos import advantage_info, get_advantage, get_kl, rollout_mismatch
 from verl.config.ppo import PPOConfig
-from verl.utils.distributed import mean_over
+from verl.distributed.collectives import mean_over
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["batch"])

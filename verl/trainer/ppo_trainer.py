@@ -22,7 +22,7 @@ from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
-from verl.utils.distributed import barrier, reduce_metrics
+from verl.distributed.collectives import barrier, reduce_metrics
 from verl.utils.metrics import MetricsLogger, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 

@@ -1,1 +1,1 @@
-"""Trainer utilities: distributed setup, metrics, checkpoints."""
+"""Trainer utilities: metrics and checkpoints."""

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from verl.errors import VerlConfigError
 from verl.distributed import Placement
-from verl.utils.distributed import barrier
+from verl.distributed.collectives import barrier
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
