@@ -261,6 +261,15 @@ def test_tied_embeddings_push(tmp_path):
     hf.load_state_dict(_perturbed(hf.state_dict(), seed=8))
     eng.update_weights(hf.state_dict().items())  # with lm_head.weight, as state_dict() lists it
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == _hf_greedy(hf, _ids(eng), 12)
+    # the hybrid engine's module seam sends no lm_head for a tied model (it is the embedding): the engine must
+    # still refresh its output layer, or it generates with the old one
+    from verl.hybrid_engine import HybridEngineConfig
+    from verl.hybrid_engine.module import hybrid_engine_for_module, module_local_params
+    hf.load_state_dict(_perturbed(hf.state_dict(), seed=9))
+    he = hybrid_engine_for_module(hf, HybridEngineConfig())
+    assert "lm_head.weight" not in {t.target.name for t in he.plan.targets_of(0)}
+    he.sync(module_local_params(hf), eng)
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == _hf_greedy(hf, _ids(eng), 12)
 
 
 @pytest.mark.slow

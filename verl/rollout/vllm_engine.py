@@ -321,6 +321,8 @@ class VLLMRollout(RolloutEngine):
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         push = _Push(self._tables())
         source = iter(named_tensors)
+        if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
+            source = _with_tied_head(source)
         stream = push.checked(push.decide_format(source), source)
         try:
             if push.fmt == "vllm":
@@ -384,6 +386,21 @@ def _blobs(stream: Iterator, bucket_mb: float) -> Iterator[bytes]:
             bucket, size, seen = {}, 0, set()
     if bucket:
         yield save(bucket)
+
+
+def _with_tied_head(stream: Iterator) -> Iterator:
+    """A tied model's stream, ended with `lm_head.weight` (the embedding) when it carries none: a layer-wise
+    reload that gets no tensor for the LM head puts its previous (CPU: repacked) kernel back, so without it vLLM
+    would keep generating with the old output layer."""
+    seen_head, pending = False, None
+    for name, t in stream:
+        if name == "lm_head.weight":
+            seen_head = True
+        yield name, t
+        if name == "model.embed_tokens.weight":
+            pending = t
+    if pending is not None and not seen_head:
+        yield "lm_head.weight", pending
 
 
 class _Push:
