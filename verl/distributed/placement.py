@@ -131,20 +131,23 @@ def _join_world(device: torch.device, timeout_s: float) -> None:
 
 
 def init_placement(device_choice: str = "auto", *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                   seed: int = 1234, megatron: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> Placement:
+                   seed: int = 1234, megatron: bool = False, process_group: bool = False,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Placement:
     """Joins (or creates) the default process group from torchrun's env vars and returns this rank's placement.
 
-    A lone process needs no process group, unless megatron-core is used (`megatron=True`, or tp/pp > 1): it
-    then gets a one-rank gloo group and megatron's parallel state is initialised (TP × PP, the rest DP).
+    A lone process needs no process group, unless megatron-core is used (`megatron=True`, or tp/pp > 1) or
+    something else needs one (`process_group=True`: vLLM / SGLang, which would otherwise make their own): it
+    then gets a one-rank gloo group, and with megatron its parallel state is initialised (TP × PP, the rest DP).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_choice, local_rank)
     _join_world(device, timeout_s)
-    if megatron or tp * pp > 1:
-        if not dist.is_initialized():
-            from verl.testing.distributed import free_port
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+    megatron = megatron or tp * pp > 1
+    if (megatron or process_group) and not dist.is_initialized():
+        from verl.testing.distributed import free_port
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    if megatron:
         return init_process_groups(tp=tp, pp=pp, sequence_parallel=sequence_parallel, seed=seed, device=device)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return Placement(rank=rank, world_size=world, local_rank=local_rank, device=device, dp_size=world, dp_rank=rank,

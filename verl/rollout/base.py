@@ -156,6 +156,9 @@ class RolloutEngine(abc.ABC):
             self._resume()
         self.released = False
 
+    def close(self) -> None:
+        """Shuts the engine down for good (its processes, threads and process groups); idempotent."""
+
     # -- implemented by engines -----------------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -224,6 +224,12 @@ class SGLangRollout(RolloutEngine):
 
     # -- memory -------------------------------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Shuts SGLang's engine down (on the rank that owns it; idempotent)."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
     def _release(self) -> None:
         if self.engine is not None and self.config.sleep_mode:
             self.engine.release_memory_occupation()

@@ -355,6 +355,13 @@ class VLLMRollout(RolloutEngine):
             for blob in _blobs(stream, self.config.sync_bucket_mb):
                 self._rpc(vllm_worker.load_shards_blob, blob)
 
+    def close(self) -> None:
+        """Shuts vLLM's engine core down now (idempotent). Note that vLLM's teardown also destroys
+        torch.distributed's default process group: call it last."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
     # -- memory -------------------------------------------------------------------------------------------------
 
     def _release(self) -> None:

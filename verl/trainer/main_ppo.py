@@ -49,18 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     m = cfg.actor.megatron
     placement = init_placement(cfg.trainer.device, tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
                                seed=cfg.trainer.seed, megatron=cfg.actor.engine == "megatron",
+                               process_group=cfg.rollout.engine in ("vllm", "sglang"),
                                timeout_s=cfg.trainer.collective_timeout_s)
+    trainer = None
     try:
-        history = PPOTrainer(cfg, placement).fit()
+        trainer = PPOTrainer(cfg, placement)
+        history = trainer.fit()
         if placement.is_main and history:
             first, last = history[0], history[-1]
             print(f"done: {len(history)} steps, reward {first['reward/mean']:.3f} -> {last['reward/mean']:.3f}, "
                   f"outputs in {cfg.trainer.output_dir}")
     finally:
-        if owned and dist.is_initialized():
-            if cfg.actor.engine == "megatron":
+        if owned:  # megatron's groups first, then the engine (vLLM's shutdown also ends the default group)
+            if cfg.actor.engine == "megatron" and dist.is_initialized():
                 destroy_process_groups()
-            dist.destroy_process_group()
+            if trainer is not None:
+                trainer.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return 0
 
 

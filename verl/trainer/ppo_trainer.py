@@ -265,6 +265,11 @@ class PPOTrainer:
         self._finish()
         return self.history
 
+    def close(self) -> None:
+        """Shuts the rollout engine down (vLLM / SGLang hold processes, threads and process groups)."""
+        if self.rollout is not None:
+            self.rollout.engine.close()
+
     def _finish(self) -> None:
         out_dir = self.out_dir
         if self.cfg.trainer.export_hf:
