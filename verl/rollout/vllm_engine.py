@@ -321,9 +321,9 @@ class VLLMRollout(RolloutEngine):
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         push = _Push(self._tables())
         source = iter(named_tensors)
-        if getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
-            source = _with_tied_head(source)
         stream = push.checked(push.decide_format(source), source)
+        if push.fmt == "hf" and getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False):
+            stream = _with_tied_head(stream)  # (shards of the vllm format refresh every holder of a tied weight)
         try:
             if push.fmt == "vllm":
                 self._load_shards(stream)
