@@ -11,7 +11,7 @@ echo "[vllm-check] environment: $((SECONDS - t0))s ($venv)"
 t1=$SECONDS
 set +e
 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 \
-  tests/rollout/test_vllm_engine.py tests/rollout/test_sglang_engine.py
+  tests/rollout/test_vllm_engine.py tests/rollout/test_sglang_engine.py tests/trainer/test_vllm_train.py
 rc=$?
 set -e
 echo "[vllm-check] vLLM tests: $((SECONDS - t1))s (pytest exit $rc)"
