@@ -225,7 +225,7 @@ def test_max_model_len_caps_responses_and_refuses_prompts_that_leave_no_room(fre
     long = [1] + [86] * 39
     out = fresh.generate([long], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == MAX_MODEL_LEN - len(long) and out.finish_reason == "length"
-    with pytest.raises(VerlConfigError, match=f"prompt 1 has {MAX_MODEL_LEN} tokens.*max_model_len={MAX_MODEL_LEN}"):
+    with pytest.raises(VerlConfigError, match=f"prompt 1 is {MAX_MODEL_LEN} tokens.*max_model_len={MAX_MODEL_LEN}"):
         fresh.generate([[1, 2], [1] * MAX_MODEL_LEN], GREEDY)
 
 

@@ -108,10 +108,6 @@ class SGLangRollout(RolloutEngine):
     # -- generation ---------------------------------------------------------------------------------------------
 
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        for i, p in enumerate(prompt_ids):
-            if len(p) >= self.max_model_len:
-                raise VerlConfigError(f"prompt {i} has {len(p)} tokens, which leaves no room for a response under "
-                                      f"max_model_len={self.max_model_len}; shorten it or raise rollout.max_model_len")
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
         jobs = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
         if self.group is not None:

@@ -228,15 +228,7 @@ class VLLMRollout(RolloutEngine):
                    stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
                    seed=seed, logprobs=0 if params.logprobs else None, skip_special_tokens=True)
 
-    def _check_lengths(self, prompt_ids: list[list[int]]) -> None:
-        for i, p in enumerate(prompt_ids):
-            if len(p) >= self.max_model_len:
-                raise VerlConfigError(f"prompt {i} has {len(p)} tokens, which leaves no room for a response under "
-                                      f"max_model_len={self.max_model_len} (prompt + response); shorten the prompt "
-                                      f"or raise rollout.max_model_len")
-
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        self._check_lengths(prompt_ids)
         base = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
         jobs = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
         seeds = [base + i * params.n + j for i, j in jobs]
