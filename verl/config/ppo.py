@@ -302,6 +302,9 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
                                   f"{self.rollout.engine} / {self.actor.engine})")
+        if self.rollout.compare_full_gather and self.actor.engine != "megatron":
+            raise VerlConfigError("rollout.compare_full_gather times the full gather of a megatron actor's shards; "
+                                  "set actor.engine=megatron, or turn it off")
         if self.reward.type == "model" and not self.reward.model_path:
             raise VerlConfigError("reward.type=model needs reward.model_path (a sequence-classification model dir)")
 
@@ -321,10 +324,15 @@ class PPOConfig:
         if tp_g > world_size or world_size % tp_g:
             raise VerlConfigError(f"rollout.tp={tp_g} must divide the {world_size} ranks (each generation replica "
                                   f"spans rollout.tp ranks); use a divisor of {world_size}, or launch more processes")
+        replicas = world_size // tp_g
         world_size = self.data_parallel_size(world_size)
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
                                   f"{world_size} ranks; use a multiple of {world_size}")
+        if d.train_batch_size % replicas:
+            raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over the "
+                                  f"{replicas} generation replicas (ranks / rollout.tp={tp_g}); use a multiple of "
+                                  f"{replicas}")
         if d.train_batch_size % a.mini_batch_size:
             raise VerlConfigError(f"actor.mini_batch_size={a.mini_batch_size} must divide "
                                   f"data.train_batch_size={d.train_batch_size}")

@@ -42,7 +42,8 @@ class RolloutWorker:
         self.engine, self.cfg = engine, cfg
         self.max_prompt_length = max_prompt_length
         self.placement = placement or Placement()
-        self._hybrid = None
+        self._hybrid = None       # the 3D-HybridEngine, planned at the first sync (collective)
+        self._engine_bytes = 0    # what each sync hands the engine on this rank (from the plan)
 
     @property
     def tokenizer(self):
@@ -129,9 +130,6 @@ class RolloutWorker:
 
     def _full_gather(self, actor) -> dict[str, float]:
         """The old transfer, timed (rollout.compare_full_gather): gather everything, broadcast, load whole."""
-        if not hasattr(actor.engine, "full_gather_weights"):
-            raise VerlConfigError("rollout.compare_full_gather compares with the full gather of a megatron actor; "
-                                  "set actor.engine=megatron or turn it off")
         t0 = time.perf_counter()
         weights = actor.engine.full_gather_weights()
         self.engine.update_weights(weights.items())
