@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from verl.config.optim import OptimConfig
+from verl.config.ppo import OptimConfig
 from verl.errors import VerlConfigError
 from verl.models.forward import LossFn, forward_backward
 from verl.models.gpt import MegatronGPT

@@ -13,6 +13,7 @@ from verl.ops.logprob import (
     DEFAULT_CHUNK_V,
     linear_logprob_entropy,
     linear_logprob_entropy_ref,
+    lm_head_logprob_entropy,
     logprob_entropy,
     logprob_entropy_ref,
     vocab_parallel_linear_logprob_entropy,
@@ -81,5 +82,6 @@ __all__ = [
     # log-prob / entropy (verl/ops/logprob.py)
     "logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
     "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
+    "lm_head_logprob_entropy",
     "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V",
 ]

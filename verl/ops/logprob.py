@@ -42,7 +42,7 @@ from verl.ops._backend import use_fused
 
 __all__ = ["logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
            "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
-           "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V"]
+           "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V", "lm_head_logprob_entropy", "lm_head_is_fused", "FUSED_LM_HEAD_MIN_VOCAB"]
 
 # 1024 x 4096 float32 logits = 16 MiB of scratch: large enough for BLAS / cuBLAS to run at full speed,
 # small enough to stay far below one [N, V] logits tensor at any realistic vocabulary.
@@ -446,3 +446,24 @@ def _register() -> None:
 
 if _extension.available():
     _register()
+
+
+# ---- the LM head: one function the training engines and the torch engine's exact decoder share, so both
+# compute the same numbers bit for bit
+
+# Below this vocabulary the [tokens, vocab] logits are small and one GEMM beats the chunked fused LM head.
+FUSED_LM_HEAD_MIN_VOCAB = 4096
+
+
+def lm_head_is_fused(lm_head: torch.nn.Linear) -> bool:
+    """Whether `lm_head_logprob_entropy` takes the fused path (never stores [tokens, vocab] logits)."""
+    return lm_head.bias is None and lm_head.weight.shape[0] >= FUSED_LM_HEAD_MIN_VOCAB
+
+
+def lm_head_logprob_entropy(hidden: torch.Tensor, lm_head: torch.nn.Linear, targets: torch.Tensor,
+                            temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and entropy [..., ] from hidden states [..., H] and the LM head. For real vocabularies the
+    fused kernel computes the logits chunk by chunk, so [tokens, vocab] logits are never stored whole."""
+    if not lm_head_is_fused(lm_head):
+        return logprob_entropy(lm_head(hidden), targets, temperature)
+    return linear_logprob_entropy(hidden, lm_head.weight, targets, temperature)

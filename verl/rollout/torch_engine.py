@@ -282,7 +282,7 @@ class _TrainForward:
         out = self.model.base_model(input_ids=self.ids, attention_mask=self.mask, position_ids=pos, use_cache=False)
         self.hidden = out.last_hidden_state[:, P - 1:-1]
         lm_head = self.model.get_output_embeddings()
-        from verl.ops.lm_head import lm_head_is_fused
+        from verl.ops.logprob import lm_head_is_fused
         # the same GEMM the training forward runs (unfused path), so the sampled-from logits are its logits
         logits = lm_head(self.hidden[:, t]) if lm_head_is_fused(lm_head) else lm_head(self.hidden)[:, t]
         return logits
@@ -293,7 +293,7 @@ class _TrainForward:
         p = self.params
         if p.greedy or 0 < p.top_k or p.top_p < 1.0:
             return None
-        from verl.ops.lm_head import lm_head_logprob_entropy
+        from verl.ops.logprob import lm_head_logprob_entropy
         targets = self.ids[:, self.P:].clone()
         targets[:, self.t] = nxt.to(targets.device)
         lp, _ = lm_head_logprob_entropy(self.hidden, self.model.get_output_embeddings(), targets, p.temperature)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from verl.config.optim import OptimConfig
+from verl.config.ppo import OptimConfig
 from verl.config.ppo import WarmupConfig
 from verl.data import PromptDataset
 from verl.distributed import Placement

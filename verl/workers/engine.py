@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from verl.config.optim import OptimConfig
+from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
-from verl.ops.lm_head import lm_head_logprob_entropy
+from verl.ops.logprob import lm_head_logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from verl.config.optim import OptimConfig
+from verl.config.ppo import OptimConfig
 from verl.config.ppo import MegatronConfig
 from verl.distributed import Placement
 from verl.ops.losses import Aggregation
