@@ -74,6 +74,18 @@ def test_flow_is_chosen_by_config():
     assert names() == ["generate", "reward", "old_log_prob", "no_reference", "token_rewards", "group_advantage",
                        "update_actor", "sync_weights"]
     assert "ref_log_prob" in names("actor.use_kl_loss=true") and "generate_baseline" in names("algorithm.adv_estimator=remax")
+    # a newly registered estimator brings its needs: the flow takes the critic nodes without an edit
+    assert names("algorithm.adv_estimator=test_critic_estimator") == names("algorithm.adv_estimator=gae")
+
+
+from verl.algos import get_advantage, register_advantage  # noqa: E402
+
+
+@register_advantage("test_critic_estimator", needs_critic=True)
+def _critic_estimator(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0,
+                      lam=1.0, eps=1e-6, norm_by_std=True, check_finite=True):
+    """GAE with lambda 0.9: any estimator that reads a critic's values."""
+    return get_advantage("gae")(token_level_rewards, response_mask, values=values, gamma=gamma, lam=0.9)
 
 
 def test_bad_inputs_fail_before_writing(tmp_path, tiny_args):
@@ -94,3 +106,10 @@ def test_nan_reward_stops_the_step(tmp_path, tiny_args):
     with pytest.raises(VerlRuntimeError, match=r"node 'reward'.*test_always_nan.*finite float"):
         main(tiny_args("reward.name=test_always_nan", "warmup.steps=0"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_registered_critic_estimator_trains_the_critic(tmp_path, tiny_args):
+    main(tiny_args("algorithm.adv_estimator=test_critic_estimator", "trainer.total_steps=1", "trainer.save_final=false",
+                   "trainer.export_hf=false", "trainer.plot=false"))
+    (step,) = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
+    assert math.isfinite(step["critic/vf_loss"]) and step["critic/grad_norm"] >= 0
