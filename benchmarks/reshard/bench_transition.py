@@ -137,7 +137,8 @@ def main() -> int:
             print(f"{head} skipped: {r['skipped']}")
             continue
         print(f"{head} {r['full_gather_s']:13.3f} {r['hybrid_s']:9.3f} {r['speedup']:7.2f}x "
-              f"{r['hybrid_comm_bytes'] / 2**20:9.1f} {r['hybrid_peak_bytes'] / 2**20:9.1f} {str(r['same_generation']):>8}")
+              f"{r['hybrid_comm_bytes'] / 2**20:9.1f} {r['hybrid_peak_bytes'] / 2**20:9.1f} "
+              f"{str(r['same_generation']):>8}")
     os.makedirs(args.out, exist_ok=True)
     res = {"benchmark": "transition", "size": size, "model": MODELS[size], "rows": rows, "repeats": args.repeats,
            "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 thread per rank", "command": " ".join(sys.argv)}

@@ -1,4 +1,4 @@
-"""Small collectives over a `Placement` (metrics, barriers, objects); each is a no-op in a one-rank world."""
+"""Small collectives over a `Placement` (metrics, barriers); each is a no-op in a one-rank world."""
 
 from __future__ import annotations
 
@@ -37,14 +37,6 @@ def reduce_metrics(metrics: dict[str, float], world: Placement, maxed: tuple[str
 def barrier(world: Placement) -> None:
     if world.distributed:
         dist.barrier()
-
-
-def broadcast_object(obj, world: Placement, src: int = 0):
-    if not world.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def mean_over(group, value: float) -> float:

@@ -75,11 +75,6 @@ class Placement:
     def distributed(self) -> bool:
         return self.world_size > 1 and dist.is_initialized()
 
-    @property
-    def comm_device(self) -> torch.device:
-        """Where small host numbers must live to be all-reduced: the GPU under NCCL, else the CPU."""
-        return comm_device()
-
     # -- the training layout ----------------------------------------------------------------------------------
     @property
     def is_first_stage(self) -> bool:

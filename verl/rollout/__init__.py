@@ -14,7 +14,7 @@ from verl.rollout.config import ENGINES, RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 from verl.rollout.torch_engine import TorchRollout
 
-__all__ = ["ENGINES", "RolloutConfig", "build_rollout", "engine_available", "SamplingParams", "GenerationOutput",
+__all__ = ["ENGINES", "RolloutConfig", "build_rollout", "engine_available", "require_engine", "SamplingParams", "GenerationOutput",
            "RolloutEngine", "Tokenizer", "TorchRollout", "FINISH_REASONS"]
 
 
@@ -29,14 +29,19 @@ def engine_available(engine: str) -> tuple[bool, str]:
     return True, ""
 
 
+def require_engine(engine: str) -> None:
+    """Raises naming what to install when `engine` cannot run here (before any work is done)."""
+    ok, why = engine_available(engine)
+    if not ok:
+        raise VerlConfigError(f"rollout.engine={engine} cannot run here: {why}")
+
+
 def build_rollout(config: RolloutConfig, *, model=None, model_path: str | None = None,
                   tokenizer=None) -> RolloutEngine:
     """The engine `config.engine` names. hf / torch run `model` (any causal LM; loaded from `model_path` when
     no model is given); vllm / sglang load `model_path` (a Hugging Face directory) and receive later weights
     through update_weights."""
-    ok, why = engine_available(config.engine)
-    if not ok:
-        raise VerlConfigError(f"rollout.engine={config.engine} cannot run here: {why}")
+    require_engine(config.engine)
     if config.engine in ("hf", "torch"):
         if model is None:
             if model_path is None:

@@ -14,7 +14,7 @@ import torch
 from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
-from verl.rollout.torch_engine import TorchRollout
+from verl.rollout.torch_engine import TorchRollout, model_length_limit
 
 __all__ = ["HFRollout"]
 
@@ -27,8 +27,7 @@ class HFRollout(TorchRollout):
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
         config = config or RolloutConfig(engine="hf")
-        RolloutEngine.__init__(self, Tokenizer.wrap(tokenizer), max_model_len=config.max_model_len or getattr(
-            getattr(model, "config", None), "max_position_embeddings", None))
+        RolloutEngine.__init__(self, Tokenizer.wrap(tokenizer), max_model_len=model_length_limit(config, model))
         self.model, self.config = model, config
         self._offloaded, self._fast = None, None
 

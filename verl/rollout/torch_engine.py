@@ -21,7 +21,12 @@ from verl.rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchRollout", "process_logits", "sample_tokens"]
+__all__ = ["TorchRollout", "model_length_limit", "process_logits", "sample_tokens"]
+
+
+def model_length_limit(config: RolloutConfig, model: torch.nn.Module) -> int | None:
+    """rollout.max_model_len, else the model's max_position_embeddings (None when it has none)."""
+    return config.max_model_len or getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -64,8 +69,7 @@ class TorchRollout(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
         config = config or RolloutConfig(engine="torch")
-        limit = config.max_model_len or getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        super().__init__(Tokenizer.wrap(tokenizer), max_model_len=limit)
+        super().__init__(Tokenizer.wrap(tokenizer), max_model_len=model_length_limit(config, model))
         self.model = model  # may be the actor's own module: put back in its training mode after each call
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None
@@ -198,7 +202,7 @@ class TorchRollout(RolloutEngine):
         new_cache = getattr(out, "past_key_values", None) if self.config.kv_cache else None
         if self.config.kv_cache and new_cache is None:
             raise VerlRuntimeError("the model returned no past_key_values; build the torch engine with "
-                                   "rollout.kv_cache=false (RolloutConfig(kv_cache=False)) for models without a KV cache")
+                                   "rollout.kv_cache=false for models without a KV cache")
         return logits[:, -1, :], new_cache
 
     # -- weights and memory ----------------------------------------------------------------------------------

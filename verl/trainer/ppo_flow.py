@@ -12,6 +12,8 @@ touching it.
 
 from __future__ import annotations
 
+import torch
+
 from verl import DataflowNode, build_dataflow
 from verl.algos import advantage_info, get_advantage, get_kl, rollout_mismatch
 from verl.config.ppo import PPOConfig
@@ -63,7 +65,6 @@ def values(batch, critic):
 
 def _token_rewards(scores, mask):
     """Each response's score [B] on its last real token → [B, R]."""
-    import torch
     out = torch.zeros_like(mask, dtype=torch.float32)
     out[torch.arange(len(scores)), (mask.sum(-1).long() - 1).clamp(min=0)] = scores.float()
     return out * mask

@@ -17,7 +17,7 @@ from verl.config.ppo import PPOConfig
 from verl.data import BatchSampler, PromptDataset, load_prompt_dataset, make_task, task_corpus
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
-from verl.rollout import build_rollout, engine_available
+from verl.rollout import build_rollout, require_engine
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
@@ -75,16 +75,15 @@ class PPOTrainer:
 
     def __init__(self, cfg: PPOConfig, placement: Placement):
         cfg.validate_world(placement.world_size)  # before anything touches the disk
-        ok, why = engine_available(cfg.rollout.engine)
-        if not ok:
-            raise VerlConfigError(f"rollout.engine={cfg.rollout.engine} cannot run here: {why}")
+        require_engine(cfg.rollout.engine)
         self.cfg, self.placement = cfg, placement
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
         self.dataset = load_dataset(cfg)
         self.policy, self.tokenizer = load_policy(cfg, self.dataset)
         check_generation_layout(cfg, self.policy.config)
-        # sampling differs between data-parallel replicas and agrees within a model-parallel group
+        # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
+        # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
         self.reward_fn = build_reward(cfg.reward, placement.device)

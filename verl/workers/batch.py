@@ -59,12 +59,6 @@ class RolloutBatch:
                        rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
                        prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts))
 
-    def to(self, device: torch.device) -> "RolloutBatch":
-        return replace(self, input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device),
-                       position_ids=self.position_ids.to(device), response_mask=self.response_mask.to(device),
-                       group=self.group.to(device),
-                       rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs.to(device))
-
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
