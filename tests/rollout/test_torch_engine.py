@@ -195,7 +195,7 @@ def test_a_bad_push_names_the_weight_and_both_shapes_and_changes_nothing(tok, en
 
 def test_release_and_resume(tok):
     m = tiny_model(tokenizer=tok, **SHAPE)
-    eng = TorchRollout(m, tok, RolloutConfig(release_weights=True))
+    eng = TorchRollout(m, tok, RolloutConfig(cpu_offload=True))
     sp = SamplingParams(max_new_tokens=4, temperature=0)
     before = eng.generate(PROMPTS, sp)
     eng.release()

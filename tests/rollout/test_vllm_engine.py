@@ -244,7 +244,7 @@ def test_release_without_sleep_mode_says_so(fresh):
 def test_config_errors_name_the_field(engine, model_dir):
     if not engine.sleep_supported:
         with pytest.raises(VerlConfigError, match="sleep mode is not available"):
-            _engine(model_dir, sleep_mode=True)
+            _engine(model_dir, cpu_offload=True)
     with pytest.raises(VerlConfigError, match="engine_kwargs sets \\['tensor_parallel_size'\\]"):
         _engine(model_dir, engine_kwargs={"tensor_parallel_size": 2})
     with pytest.raises(VerlConfigError, match="rollout.tp=2 in-process .* torchrun"):

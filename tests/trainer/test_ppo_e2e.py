@@ -68,10 +68,10 @@ def test_critic_free_estimators_run(tmp_path, tiny_args, estimator):
 
 def test_flow_is_chosen_by_config():
     names = lambda *o: [n.__name__ if hasattr(n, "__name__") else n.name for n in ppo_nodes(load_config(PPOConfig, None, list(o)))]  # noqa: E731
-    assert names("algorithm.adv_estimator=gae") == ["generate", "reward", "old_log_prob", "no_reference", "values",
+    assert names("algorithm.adv_estimator=gae") == ["generate", "reward", "values", "no_reference", "old_log_prob",
                                                    "token_rewards", "critic_advantage", "update_critic", "update_actor",
                                                    "sync_weights"]
-    assert names() == ["generate", "reward", "old_log_prob", "no_reference", "token_rewards", "group_advantage",
+    assert names() == ["generate", "reward", "no_reference", "old_log_prob", "token_rewards", "group_advantage",
                        "update_actor", "sync_weights"]
     assert "ref_log_prob" in names("actor.use_kl_loss=true") and "generate_baseline" in names("algorithm.adv_estimator=remax")
     # a newly registered estimator brings its needs: the flow takes the critic nodes without an edit
@@ -92,7 +92,7 @@ def test_bad_inputs_fail_before_writing(tmp_path, tiny_args):
     out = tmp_path / "run"
     with pytest.raises(VerlConfigError, match="not a Hugging Face model directory"):
         main(tiny_args(f"model.path={tmp_path / 'nope'}"))
-    with pytest.raises(VerlConfigError, match="data.train_batch_size=4 prompts do not split over 3 ranks"):
+    with pytest.raises(VerlConfigError, match="data.train_batch_size=4 prompts do not split over 3 actor ranks"):
         PPOTrainer(load_config(PPOConfig, None, tiny_args()), Placement.layout(dp=3))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")

@@ -134,6 +134,11 @@ class ActorConfig:
 
     engine: Literal["torch", "megatron"] = "torch"
     """Training engine: plain torch data parallel over a Hugging Face / verl model, or megatron-core."""
+    ranks: list[int] | None = None
+    """World ranks that train the policy (None: trainer.placement decides). Rank 0 must be among them (it
+    logs, and keeps the trainer state); megatron needs every rank."""
+    cpu_offload: bool = False
+    """Keep the policy's weights and optimizer state on the CPU between its nodes (torch engine; not megatron)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Layout of the megatron engine (used when engine=megatron)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -166,8 +171,27 @@ class ActorConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RefConfig:
+    """The frozen reference policy (used when a KL term is on)."""
+
+    engine: Literal["torch", "megatron"] | None = None
+    """Its engine (None: the actor's)."""
+    ranks: list[int] | None = None
+    """World ranks that hold it (None: the actor's)."""
+    cpu_offload: bool = False
+    """Keep its weights on the CPU except while it computes log-probs (torch engine)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class CriticConfig:
     """The value model (used by the `gae` estimator only)."""
+
+    engine: Literal["torch", "megatron"] | None = None
+    """Its training engine (None: the actor's)."""
+    ranks: list[int] | None = None
+    """World ranks that train it (None: trainer.placement decides)."""
+    cpu_offload: bool = False
+    """Keep its weights and optimizer state on the CPU between its nodes (torch engine)."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     """Optimizer of the critic."""
@@ -226,6 +250,10 @@ class RewardConfig:
     """Registered rule-based reward (see verl.rewards.list_rewards())."""
     model_path: str | None = None
     """Hugging Face sequence-classification model directory for type=model."""
+    ranks: list[int] | None = None
+    """World ranks that score (None: trainer.placement decides)."""
+    cpu_offload: bool = False
+    """Keep a reward model on the CPU except while it scores (type=model)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -272,6 +300,11 @@ class TrainerConfig:
     """Write curves.png (reward, KL, entropy) at the end."""
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (process-group timeout): a rank that hangs fails the job after this long."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """Where roles run by default. colocated: every role on every rank (they share memory; the rollout engine
+    generates with the actor's weights in place). split: the actor, its rollout engine and the reference on the
+    first half of the ranks, the critic and the reward on the second half, each role's nodes running
+    concurrently where the dataflow allows. A role's own `ranks` overrides its default."""
     trace_step: int = 0
     """Write a Chrome trace of this step's dataflow to output_dir/trace_step_N.json (0: no trace)."""
 
@@ -288,6 +321,8 @@ class PPOConfig:
     """Generation."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """Policy update."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy (KL terms only)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Value model (gae only)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -350,45 +385,151 @@ class PPOConfig:
         if self.reward.type == "model" and not self.reward.model_path:
             raise VerlConfigError("reward.type=model needs reward.model_path (a sequence-classification model dir)")
 
-    def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that get different prompts (TP / PP peers of the megatron engine share theirs)."""
+    def roles(self, world_size: int) -> dict[str, "Role"]:
+        """Where each role runs on `world_size` ranks, its engine and offload, checked (see `Role`)."""
+        return resolve_roles(self, world_size)
+
+    def data_parallel_size(self, actor_ranks: int) -> int:
+        """Actor ranks that get different prompts (TP / PP peers of the megatron engine share theirs)."""
         if self.actor.engine != "megatron":
-            return world_size
+            return actor_ranks
         m = self.actor.megatron
-        if world_size % (m.tp * m.pp):
-            raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {world_size} ranks")
-        return world_size // (m.tp * m.pp)
+        if actor_ranks % (m.tp * m.pp):
+            raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {actor_ranks} ranks")
+        return actor_ranks // (m.tp * m.pp)
 
     def validate_world(self, world_size: int) -> None:
-        """Layout and batch-size divisibility across `world_size` ranks and micro-batches; raised before any step."""
+        """Placement, layout and batch-size divisibility across `world_size` ranks and micro-batches; raised
+        before any step."""
+        roles = self.roles(world_size)
         d, a, n = self.data, self.actor, self.rollout.n
-        tp_g = self.rollout.tp
-        if tp_g > world_size or world_size % tp_g:
-            raise VerlConfigError(f"rollout.tp={tp_g} must divide the {world_size} ranks (each generation replica "
-                                  f"spans rollout.tp ranks); use a divisor of {world_size}, or launch more processes")
-        replicas = world_size // tp_g
-        world_size = self.data_parallel_size(world_size)
+        tp_g, gen_ranks = self.rollout.tp, len(roles["rollout"].ranks)
+        if tp_g > gen_ranks or gen_ranks % tp_g:
+            raise VerlConfigError(f"rollout.tp={tp_g} must divide the {gen_ranks} rollout ranks (each generation "
+                                  f"replica spans rollout.tp ranks); use a divisor of {gen_ranks}, or launch more "
+                                  f"processes")
+        replicas = gen_ranks // tp_g
+        world_size = self.data_parallel_size(len(roles["actor"].ranks))
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
-                                  f"{world_size} ranks; use a multiple of {world_size}")
+                                  f"{world_size} actor ranks; use a multiple of {world_size}")
         if d.train_batch_size % replicas:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over the "
-                                  f"{replicas} generation replicas (ranks / rollout.tp={tp_g}); use a multiple of "
-                                  f"{replicas}")
+                                  f"{replicas} generation replicas (rollout ranks / rollout.tp={tp_g}); use a "
+                                  f"multiple of {replicas}")
         if d.train_batch_size % a.mini_batch_size:
             raise VerlConfigError(f"actor.mini_batch_size={a.mini_batch_size} must divide "
                                   f"data.train_batch_size={d.train_batch_size}")
         if a.mini_batch_size % world_size:
             raise VerlConfigError(f"actor.mini_batch_size={a.mini_batch_size} prompts do not split over "
-                                  f"{world_size} ranks; use a multiple of {world_size}")
+                                  f"{world_size} actor ranks; use a multiple of {world_size}")
         per_rank = a.mini_batch_size // world_size * n
         if per_rank % a.micro_batch_size:
             raise VerlConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the "
                                   f"{per_rank} responses of a mini-batch on one rank "
                                   f"(actor.mini_batch_size / world_size * rollout.n)")
         if self.needs_critic:
-            rank_batch = d.train_batch_size // world_size * n
-            if rank_batch % self.critic.micro_batch_size:
+            critic = roles["critic"]
+            dp = (len(critic.ranks) if critic.engine != "megatron"
+                  else len(critic.ranks) // (a.megatron.tp * a.megatron.pp))
+            if (d.train_batch_size * n) % dp or (d.train_batch_size * n // dp) % self.critic.micro_batch_size:
                 raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
-                                      f"{rank_batch} responses per rank (data.train_batch_size / world_size * "
-                                      f"rollout.n)")
+                                      f"responses each of the critic's {dp} data-parallel ranks gets "
+                                      f"(data.train_batch_size x rollout.n / {dp} = "
+                                      f"{d.train_batch_size * n / dp:g})")
+
+
+# ---- placement per role ------------------------------------------------------------------------------------
+ROLE_ENGINES = {"actor": ("torch", "megatron"), "ref": ("torch", "megatron"), "critic": ("torch", "megatron"),
+                "rollout": ("hf", "torch", "vllm", "sglang"), "reward": ("rule", "torch")}
+"""The engines each role can run on (a reward model runs on torch; reward.type picks rule or model)."""
+OFFLOADABLE = ("torch", "hf", "vllm", "sglang")
+"""Engines that can keep a role's memory on the CPU between its nodes (megatron keeps its own layout; a rule
+reward holds nothing)."""
+EXCLUSIVE = ("vllm", "sglang")
+"""Generation engines that claim their devices' memory up front: in split placement they share ranks only
+with the actor (and its reference), whose weights they hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    """Where one role of the job runs and on what."""
+
+    name: str
+    """actor, rollout, ref, critic or reward."""
+    ranks: tuple[int, ...]
+    """World ranks, sorted."""
+    engine: str
+    """Its engine (one of ROLE_ENGINES[name])."""
+    cpu_offload: bool
+    """Its memory stays on the CPU between its nodes."""
+
+
+def _ranks(key: str, value, world: int) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value or \
+            not all(isinstance(r, int) and not isinstance(r, bool) for r in value):
+        raise VerlConfigError(f"{key}={value!r} must be a non-empty list of ranks, e.g. [0, 1]")
+    bad = [r for r in value if not 0 <= r < world]
+    if bad:
+        raise VerlConfigError(f"{key}={list(value)} names ranks {bad} outside the world of {world} processes "
+                              f"(ranks 0..{world - 1}); fix the list or launch more processes")
+    if len(set(value)) != len(value):
+        raise VerlConfigError(f"{key}={list(value)} names a rank twice")
+    return tuple(sorted(value))
+
+
+def resolve_roles(cfg: PPOConfig, world: int) -> dict[str, Role]:
+    """Every role's ranks, engine and offload on `world` ranks: the trainer.placement defaults, overridden by
+    each role's `ranks`, then checked (before any model is built)."""
+    mode, everyone = cfg.trainer.placement, tuple(range(world))
+    if mode == "split" and world < 2:
+        raise VerlConfigError(f"trainer.placement=split puts roles on separate ranks and needs at least 2 "
+                              f"processes (got {world}); launch with torchrun --nproc_per_node=2 or more, or use "
+                              f"trainer.placement=colocated")
+    first, second = everyone[:max(1, world // 2)], everyone[max(1, world // 2):] or everyone
+    defaults = ({r: everyone for r in ROLE_ENGINES} if mode == "colocated" else
+                {"actor": first, "rollout": first, "ref": first, "critic": second, "reward": second})
+    a = cfg.actor
+    given = {"actor": (a.ranks, a.engine, a.cpu_offload),
+             "rollout": (cfg.rollout.ranks, cfg.rollout.engine, cfg.rollout.cpu_offload),
+             "ref": (cfg.ref.ranks, cfg.ref.engine or a.engine, cfg.ref.cpu_offload),
+             "critic": (cfg.critic.ranks, cfg.critic.engine or a.engine, cfg.critic.cpu_offload),
+             "reward": (cfg.reward.ranks, "rule" if cfg.reward.type == "rule" else "torch", cfg.reward.cpu_offload)}
+    roles = {}
+    for name, (ranks, engine, offload) in given.items():
+        if ranks is None:
+            ranks = defaults[name] if name != "ref" else (defaults["ref"] if a.ranks is None else a.ranks)
+        ranks = _ranks(f"{name}.ranks", ranks, world)
+        if mode == "colocated" and ranks != everyone:
+            raise VerlConfigError(f"{name}.ranks={list(ranks)} with trainer.placement=colocated (every role on "
+                                  f"every rank); set trainer.placement=split to place roles on their own ranks")
+        if engine not in ROLE_ENGINES[name]:
+            raise VerlConfigError(f"{name} cannot run on engine {engine!r}; {name} engines: {ROLE_ENGINES[name]}")
+        if offload and engine not in OFFLOADABLE:
+            raise VerlConfigError(f"{name}.cpu_offload=true but its engine {engine!r} cannot offload (engines that "
+                                  f"can: {OFFLOADABLE}); set {name}.cpu_offload=false")
+        if engine == "megatron" and ranks != everyone:
+            raise VerlConfigError(f"{name}.ranks={list(ranks)} with the megatron engine: megatron-core's parallel "
+                                  f"state spans every rank; give {name} all {world} ranks, or use engine=torch")
+        roles[name] = Role(name=name, ranks=ranks, engine=engine, cpu_offload=bool(offload))
+    _check_shared_ranks(roles, mode)
+    return roles
+
+
+def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
+    actor, rollout = roles["actor"], roles["rollout"]
+    if 0 not in actor.ranks:
+        raise VerlConfigError(f"actor.ranks={list(actor.ranks)} must include rank 0, which logs the metrics and "
+                              f"keeps the trainer state")
+    if rollout.ranks != actor.ranks:
+        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} differs from actor.ranks={list(actor.ranks)}: "
+                              f"the rollout engine receives the actor's weights in place through the "
+                              f"3D-HybridEngine, so both must run on the same ranks")
+    if mode == "split" and rollout.engine in EXCLUSIVE:
+        for other in ("critic", "reward"):
+            shared = sorted(set(roles[other].ranks) & set(rollout.ranks))
+            if shared:
+                raise VerlConfigError(f"{other}.ranks={list(roles[other].ranks)} overlaps the {rollout.engine} "
+                                      f"rollout on ranks {shared}; in split placement {rollout.engine} claims its "
+                                      f"devices' memory, so give {other} other ranks or use "
+                                      f"trainer.placement=colocated")

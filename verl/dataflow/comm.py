@@ -1,6 +1,7 @@
 """Moving values between ranks when a producer and its consumer run on different rank sets.
 
-Data-parallel values (a DataProto, a TensorDict, a tensor with a batch dimension, a list) are shards along
+Data-parallel values (a DataProto, a row batch such as the PPO flow's `RolloutBatch`, a TensorDict, a tensor
+with a batch dimension, a list) are shards along
 dim 0: the logical value is the producers' shards concatenated in rank order, and it is re-split evenly
 (``tensor_split`` style) across the consumer's ranks. Other values (numbers, dicts, models) and outputs listed
 in a node's ``replicated_outputs`` are copied whole from the producer's first rank.
@@ -12,6 +13,7 @@ same order, so blocking point-to-point calls cannot deadlock.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -52,13 +54,20 @@ def _is_protocol(v: Any) -> bool:
     return isinstance(v, DataProto)
 
 
+def _is_row_batch(v: Any) -> bool:
+    """A dataclass of per-row fields that slices with ``v[lo:hi]`` and joins with ``type(v).concat(pieces)``
+    (the PPO flow's `RolloutBatch`): shardable like a DataProto, sent field by field."""
+    return dataclasses.is_dataclass(v) and not isinstance(v, type) and callable(getattr(type(v), "concat", None)) \
+        and callable(getattr(v, "__getitem__", None))
+
+
 def is_shardable(v: Any) -> bool:
     from tensordict import TensorDictBase
     if isinstance(v, torch.Tensor):
         return v.dim() >= 1
     if isinstance(v, TensorDictBase):
         return len(v.batch_size) >= 1
-    return isinstance(v, (list, tuple)) or _is_protocol(v)
+    return isinstance(v, (list, tuple)) or _is_protocol(v) or _is_row_batch(v)
 
 
 def shard_len(v: Any) -> int:
@@ -75,7 +84,7 @@ def concat(pieces: list[Any]) -> Any:
     first = pieces[0]
     if len(pieces) == 1:
         return first
-    if _is_protocol(first):
+    if _is_protocol(first) or _is_row_batch(first):
         return type(first).concat(pieces)
     if isinstance(first, (torch.Tensor, TensorDictBase)):
         return torch.cat(pieces, dim=0)
@@ -122,6 +131,8 @@ def flatten(v: Any, tensors: list[torch.Tensor]) -> Any:
         return ("T", tuple(v.shape), v.dtype, v.requires_grad)
     if _is_protocol(v):
         return ("P", flatten(v.batch, tensors), v.meta, type(v))
+    if _is_row_batch(v):
+        return ("B", type(v), [(f.name, flatten(getattr(v, f.name), tensors)) for f in dataclasses.fields(v)])
     if isinstance(v, TensorDictBase):
         keys = list(v.keys(include_nested=True, leaves_only=True))
         rest = v.exclude(*keys) if keys else v
@@ -142,6 +153,8 @@ def unflatten(skel: Any, tensors: list[torch.Tensor]) -> Any:
         return t.requires_grad_(True) if skel[3] and t.is_floating_point() else t
     if kind == "P":
         return skel[3](batch=unflatten(skel[1], tensors), meta=skel[2])
+    if kind == "B":
+        return skel[1](**{name: unflatten(c, tensors) for name, c in skel[2]})
     if kind == "TD":
         _, _, batch_size, keys, children, rest = skel
         out = rest.clone(recurse=False)
@@ -163,6 +176,9 @@ def _tensor_specs(skel: Any, out: list) -> list:
         out.append((skel[1], skel[2]))
     elif kind == "P":
         _tensor_specs(skel[1], out)
+    elif kind == "B":
+        for _, c in skel[2]:
+            _tensor_specs(c, out)
     elif kind == "TD":
         for c in skel[4]:
             _tensor_specs(c, out)

@@ -85,7 +85,7 @@ class _Step:
 class _Plan:
     steps: list[_Step]
     external: dict[str, int]
-    exports: dict[str, int]
+    exports: dict[str, tuple[int, ...]]
     nslots: int
     rank: int
     world_size: int
@@ -164,7 +164,10 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
     # the prompts).
     needed = {s for st in steps if st.runs_here for s in st.arg_slots}
     external = {k: s for (p, k), s in slots.items() if p is None and s in needed}
-    exports = {k: slots[(p, k)] for k, p in df.exports.items()}
+    # What a rank returns of each output: the value itself where it was produced, else the copy the rank
+    # received for one of its nodes (a split-placement actor rank holds the scores computed on reward ranks).
+    exports = {k: (slots[(p, k)],) + tuple(v for (s, _), v in views.items() if s == slots[(p, k)])
+               for k, p in df.exports.items()}
     return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed, world_control)
 
 
@@ -504,8 +507,9 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
 
 def _result(plan: _Plan, inputs: Mapping[str, Any], vals: list) -> dict[str, Any]:
     out = dict(inputs)
-    for k, s in plan.exports.items():
-        v = vals[s]
-        if v is not _MISSING:
-            out[k] = v
+    for k, slots in plan.exports.items():
+        for s in slots:
+            if vals[s] is not _MISSING:
+                out[k] = vals[s]
+                break
     return out

@@ -10,33 +10,41 @@ from verl.distributed.placement import Placement, comm_device
 
 def all_reduce_mean_(t: torch.Tensor, world: Placement) -> torch.Tensor:
     if world.distributed:
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=world.group)
         t /= world.world_size
     return t
 
 
 def reduce_metrics(metrics: dict[str, float], world: Placement, maxed: tuple[str, ...] = (),
                    mined: tuple[str, ...] = ()) -> dict[str, float]:
-    """Per-rank scalar metrics -> the same on every rank: the mean over ranks, except the keys in `maxed`
-    (maximum over ranks) and `mined` (minimum). Two collectives whatever the number of keys."""
+    """Per-rank scalar metrics -> the same on every rank: the mean over the ranks that report each key (in
+    split placement the critic's ranks report critic/*, the actor's actor/*), except the keys in `maxed`
+    (maximum over ranks) and `mined` (minimum). Three collectives whatever the number of keys."""
     if not world.distributed:
         return dict(metrics)
-    extremes = [(k, 1.0) for k in maxed if k in metrics] + [(k, -1.0) for k in mined if k in metrics]
+    everyone: list = [None] * world.world_size
+    dist.all_gather_object(everyone, sorted(metrics), group=world.group)
+    keys = sorted(set().union(*everyone))
+    extremes = [(k, 1.0) for k in maxed if k in keys] + [(k, -1.0) for k in mined if k in keys]
     names = {k for k, _ in extremes}
-    means = sorted(k for k in metrics if k not in names)
+    means = [k for k in keys if k not in names]
     dev = comm_device()
-    vec = torch.tensor([metrics[k] for k in means], dtype=torch.float64, device=dev)
-    ext = torch.tensor([sign * metrics[k] for k, sign in extremes], dtype=torch.float64, device=dev)
-    all_reduce_mean_(vec, world)
-    dist.all_reduce(ext, op=dist.ReduceOp.MAX)  # the minimum is minus the maximum of the negated values
-    out = dict(zip(means, vec.tolist()))
+    # sums and counts in one vector: [value_1 .. value_n, present_1 .. present_n]
+    vec = torch.tensor([metrics.get(k, 0.0) for k in means] + [float(k in metrics) for k in means],
+                       dtype=torch.float64, device=dev)
+    ext = torch.tensor([sign * metrics[k] if k in metrics else -float("inf") for k, sign in extremes],
+                       dtype=torch.float64, device=dev)
+    dist.all_reduce(vec, group=world.group)
+    dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=world.group)  # min = -max of the negated values
+    n = len(means)
+    out = {k: s / c for k, s, c in zip(means, vec[:n].tolist(), vec[n:].tolist())}
     out.update({k: sign * v for (k, sign), v in zip(extremes, ext.tolist())})
     return out
 
 
 def barrier(world: Placement) -> None:
     if world.distributed:
-        dist.barrier()
+        dist.barrier(group=world.group)
 
 
 def mean_over(group, value: float) -> float:

@@ -31,9 +31,9 @@ class Placement:
     """This rank's place in the world and in the training layout TP × PP × DP (= world)."""
 
     rank: int = 0
-    """Global rank (0 without torch.distributed)."""
+    """This process's index among the placement's ranks (the global rank for the whole world)."""
     world_size: int = 1
-    """Number of ranks."""
+    """Number of ranks the placement spans (the world, or a role's rank set: see `subset`)."""
     local_rank: int = 0
     """Rank on this node (torchrun's LOCAL_RANK): the GPU index."""
     device: torch.device = torch.device("cpu")
@@ -60,6 +60,10 @@ class Placement:
     """Data-parallel group (None when the world is one rank)."""
     mp: dist.ProcessGroup | None = None
     """Model-parallel group: the TP × PP ranks of this rank's replica (megatron engines only)."""
+    global_ranks: tuple[int, ...] | None = None
+    """Global ranks the placement spans, in order (None: the whole world, rank i = global rank i)."""
+    group: dist.ProcessGroup | None = None
+    """Process group over `global_ranks` (None: the world group, when distributed)."""
     tp_global_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's TP group, in TP order."""
     pp_global_ranks: tuple[int, ...] = (0,)
@@ -74,6 +78,29 @@ class Placement:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1 and dist.is_initialized()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the world."""
+        return self.rank if self.global_ranks is None else self.global_ranks[self.rank]
+
+    def global_of(self, rank: int) -> int:
+        """The world rank of the placement's `rank`-th rank."""
+        return rank if self.global_ranks is None else self.global_ranks[rank]
+
+    def subset(self, ranks: tuple[int, ...], group: dist.ProcessGroup | None) -> "Placement":
+        """The placement of a role that runs on `ranks` (world ranks, this process among them): plain data
+        parallel over them, with `group` spanning exactly those ranks (a split-placement critic on ranks 2-3
+        averages its gradients over its own two ranks)."""
+        me = self.global_rank
+        if me not in ranks:
+            raise VerlConfigError(f"rank {me} is not among {list(ranks)}: only the role's ranks build its placement")
+        local = ranks.index(me)
+        whole = ranks == tuple(range(dist.get_world_size() if dist.is_initialized() else 1))
+        return Placement(rank=local, world_size=len(ranks), local_rank=self.local_rank, device=self.device,
+                         dp_size=len(ranks), dp_rank=local, dp=group if len(ranks) > 1 else None,
+                         global_ranks=None if whole else tuple(ranks), group=group,
+                         tp_global_ranks=(me,), pp_global_ranks=(me,))
 
     # -- the training layout ----------------------------------------------------------------------------------
     @property

@@ -67,8 +67,6 @@ class RolloutConfig:
     kv_cache: bool = True
     """torch, decoder=model: reuse keys/values across steps; false recomputes the whole sequence (models
     without a cache)."""
-    release_weights: bool = False
-    """torch: release() also moves the weights to the CPU while training runs (resume() brings them back)."""
     kv_cache_memory_mb: int = 256
     """vllm: KV-cache size. Always set on CPU, where vLLM would otherwise claim 0.9 × RAM."""
     gpu_memory_utilization: float = 0.5
@@ -78,8 +76,13 @@ class RolloutConfig:
     """vllm: no CUDA graphs or compilation (fast start-up; required in-process on CPU)."""
     in_process: bool = True
     """vllm: run the engine inside this process (weights stream straight in); false: vLLM's own process."""
-    sleep_mode: bool = False
-    """vllm / sglang: release() frees the KV cache and weights during training (GPU builds only)."""
+    cpu_offload: bool = False
+    """Release the engine's memory while training runs, after each generation phase: torch / hf move the
+    weights to the CPU, vllm / sglang enter sleep mode (KV cache and weights freed; GPU builds only).
+    resume() before the next weight sync brings them back."""
+    ranks: list[int] | None = None
+    """World ranks that generate (None: trainer.placement decides; today they must equal actor.ranks, whose
+    weights reach the engine through the 3D-HybridEngine)."""
     engine_kwargs: dict = field(default_factory=dict)
     """Further keyword arguments passed to the engine's constructor (vllm.LLM, sglang.Engine)."""
 

@@ -95,7 +95,7 @@ class SGLangRollout(RolloutEngine):
         kwargs = dict(model_path=self.model_path, dtype=self.dtype, tp_size=cfg.tp,
                       mem_fraction_static=cfg.gpu_memory_utilization, random_seed=cfg.seed,
                       max_running_requests=cfg.max_batch_size, disable_cuda_graph=cfg.enforce_eager,
-                      enable_memory_saver=cfg.sleep_mode, context_length=self.max_model_len)
+                      enable_memory_saver=cfg.cpu_offload, context_length=self.max_model_len)
         if "LOCAL_RANK" in os.environ:
             kwargs["base_gpu_id"] = int(os.environ["LOCAL_RANK"])  # a group's GPUs start at its owner's
         kwargs.update(cfg.engine_kwargs)
@@ -227,11 +227,11 @@ class SGLangRollout(RolloutEngine):
             engine.shutdown()
 
     def _release(self) -> None:
-        if self.engine is not None and self.config.sleep_mode:
+        if self.engine is not None and self.config.cpu_offload:
             self.engine.release_memory_occupation()
 
     def _resume(self) -> None:
-        if self.engine is not None and self.config.sleep_mode:
+        if self.engine is not None and self.config.cpu_offload:
             self.engine.resume_memory_occupation()
 
 

@@ -248,7 +248,7 @@ class TorchRollout(RolloutEngine):
     def _release(self) -> None:
         # The KV cache lives only inside generate(); weights are offloaded only when asked (and when they are
         # not already on the CPU).
-        if self.config.release_weights and self._offloaded is None:
+        if self.config.cpu_offload and self._offloaded is None:
             self._offloaded = {n: p.device for n, p in self.model.named_parameters()}
             for p in self.model.parameters():
                 p.data = p.data.to("cpu")

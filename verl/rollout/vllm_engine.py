@@ -154,9 +154,9 @@ class VLLMRollout(RolloutEngine):
         if owned:
             raise VerlConfigError(f"rollout.engine_kwargs sets {owned}, which rollout's own fields own (tp, dtype, "
                                   f"max_model_len, max_batch_size, kv_cache_memory_mb, ...); set those instead")
-        if cfg.sleep_mode and not self.sleep_supported:
-            raise VerlConfigError(f"rollout.sleep_mode=true but vLLM's sleep mode is not available on this platform "
-                                  f"({device}); set rollout.sleep_mode=false (release() then keeps the engine's "
+        if cfg.cpu_offload and not self.sleep_supported:
+            raise VerlConfigError(f"rollout.cpu_offload=true but vLLM's sleep mode is not available on this platform "
+                                  f"({device}); set rollout.cpu_offload=false (release() then keeps the engine's "
                                   f"memory)")
         if cfg.tp > 1 and cfg.in_process:
             _, world = _world()
@@ -175,7 +175,7 @@ class VLLMRollout(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
         kwargs = dict(model=self.model_path, tokenizer=self.model_path, dtype=self.dtype,
                       tensor_parallel_size=cfg.tp, max_num_seqs=cfg.max_batch_size, enforce_eager=cfg.enforce_eager,
-                      seed=cfg.seed, enable_sleep_mode=cfg.sleep_mode,
+                      seed=cfg.seed, enable_sleep_mode=cfg.cpu_offload,
                       kv_cache_memory_bytes=(cfg.kv_cache_memory_mb << 20) or None,
                       # The shared seeding convention (verl.rollout.base): float64 exponential noise per request,
                       # and log-probs of the processed (temperature / top-k / top-p) distribution.
@@ -357,17 +357,17 @@ class VLLMRollout(RolloutEngine):
     # -- memory -------------------------------------------------------------------------------------------------
 
     def _release(self) -> None:
-        if self.config.sleep_mode:
+        if self.config.cpu_offload:
             self.llm.sleep(level=1)
         elif not self._warned_release:
             self._warned_release = True
             why = ("this vLLM build has no sleep mode (CPU)" if not self.sleep_supported
-                   else "rollout.sleep_mode is false")
+                   else "rollout.cpu_offload is false")
             warnings.warn(f"vllm release(): {why}, so the KV cache ({self.config.kv_cache_memory_mb} MiB) and the "
                           f"weights stay allocated during training", stacklevel=3)
 
     def _resume(self) -> None:
-        if self.config.sleep_mode:
+        if self.config.cpu_offload:
             self.llm.wake_up()
 
 

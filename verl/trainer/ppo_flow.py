@@ -25,11 +25,15 @@ def generate(prompts, rollout, seed):
     return rollout.generate(prompts, seed=seed)
 
 
-@DataflowNode(input_keys=["prompts", "rollout", "reward_fn", "seed"], output_keys=["baseline_scores"])
-def generate_baseline(prompts, rollout, reward_fn, seed):
-    """ReMax: the greedy response's reward is each prompt's baseline."""
-    greedy = rollout.generate(prompts, n=1, greedy=True, seed=seed)
-    return reward_fn.score(greedy).repeat_interleave(rollout.cfg.n).to(greedy.response_mask.device)
+@DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["baseline_batch"])
+def generate_baseline(prompts, rollout, seed):
+    """ReMax: one greedy response per prompt, whose reward is the prompt's baseline."""
+    return rollout.generate(prompts, n=1, greedy=True, seed=seed)
+
+
+@DataflowNode(input_keys=["baseline_batch", "reward_fn"], output_keys=["baseline_scores"])
+def score_baseline(baseline_batch, reward_fn):
+    return reward_fn.score(baseline_batch).to(baseline_batch.response_mask.device)
 
 
 @DataflowNode(input_keys=["batch", "reward_fn"], output_keys=["scores"])
@@ -97,9 +101,10 @@ def critic_advantage(batch, token_rewards, values, algo_cfg):
 
 @DataflowNode(input_keys=["batch", "token_rewards", "baseline_scores", "algo_cfg"], output_keys=["advantages"])
 def baseline_advantage(batch, token_rewards, baseline_scores, algo_cfg):
-    """Estimators against a greedy baseline (ReMax)."""
-    return get_advantage(algo_cfg.adv_estimator)(token_rewards, batch.response_mask,
-                                                 baseline=baseline_scores).advantages
+    """Estimators against a greedy baseline (ReMax): each prompt's baseline, repeated for its responses."""
+    n = len(batch) // len(baseline_scores)
+    baseline = baseline_scores.repeat_interleave(n).to(batch.response_mask.device)
+    return get_advantage(algo_cfg.adv_estimator)(token_rewards, batch.response_mask, baseline=baseline).advantages
 
 
 @DataflowNode(input_keys=["batch", "token_rewards", "algo_cfg"], output_keys=["advantages"])
@@ -128,25 +133,38 @@ def sync_weights(actor, rollout, actor_metrics):
 
 
 def ppo_nodes(cfg: PPOConfig) -> list:
-    """The nodes of the configured algorithm, in reading order."""
+    """The nodes of the configured algorithm, in reading order. Nodes that only need the batch come first (the
+    reward, the critic's values), so that in split placement the reward and critic ranks work on them while the
+    actor's ranks compute old and reference log-probs."""
     info = advantage_info(cfg.algorithm.adv_estimator)
-    nodes = [generate, reward, old_log_prob, ref_log_prob if cfg.needs_ref else no_reference]
+    nodes = [generate] + ([generate_baseline, score_baseline] if info.needs_baseline else []) + [reward]
     nodes += [values] if info.needs_critic else []
-    nodes += [generate_baseline] if info.needs_baseline else []
+    nodes += [ref_log_prob if cfg.needs_ref else no_reference, old_log_prob]
     nodes += [kl_in_reward if cfg.algorithm.use_kl_in_reward else token_rewards]
     nodes += [critic_advantage, update_critic] if info.needs_critic else \
         [baseline_advantage if info.needs_baseline else group_advantage]
     return nodes + [update_actor, sync_weights]
 
 
-def build_ppo_dataflow(cfg: PPOConfig):
-    """Every node runs on every rank (data parallel); engine names show up in node contexts and traces."""
-    nodes = ppo_nodes(cfg)
-    train = cfg.actor.engine
-    configs = {"generate": {"engine": cfg.rollout.engine}, "generate_baseline": {"engine": cfg.rollout.engine},
-               "reward": {"engine": "rule" if cfg.reward.type == "rule" else "torch"},
-               "old_log_prob": {"engine": train, "on_policy": cfg.on_policy},
-               "update_actor": {"engine": train, "critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0},
-               **{n: {"engine": train} for n in ("ref_log_prob", "values", "update_critic", "sync_weights")}}
-    names = {n.name for n in nodes}
-    return build_dataflow(nodes=nodes, configs={k: v for k, v in configs.items() if k in names})
+ROLE_OF = {"generate": "rollout", "generate_baseline": "rollout", "reward": "reward", "score_baseline": "reward",
+           "ref_log_prob": "ref", "values": "critic", "update_critic": "critic"}
+"""The role whose ranks run each node; every other node (old log-probs, token rewards, advantages, the actor
+update, the weight sync) runs on the actor's ranks."""
+
+
+def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
+    """Each node's dataflow config: its role's ranks (as a device map), engine and cpu_offload, plus settings.
+    This is the seed article's `*_config` dicts, derived from the job's roles."""
+    settings = {"old_log_prob": {"on_policy": cfg.on_policy},
+                "update_actor": {"critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0}}
+    out = {}
+    for node in ppo_nodes(cfg):
+        role = roles[ROLE_OF.get(node.name, "actor")]
+        out[node.name] = {"device_map": list(role.ranks), "engine": role.engine, "cpu_offload": role.cpu_offload,
+                          **settings.get(node.name, {})}
+    return out
+
+
+def build_ppo_dataflow(cfg: PPOConfig, world_size: int = 1):
+    """The configured algorithm's dataflow, each node on its role's ranks (`PPOConfig.roles`)."""
+    return build_dataflow(nodes=ppo_nodes(cfg), configs=node_configs(cfg, cfg.roles(world_size)))

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
@@ -73,22 +74,34 @@ def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
 class PPOTrainer:
     """Owns the workers, the data order, the KL controller, metrics and checkpoints of one job."""
 
-    def __init__(self, cfg: PPOConfig, placement: Placement):
+    def __init__(self, cfg: PPOConfig, placement: Placement, *, actor_model: torch.nn.Module | None = None,
+                 tokenizer=None):
+        """`actor_model` (with `tokenizer`): a Hugging Face causal LM object to train instead of `model.*`, e.g.
+        one loaded with `device_map=...`, whose `hf_device_map` must agree with the actor's ranks."""
         cfg.validate_world(placement.world_size)  # before anything touches the disk
         require_engine(cfg.rollout.engine)
         self.cfg, self.placement = cfg, placement
+        self.roles = cfg.roles(placement.world_size)
+        if actor_model is not None:
+            check_device_map(actor_model, self.roles["actor"], placement)
+        self.places = role_placements(placement, self.roles)
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
         self.dataset = load_dataset(cfg)
-        self.policy, self.tokenizer = load_policy(cfg, self.dataset)
+        if actor_model is not None:
+            if tokenizer is None:
+                raise VerlConfigError("PPOTrainer(actor_model=...) needs tokenizer=... (the model's own tokenizer)")
+            self.policy, self.tokenizer = actor_model, tokenizer
+        else:
+            self.policy, self.tokenizer = load_policy(cfg, self.dataset)
         check_generation_layout(cfg, self.policy.config)
         # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-        self.reward_fn = build_reward(cfg.reward, placement.device)
+        self.reward_fn = build_reward(cfg.reward, placement.device) if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
-        self.flow = build_ppo_dataflow(cfg)
+        self.flow = build_ppo_dataflow(cfg, placement.world_size)
         self.out_dir = Path(cfg.trainer.output_dir)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints)
         self.actor = self.ref = self.critic = self.rollout = None
@@ -100,6 +113,10 @@ class PPOTrainer:
         """Dataflow hook: per-node durations of the current step (logged as timing/<node>_s)."""
         self.node_seconds[event.node] = event.duration_s
 
+    def on_transfer(self, name: str, rank: int, start: float, end: float, info: dict) -> None:
+        """Dataflow hook: time this rank spent moving batches between rank sets (timing/transfer_s)."""
+        self.node_seconds["transfer"] = self.node_seconds.get("transfer", 0.0) + end - start
+
     # -- workers (built after the warm start: the reference and critic copy the warm-started policy) --------
     def _init_dir(self) -> Path:
         """The warm-started policy as a Hugging Face directory: what megatron models and vLLM / SGLang load."""
@@ -110,41 +127,40 @@ class PPOTrainer:
         return path
 
     def _build_workers(self) -> None:
-        cfg, p = self.cfg, self.placement
-        needs_dir = cfg.actor.engine == "megatron" or cfg.rollout.engine in ("vllm", "sglang")
+        """Each role's worker on its own ranks (None elsewhere), engines built in the same order everywhere."""
+        cfg, roles, places = self.cfg, self.roles, self.places
+        needs_dir = any(r.engine == "megatron" for r in roles.values()) or cfg.rollout.engine in ("vllm", "sglang")
         init_dir = self._init_dir() if needs_dir else None
-        engines = self._megatron_engines(init_dir) if cfg.actor.engine == "megatron" else self._torch_engines()
-        kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens,
-                  responses_per_mini=cfg.actor.mini_batch_size // p.dp_size * cfg.rollout.n)
-        self.actor = ActorWorker(engines["actor"], cfg.actor, **kw)
-        self.ref = ActorWorker(engines["ref"], cfg.actor, **kw) if "ref" in engines else None
-        self.critic = CriticWorker(engines["critic"], cfg.critic) if "critic" in engines else None
-        rollout_cfg = cfg.rollout
-        if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward will see
-            rollout_cfg = dataclasses.replace(rollout_cfg, max_batch_size=cfg.actor.micro_batch_size)
-        engine = build_rollout(rollout_cfg, model=self.policy, model_path=str(init_dir) if init_dir else None,
-                               tokenizer=self.tokenizer)
-        self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length, placement=p)
+        kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens)
+        if places["actor"] is not None:
+            kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
+            self.actor = ActorWorker(self._engine("actor", init_dir), cfg.actor, **kw)
+        if cfg.needs_ref and places["ref"] is not None:
+            kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
+            self.ref = ActorWorker(self._engine("ref", init_dir), cfg.actor, **kw)
+        if cfg.needs_critic and places["critic"] is not None:
+            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic)
+        if places["rollout"] is not None:
+            rollout_cfg = cfg.rollout
+            if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward sees
+                rollout_cfg = dataclasses.replace(rollout_cfg, max_batch_size=cfg.actor.micro_batch_size)
+            engine = build_rollout(rollout_cfg, model=self.policy, model_path=str(init_dir) if init_dir else None,
+                                   tokenizer=self.tokenizer)
+            self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
+                                         placement=places["rollout"])
 
-    def _torch_engines(self) -> dict:
-        cfg, p, steps = self.cfg, self.placement, self.cfg.trainer.total_steps
-        out = {"actor": TorchEngine(self.policy, cfg.actor.optim, p, total_steps=steps)}
-        if cfg.needs_ref:
-            out["ref"] = TorchEngine(copy.deepcopy(self.policy), None, p)
-        if cfg.needs_critic:
-            out["critic"] = TorchEngine(ValueModel.from_causal_lm(self.policy), cfg.critic.optim, p, head="value",
-                                        total_steps=steps)
-        return out
-
-    def _megatron_engines(self, init_dir: Path) -> dict:
-        from verl.workers.megatron import MegatronEngine
-        cfg, p, m, steps = self.cfg, self.placement, self.cfg.actor.megatron, self.cfg.trainer.total_steps
-        out = {"actor": MegatronEngine(init_dir, p, m, optim=cfg.actor.optim, total_steps=steps)}
-        if cfg.needs_ref:
-            out["ref"] = MegatronEngine(init_dir, p, m)
-        if cfg.needs_critic:
-            out["critic"] = MegatronEngine(init_dir, p, m, value_head=True, optim=cfg.critic.optim, total_steps=steps)
-        return out
+    def _engine(self, role: str, init_dir: Path | None):
+        """The training engine of `role` (actor, ref or critic) on this rank."""
+        cfg, p, steps = self.cfg, self.places[role], self.cfg.trainer.total_steps
+        optim = {"actor": cfg.actor.optim, "ref": None, "critic": cfg.critic.optim}[role]
+        if self.roles[role].engine == "megatron":
+            from verl.workers.megatron import MegatronEngine
+            return MegatronEngine(init_dir, p, cfg.actor.megatron, value_head=role == "critic", optim=optim,
+                                  total_steps=steps)
+        if role == "critic":
+            return TorchEngine(ValueModel.from_causal_lm(self.policy), optim, p, head="value", total_steps=steps)
+        module = self.policy if role == "actor" else copy.deepcopy(self.policy)
+        return TorchEngine(module, optim, p, total_steps=steps)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _checkpointed(self) -> tuple[dict, dict]:
@@ -160,11 +176,17 @@ class PPOTrainer:
         return modules, sharded
 
     def _trainer_state(self) -> dict:
+        """Collective: rank 0 writes it, but a split critic's schedule lives on the critic's ranks."""
         def sched(worker):
             s = getattr(getattr(worker, "engine", None), "scheduler", None)
             return s.state_dict() if s is not None else None
+        scheds = {"actor_sched": sched(self.actor), "critic_sched": sched(self.critic)}
+        if self.placement.distributed:
+            everyone: list = [None] * self.placement.world_size
+            dist.all_gather_object(everyone, scheds)
+            scheds = {k: next((e[k] for e in everyone if e[k] is not None), None) for k in scheds}
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                "actor_sched": sched(self.actor), "critic_sched": sched(self.critic), "config": to_dict(self.cfg)}
+                **scheds, "config": to_dict(self.cfg)}
 
     def _restore(self, path: Path) -> None:
         state = self.ckpt.load(path, *self._checkpointed())
@@ -210,24 +232,30 @@ class PPOTrainer:
         return self._metrics(out, time.perf_counter() - t0)
 
     def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
-        batch, scores, mask = out["batch"], out["scores"], out["batch"].response_mask
-        m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
-             "response/length": float(mask.sum(-1).mean()), "response/clip_ratio": float((mask[:, -1] > 0).float().mean()),
-             "advantage/mean": float((out["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
-             **out.get("kl_metrics", {}), **(out.get("mismatch_metrics") or {}), **out.get("actor_metrics", {}),
-             **(out.get("critic_metrics") or {}), **out["sync_metrics"]}
-        if "actor/kl" not in m and "actor/ppo_kl" in m:
-            m["actor/kl"] = m["actor/ppo_kl"]
-        m["perf/tokens"] = float(batch.num_tokens())
-        m["perf/response_tokens"] = float(mask.sum())
+        """The step's metrics, the same on every rank: each rank reports what its roles computed (the actor's
+        ranks the batch, rewards and update; a split critic's ranks the critic's), then one reduction."""
+        m: dict[str, float] = {}
+        if self.actor is not None:
+            batch, scores, mask = out["batch"], out["scores"], out["batch"].response_mask
+            m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
+                 "reward/min": float(scores.min()), "response/length": float(mask.sum(-1).mean()),
+                 "response/clip_ratio": float((mask[:, -1] > 0).float().mean()),
+                 "advantage/mean": float((out["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+                 **out.get("kl_metrics", {}), **(out.get("mismatch_metrics") or {}),
+                 **out.get("actor_metrics", {}), **out["sync_metrics"],
+                 "perf/tokens": float(batch.num_tokens()), "perf/response_tokens": float(mask.sum())}
+            if "actor/kl" not in m and "actor/ppo_kl" in m:
+                m["actor/kl"] = m["actor/ppo_kl"]
+        if self.critic is not None:
+            m.update(out.get("critic_metrics") or {})
+        m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
         m = reduce_metrics(m, self.placement, maxed=MAXED, mined=("reward/min",))
-        dp = self.placement.dp_size  # model-parallel peers hold the same tokens: count each replica once
+        # model-parallel peers hold the same tokens: count each actor replica once
+        dp = self.cfg.data_parallel_size(len(self.roles["actor"].ranks))
         m["perf/step_time_s"] = elapsed
         m["perf/wall_time"] = time.time()  # when the step ended (aligns runs that share a machine)
         m["perf/tokens_per_s"] = m.pop("perf/tokens") * dp / elapsed
         m["perf/response_tokens_per_s"] = m.pop("perf/response_tokens") * dp / elapsed
-        for name, seconds in self.node_seconds.items():
-            m[f"timing/{name}_s"] = seconds
         return m
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -271,16 +299,63 @@ class PPOTrainer:
 
     def _finish(self) -> None:
         out_dir = self.out_dir
-        if self.cfg.trainer.export_hf:
+        if self.cfg.trainer.export_hf and self.actor is not None:
             engine = self.actor.engine
             if isinstance(engine, TorchEngine):
                 if self.placement.is_main:
                     export_hf(engine.module, self.tokenizer, out_dir / "hf_actor")
             else:
-                engine.export_hf(out_dir / "hf_actor", self.tokenizer)  # collective: gathers the shards
+                engine.export_hf(out_dir / "hf_actor", self.tokenizer)  # collective over the actor's ranks
         if self.placement.is_main and self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
             plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
         barrier(self.placement)
+
+
+def role_placements(placement: Placement, roles: dict) -> dict[str, Placement | None]:
+    """This rank's placement in each role (None where the role does not run here). Megatron roles keep the
+    job's megatron layout; the others are plain data parallel over their ranks. Every rank asks for every
+    role's group in the same order, because creating a process group is collective."""
+    from verl.dataflow.comm import group_for
+    out: dict[str, Placement | None] = {}
+    for name, role in roles.items():
+        group = group_for(role.ranks) if placement.distributed else None
+        if placement.global_rank not in role.ranks:
+            out[name] = None
+        elif role.engine == "megatron" or (name == "rollout" and roles["actor"].engine == "megatron"):
+            out[name] = placement  # the rollout splits prompts over the megatron actor's replicas
+        else:
+            out[name] = placement.subset(role.ranks, group) if placement.distributed else placement
+    return out
+
+
+def check_device_map(model: torch.nn.Module, actor, placement: Placement) -> None:
+    """A model loaded with `device_map=...` keeps its modules where `hf_device_map` put them (the engines never
+    move a device-mapped model). They must be devices of the actor's ranks: in a one-process job any GPU it
+    sees (accelerate's hooks carry activations between them) or the CPU; with several processes, this
+    process's own device, since every other GPU belongs to another rank. Raised before anything is built,
+    naming the module and the device."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return
+    if placement.global_rank not in actor.ranks:
+        raise VerlConfigError(f"actor_model was passed to rank {placement.global_rank}, which is not among "
+                              f"actor.ranks={list(actor.ranks)}; pass it on the actor's ranks only")
+    mine = placement.device
+    for module, dev in device_map.items():
+        if dev in ("cpu", "disk") or (isinstance(dev, str) and dev.startswith("cpu")):
+            if dev == "disk":
+                raise VerlConfigError(f"actor_model.hf_device_map puts {module or 'the model'!r} on disk; a "
+                                      f"trained actor needs its weights in memory: load it with a device_map "
+                                      f"that fits on the device or the CPU")
+            continue
+        index = dev if isinstance(dev, int) else torch.device(dev).index
+        if not placement.distributed and torch.cuda.is_available() and index < torch.cuda.device_count():
+            continue
+        if mine.type != "cuda" or index != mine.index:
+            raise VerlConfigError(f"actor_model.hf_device_map puts {module or 'the model'!r} on device {dev!r}, "
+                                  f"but this rank ({placement.global_rank}) of actor.ranks={list(actor.ranks)} "
+                                  f"computes on {mine}; load the model with device_map={{'': {str(mine)!r}}} on "
+                                  f"each rank, or launch one process per device the map uses")
 
 
 def progress_fields(m: dict[str, float]) -> dict[str, str]:

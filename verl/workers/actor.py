@@ -32,6 +32,13 @@ class ActorWorker:
         self.engine, self.cfg, self.temperature = engine, cfg, temperature
         self.responses_per_mini, self.max_response_length = responses_per_mini, max_response_length
 
+    def onload(self, device: torch.device) -> None:
+        """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
+        self.engine.onload(device)
+
+    def offload(self) -> None:
+        self.engine.offload()
+
     def compute_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy) [B, R] of the batch's responses under this worker's model (0 on padding)."""
         out = self.engine.forward(batch, self.cfg.micro_batch_size, temperature=self.temperature)

@@ -59,6 +59,34 @@ class RolloutBatch:
                        rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
                        prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts))
 
+    def __getitem__(self, idx: slice | torch.Tensor) -> "RolloutBatch":
+        return self.select(idx)
+
+    @classmethod
+    def concat(cls, pieces: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """The rows of `pieces` in order, as one batch: how the dataflow joins the shards of different ranks.
+        Prompts are left-padded again to the longest (masked, so the pad id is irrelevant), and group ids are renumbered so that groups of different
+        pieces stay apart."""
+        if len(pieces) == 1:
+            return pieces[0]
+        P = max(b.prompt_length for b in pieces)
+
+        def left(t: torch.Tensor, b: RolloutBatch, fill: int) -> torch.Tensor:
+            pad = P - b.prompt_length
+            return t if pad == 0 else torch.cat([t.new_full((len(b), pad), fill), t], dim=1)
+        groups, offset = [], 0
+        for b in pieces:
+            groups.append(b.group - (b.group.min() if len(b) else 0) + offset)
+            offset = int(groups[-1].max()) + 1 if len(b) else offset
+        lps = [b.rollout_log_probs for b in pieces]
+        return cls(input_ids=torch.cat([left(b.input_ids, b, 0) for b in pieces]),
+                   attention_mask=torch.cat([left(b.attention_mask, b, 0) for b in pieces]),
+                   position_ids=torch.cat([left(b.position_ids, b, 0) for b in pieces]),
+                   response_mask=torch.cat([b.response_mask for b in pieces]), group=torch.cat(groups),
+                   rollout_log_probs=None if any(x is None for x in lps) else torch.cat(lps),
+                   prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
+                   response_texts=[x for b in pieces for x in b.response_texts])
+
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 

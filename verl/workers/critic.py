@@ -41,6 +41,13 @@ class CriticWorker:
     def __init__(self, engine, cfg: CriticConfig):
         self.engine, self.cfg = engine, cfg
 
+    def onload(self, device: torch.device) -> None:
+        """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
+        self.engine.onload(device)
+
+    def offload(self) -> None:
+        self.engine.offload()
+
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """V(state before response token t), [B, R] (0 on padding)."""
         return self.engine.forward(batch, self.cfg.micro_batch_size)["values"]

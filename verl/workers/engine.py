@@ -36,12 +36,20 @@ def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_si
                        norm_len=float(norm_len))
 
 
+def is_device_mapped(module: torch.nn.Module) -> bool:
+    """Loaded by transformers with `device_map=...` over more than one device (accelerate's hooks move the
+    activations between them); a map onto one device is an ordinary placement."""
+    device_map = getattr(module, "hf_device_map", None) or {}
+    return len(set(map(str, device_map.values()))) > 1
+
+
 class TorchEngine:
     """Owns a module (a causal LM, or a `ValueModel` with `head="value"`) and, unless frozen, its optimizer."""
 
     def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, *,
                  head: str = "lm", total_steps: int = 1):
-        self.module = module.to(placement.device)
+        # a model loaded with a device map stays where it was put (verl.trainer.ppo_trainer.check_device_map)
+        self.module = module if is_device_mapped(module) else module.to(placement.device)
         self.placement, self.head, self.optim_cfg = placement, head, optim
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
@@ -99,18 +107,19 @@ class TorchEngine:
 
     # -- optimizer --------------------------------------------------------------------------------------------
     def broadcast_parameters(self) -> None:
-        """Makes every rank start from rank 0's weights."""
-        if self.placement.distributed:
-            for p in self.module.parameters():
-                dist.broadcast(p.data, src=0)
+        """Makes every rank of the engine start from its first rank's weights."""
+        p = self.placement
+        if p.distributed:
+            for t in self.module.parameters():
+                dist.broadcast(t.data, src=p.global_of(0), group=p.dp)
 
     def _all_reduce_grads(self) -> None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not self.placement.distributed or not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.placement.world_size
+        dist.all_reduce(flat, group=self.placement.dp)
+        flat /= self.placement.dp_size
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -131,6 +140,24 @@ class TorchEngine:
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    # -- memory -----------------------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Weights and optimizer state to the CPU (a role with cpu_offload, between its nodes)."""
+        self._move(torch.device("cpu"))
+
+    def onload(self, device: torch.device) -> None:
+        self._move(device)
+
+    def _move(self, device: torch.device) -> None:
+        if is_device_mapped(self.module):
+            return
+        self.module.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and k != "step":
+                        state[k] = v.to(device)
 
     # -- weights for the rollout engine -------------------------------------------------------------------------
     def local_params(self) -> dict[str, torch.Tensor]:

@@ -75,8 +75,6 @@ class RolloutWorker:
         if self.engine.released:
             self.engine.resume()
         outs = self.engine.generate(self.encode(rows[gen]), params)
-        if self.cfg.sleep_mode or self.cfg.release_weights:
-            self.engine.release()
         if gen != mine:
             outs = self._exchange(outs, gen, mine, n)
         return batch_from_outputs(outs, rows[mine], n, self.cfg.max_new_tokens, self.tokenizer.pad_token_id)
@@ -94,6 +92,14 @@ class RolloutWorker:
                 for k, o in enumerate(chunk):
                     by_row[(start + k // n, k % n)] = o
         return [by_row[(i, j)] for i in range(mine.start, mine.stop) for j in range(n)]
+
+    # -- memory (rollout.cpu_offload: the runtime calls these around the generation nodes) ------------------
+    def onload(self, device: torch.device) -> None:
+        if self.engine.released:
+            self.engine.resume()
+
+    def offload(self) -> None:
+        self.engine.release()
 
     # -- weights ----------------------------------------------------------------------------------------------
     @property
