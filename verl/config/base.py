@@ -73,6 +73,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise VerlConfigError(f"config key '{key}': expected a mapping, got {value!r}")
         return dict(value)
+    if dataclasses.is_dataclass(tp):  # a config inside a list (e.g. reward.sources[i])
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise VerlConfigError(f"config key '{key}': expected a mapping of {tp.__name__} keys, got {value!r}")
+        return from_dict(tp, value, f"{key}.")
     scalar = _SCALARS.get(tp)
     return value if scalar is None else scalar(value, key)
 
