@@ -59,6 +59,7 @@ class ValueModel(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "ValueModel":
         """Loads what `save_pretrained` wrote (or a causal-LM directory given a value_head.safetensors)."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
         from transformers import AutoModel
         path = Path(path)
@@ -68,7 +69,11 @@ class ValueModel(torch.nn.Module):
                                   f"directory plus that file (ValueModel.save_pretrained writes both)")
         trunk = AutoModel.from_pretrained(path, dtype=dtype)
         hidden = trunk.config.hidden_size
-        head = load_file(str(head_file))
+        try:
+            head = load_file(str(head_file))
+        except SafetensorError as e:
+            raise VerlConfigError(f"{head_file} is not a readable safetensors file ({e}); write it with "
+                                  f"ValueModel.save_pretrained") from e
         want = {"weight": (1, hidden), "bias": (1,)}
         got = {k: tuple(v.shape) for k, v in head.items()}
         if got != want:
