@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from verl.config import PPOConfig, from_dict, load_config
+from verl.config import PPOConfig, describe, from_dict, load_config
 from verl.config.ppo import RewardConfig, RewardSourceConfig
 from verl.data import task_corpus
 from verl.dataflow import build_dataflow
@@ -255,6 +255,9 @@ def test_reward_config_validation():
                                                                     "sources": [rule]})
     assert "reward.sources[0].wieght" in _reward_error({"sources": [{**rule, "wieght": 1.0}]})
     assert "reward.micro_batch_size" in _reward_error({"micro_batch_size": 0})
+    assert "'reward.sources[0]': expected a mapping" in _reward_error({"sources": ["arithmetic"]})
+    help_lines = describe(PPOConfig)
+    assert any(line.startswith("reward.sources[].weight = 1.0: Factor") for line in help_lines)
     with pytest.raises(VerlConfigError, match=r"reward\.sources\[1\]\.name: unknown reward 'arithmetc'.*"
                                               r"did you mean 'arithmetic'"):
         build_reward(from_dict(RewardConfig, {"sources": [rule, {**rule, "name": "arithmetc", "label": "b"}]}),

@@ -274,4 +274,7 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         else:
             default = getattr(defaults, f.name)
             lines.append(f"{prefix}{f.name} = {default!r}: {docs.get(f.name, '')}")
+            item = typing.get_args(hints[f.name])[:1] if typing.get_origin(hints[f.name]) is list else ()
+            if item and dataclasses.is_dataclass(item[0]):  # the keys of each entry of a list of configs
+                lines.extend(describe(item[0], f"{prefix}{f.name}[]."))
     return lines

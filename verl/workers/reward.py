@@ -4,6 +4,12 @@ calls. `build_reward(cfg, device)` builds it from a `RewardConfig`.
 
     score = sum_i weight_i * s_i      s_i = source i's scores, z-scored over the batch if it sets `normalize`
 
+    reward:                           # or the one-source shorthand: reward: {type: model, model_path: ...}
+      micro_batch_size: 16            # responses per reward-model forward
+      sources:
+        - {type: rule, name: arithmetic, weight: 1.0}
+        - {type: model, model_path: /ckpt/rm, label: rm, weight: 0.5, normalize: true}
+
 Model sources (`ModelRewardWorker`) read one of two directory formats:
 - a Hugging Face sequence-classification model (`AutoModelForSequenceClassification`, one label): its first logit,
   which Hugging Face pools at the last non-padding token;
