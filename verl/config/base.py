@@ -73,6 +73,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise VerlConfigError(f"config key '{key}': expected a mapping, got {value!r}")
         return dict(value)
+    if dataclasses.is_dataclass(tp):  # a config inside a list (e.g. reward.sources[i])
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise VerlConfigError(f"config key '{key}': expected a mapping of {tp.__name__} keys, got {value!r}")
+        return from_dict(tp, value, f"{key}.")
     scalar = _SCALARS.get(tp)
     return value if scalar is None else scalar(value, key)
 
@@ -268,4 +274,7 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         else:
             default = getattr(defaults, f.name)
             lines.append(f"{prefix}{f.name} = {default!r}: {docs.get(f.name, '')}")
+            item = typing.get_args(hints[f.name])[:1] if typing.get_origin(hints[f.name]) is list else ()
+            if item and dataclasses.is_dataclass(item[0]):  # the keys of each entry of a list of configs
+                lines.extend(describe(item[0], f"{prefix}{f.name}[]."))
     return lines

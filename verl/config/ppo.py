@@ -241,19 +241,112 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class RewardConfig:
-    """How responses are scored."""
+class RewardSourceConfig:
+    """One reward source of an ensemble: a rule function or a reward model, with its weight."""
 
     type: Literal["rule", "model"] = "rule"
     """Rule-based function from the reward registry, or a model-based reward model."""
-    name: str = "arithmetic"
-    """Registered rule-based reward (see verl.rewards.list_rewards())."""
+    name: str | None = None
+    """Registered rule-based reward, or an importable 'module:function' (type=rule only)."""
+    label: str | None = None
+    """Name in metrics (reward/<label>/mean) and errors; default: the rule's name, or 'model'."""
     model_path: str | None = None
-    """Hugging Face sequence-classification model directory for type=model."""
+    """Reward model directory (type=model): a Hugging Face sequence-classification model, or a value-head model
+    (a Hugging Face causal-LM / trunk directory with value_head.safetensors beside it, as
+    ValueModel.save_pretrained writes). It scores the prompt + response text re-tokenized by its own
+    tokenizer."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory of the reward model when it is not in model_path."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the reward model (scores are returned as float32)."""
+    weight: float = 1.0
+    """Factor of this source in the weighted sum (negative weights make a penalty)."""
+    normalize: bool = False
+    """Z-score this source's scores over the batch ((x - mean) / std, population std; only x - mean when
+    the std is 0) before weighting, so sources on different scales mix by their weights."""
+
+    @property
+    def display_name(self) -> str:
+        return self.label or (self.name if self.type == "rule" else "model")
+
+    def validate(self, key: str) -> None:
+        """Checks that need no registry or file system; `key` is this source's dotted key in messages."""
+        if self.type not in ("rule", "model"):
+            raise VerlConfigError(f"{key}.type={self.type!r} is not a reward source type; use 'rule' (a registered "
+                                  f"function) or 'model' (a reward model directory)")
+        if not math.isfinite(self.weight):
+            raise VerlConfigError(f"{key}.weight={self.weight} must be a finite number (the source's factor in "
+                                  f"the weighted sum)")
+        if self.type == "rule":
+            if not self.name:
+                raise VerlConfigError(f"{key}.name is missing: a rule source names its reward function "
+                                      f"(e.g. name: arithmetic, or my_pkg.rewards:fn)")
+            for extra in ("model_path", "tokenizer_path"):
+                if getattr(self, extra) is not None:
+                    raise VerlConfigError(f"{key}.{extra} is only read by type=model; remove it, or set "
+                                          f"{key}.type=model")
+        else:
+            if not self.model_path:
+                raise VerlConfigError(f"{key}.model_path is missing: type=model needs a reward model directory "
+                                      f"(sequence-classification, or causal LM + value_head.safetensors)")
+            if self.name is not None:
+                raise VerlConfigError(f"{key}.name={self.name!r} names a rule function; a model source is named "
+                                      f"by {key}.label")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """How responses are scored: one source (`type` / `name` / `model_path`), or a weighted ensemble of several
+    (`sources`). The score of a response is sum_i weight_i * s_i, with s_i source i's score (z-scored over the
+    batch when the source sets `normalize`)."""
+
+    type: Literal["rule", "model"] = "rule"
+    """One-source shorthand: a rule-based function from the reward registry, or a model-based reward model."""
+    name: str = "arithmetic"
+    """One-source shorthand: registered rule-based reward (see verl.rewards.list_rewards())."""
+    model_path: str | None = None
+    """One-source shorthand: reward model directory for type=model (see RewardSourceConfig.model_path)."""
+    sources: list[RewardSourceConfig] = field(default_factory=list)
+    """Weighted ensemble of reward sources; when given, the shorthand keys above are left at their defaults."""
+    micro_batch_size: int = 32
+    """Responses per reward-model forward on one rank (every model source)."""
     ranks: list[int] | None = None
     """World ranks that score (None: trainer.placement decides)."""
     cpu_offload: bool = False
-    """Keep a reward model on the CPU except while it scores (type=model)."""
+    """Keep the reward models on the CPU except while they score (needs a model source)."""
+
+    def resolved_sources(self) -> list[RewardSourceConfig]:
+        """The sources to score with: `sources`, or the one the shorthand keys describe (weight 1)."""
+        if self.sources:
+            return list(self.sources)
+        if self.type == "model":
+            return [RewardSourceConfig(type="model", model_path=self.model_path)]
+        return [RewardSourceConfig(type=self.type, name=self.name)]
+
+    @property
+    def uses_model(self) -> bool:
+        """Some source is a reward model (its node wants a torch device; rules alone run anywhere)."""
+        return any(s.type == "model" for s in self.resolved_sources())
+
+    def check(self) -> None:
+        if self.sources and (self.type != "rule" or self.model_path is not None or self.name != "arithmetic"):
+            raise VerlConfigError("reward.sources is given, so the one-source keys reward.type / reward.name / "
+                                  "reward.model_path must be left out; move that source into reward.sources")
+        if self.micro_batch_size < 1:
+            raise VerlConfigError(f"reward.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        keyed = [(f"reward.sources[{i}]", s) for i, s in enumerate(self.sources)] or \
+            [("reward", self.resolved_sources()[0])]
+        for key, s in keyed:
+            s.validate(key)
+        if all(s.weight == 0 for _, s in keyed):
+            raise VerlConfigError("every reward source has weight 0 (reward.sources[*].weight), so every score would "
+                                  "be 0; give at least one source a non-zero weight")
+        seen: dict[str, str] = {}
+        for key, s in keyed:
+            if s.display_name in seen:
+                raise VerlConfigError(f"{key} and {seen[s.display_name]} are both named {s.display_name!r} in "
+                                      f"metrics; set {key}.label to a distinct name")
+            seen[s.display_name] = key
 
 
 @dataclass(kw_only=True, slots=True)
@@ -382,8 +475,7 @@ class PPOConfig:
         if self.rollout.compare_full_gather and self.actor.engine != "megatron":
             raise VerlConfigError("rollout.compare_full_gather times the full gather of a megatron actor's shards; "
                                   "set actor.engine=megatron, or turn it off")
-        if self.reward.type == "model" and not self.reward.model_path:
-            raise VerlConfigError("reward.type=model needs reward.model_path (a sequence-classification model dir)")
+        self.reward.check()
 
     def roles(self, world_size: int) -> dict[str, "Role"]:
         """Where each role runs on `world_size` ranks, its engine and offload, checked (see `Role`)."""
@@ -494,7 +586,7 @@ def resolve_roles(cfg: PPOConfig, world: int) -> dict[str, Role]:
              "rollout": (cfg.rollout.ranks, cfg.rollout.engine, cfg.rollout.cpu_offload),
              "ref": (cfg.ref.ranks, cfg.ref.engine or a.engine, cfg.ref.cpu_offload),
              "critic": (cfg.critic.ranks, cfg.critic.engine or a.engine, cfg.critic.cpu_offload),
-             "reward": (cfg.reward.ranks, "rule" if cfg.reward.type == "rule" else "torch", cfg.reward.cpu_offload)}
+             "reward": (cfg.reward.ranks, "torch" if cfg.reward.uses_model else "rule", cfg.reward.cpu_offload)}
     roles = {}
     for name, (ranks, engine, offload) in given.items():
         if ranks is None:

@@ -36,9 +36,11 @@ def score_baseline(baseline_batch, reward_fn):
     return reward_fn.score(baseline_batch).to(baseline_batch.response_mask.device)
 
 
-@DataflowNode(input_keys=["batch", "reward_fn"], output_keys=["scores"])
+@DataflowNode(input_keys=["batch", "reward_fn"], output_keys=["scores", "reward_metrics"])
 def reward(batch, reward_fn):
-    return reward_fn.score(batch).to(batch.response_mask.device)
+    """The weighted sum of the reward sources, and each source's statistics (reward/<source>/mean, std)."""
+    scores, metrics = reward_fn.score_with_metrics(batch)
+    return scores.to(batch.response_mask.device), metrics
 
 
 @DataflowNode(input_keys=["batch", "actor"], output_keys=["old_log_probs", "mismatch_metrics"])

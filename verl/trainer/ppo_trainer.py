@@ -248,6 +248,8 @@ class PPOTrainer:
                 m["actor/kl"] = m["actor/ppo_kl"]
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
+        if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
+            m.update(out.get("reward_metrics") or {})
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
         m = reduce_metrics(m, self.placement, maxed=MAXED, mined=("reward/min",))
         # model-parallel peers hold the same tokens: count each actor replica once

@@ -5,8 +5,8 @@ from verl.workers.actor import ActorWorker
 from verl.workers.batch import RolloutBatch, batch_from_outputs
 from verl.workers.critic import CriticWorker, ValueModel
 from verl.workers.engine import TorchEngine
-from verl.workers.reward import ModelRewardWorker, RuleRewardWorker, build_reward
+from verl.workers.reward import ModelRewardWorker, RewardWorker, RuleRewardWorker, build_reward
 from verl.workers.rollout import RolloutWorker
 
-__all__ = ["ActorWorker", "CriticWorker", "ModelRewardWorker", "RolloutBatch", "RolloutWorker", "RuleRewardWorker",
-           "TorchEngine", "ValueModel", "batch_from_outputs", "build_reward"]
+__all__ = ["ActorWorker", "CriticWorker", "ModelRewardWorker", "RewardWorker", "RolloutBatch", "RolloutWorker",
+           "RuleRewardWorker", "TorchEngine", "ValueModel", "batch_from_outputs", "build_reward"]

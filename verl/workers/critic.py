@@ -1,20 +1,30 @@
 """The critic worker, on any training engine: values of the response positions and the clipped value-loss
 update (`verl.algos.critic_loss`). `ValueModel` is the plain-torch critic: a value head on a copy of the
-policy's transformer trunk."""
+policy's transformer trunk.
+
+A value model on disk (`ValueModel.save_pretrained` / `from_pretrained`, and a reward source with type=model) is a
+Hugging Face directory that `AutoModel` loads as the trunk (the bare trunk as saved here, or a whole causal-LM
+directory, whose LM head is then ignored) plus `value_head.safetensors` beside it: `weight` [1, hidden_size] and
+`bias` [1], the head's `torch.nn.Linear` parameters.
+"""
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from verl.algos import critic_loss
 from verl.config.ppo import CriticConfig
+from verl.errors import VerlConfigError
 from verl.workers.actor import reduce_micro_stats
 from verl.workers.batch import RolloutBatch
 
-__all__ = ["CriticWorker", "ValueModel"]
+__all__ = ["VALUE_HEAD_FILE", "CriticWorker", "ValueModel"]
+
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 class ValueModel(torch.nn.Module):
@@ -30,6 +40,48 @@ class ValueModel(torch.nn.Module):
     @classmethod
     def from_causal_lm(cls, lm: torch.nn.Module) -> "ValueModel":
         return cls(copy.deepcopy(lm.base_model), lm.config.hidden_size)
+
+    def save_pretrained(self, path: str | Path, tokenizer=None) -> Path:
+        """The trunk as a Hugging Face directory at `path` (with `tokenizer` when given) plus the value head."""
+        from safetensors.torch import save_file
+        if not callable(getattr(self.trunk, "save_pretrained", None)):
+            raise VerlConfigError(f"ValueModel.save_pretrained: the trunk is a {type(self.trunk).__name__}, not a "
+                                  f"Hugging Face model; build the ValueModel with from_causal_lm")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.trunk.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        head = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.value_head.state_dict().items()}
+        save_file(head, str(path / VALUE_HEAD_FILE))
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "ValueModel":
+        """Loads what `save_pretrained` wrote (or a causal-LM directory given a value_head.safetensors)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        from transformers import AutoModel
+        path = Path(path)
+        head_file = path / VALUE_HEAD_FILE
+        if not head_file.is_file():
+            raise VerlConfigError(f"{str(path)!r} has no {VALUE_HEAD_FILE}; a value model is a Hugging Face "
+                                  f"directory plus that file (ValueModel.save_pretrained writes both)")
+        trunk = AutoModel.from_pretrained(path, dtype=dtype)
+        hidden = trunk.config.hidden_size
+        try:
+            head = load_file(str(head_file))
+        except SafetensorError as e:
+            raise VerlConfigError(f"{head_file} is not a readable safetensors file ({e}); write it with "
+                                  f"ValueModel.save_pretrained") from e
+        want = {"weight": (1, hidden), "bias": (1,)}
+        got = {k: tuple(v.shape) for k, v in head.items()}
+        if got != want:
+            raise VerlConfigError(f"{head_file}: tensors {got} do not match the trunk's value head {want} "
+                                  f"(hidden_size={hidden}); write it with ValueModel.save_pretrained")
+        model = cls(trunk, hidden)
+        model.value_head.load_state_dict(head)
+        return model.to(dtype)
 
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
