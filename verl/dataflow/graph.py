@@ -165,12 +165,13 @@ class Dataflow:
     # ---- execution (see verl.dataflow.runtime) ------------------------------------------------------------
     def run(self, inputs: Mapping[str, Any], *, trace: str | None = None, hooks: Sequence[Any] = (),
             check_errors: str = "node") -> dict[str, Any]:
-        """Runs the dataflow on this rank and returns the inputs plus every key it produced (on this rank).
+        """Runs the dataflow on this rank and returns the inputs plus every output this rank produced or received.
 
         Under torch.distributed every rank calls ``run`` with its own inputs; a node runs only on the ranks of
         its device map and data moving between differently placed nodes is redistributed. ``trace`` writes a
         Chrome trace-event JSON file (all ranks merged, by rank 0). ``hooks`` are objects with optional
-        ``on_node_start(event)`` / ``on_node_end(event)`` methods. ``check_errors="node"`` makes the ranks of
+        ``on_node_start(event)`` / ``on_node_end(event)`` methods, and ``on_transfer(name, rank, start_s, end_s,
+        info)`` for each value this rank moved between rank sets. ``check_errors="node"`` makes the ranks of
         each multi-rank node agree that nobody has failed before it starts (one tiny all-reduce per node);
         ``"end"`` checks only once per run.
         """

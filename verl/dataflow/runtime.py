@@ -306,6 +306,7 @@ class _Run:
         self.hooks = list(hooks) + ([recorder] if recorder is not None else [])
         self.starts = [h.on_node_start for h in self.hooks if callable(getattr(h, "on_node_start", None))]
         self.ends = [h.on_node_end for h in self.hooks if callable(getattr(h, "on_node_end", None))]
+        self.moves = [h.on_transfer for h in self.hooks if callable(getattr(h, "on_transfer", None))]
         self.recorder = recorder
         self.check_each = check_errors == "node"
         self.failure: _Failure | None = None
@@ -416,10 +417,11 @@ class _Run:
                     mine.append(comm.recv_value(s))
             if mine:
                 vals[t.dst_slot] = comm.concat(mine)
-        if self.recorder is not None:
-            self.recorder.on_transfer(f"{t.key}: {t.producer} {list(t.src_ranks)} -> {list(t.dst_ranks)}", rank,
-                                      start, time.perf_counter(),
-                                      {"key": t.key, "from": list(t.src_ranks), "to": list(t.dst_ranks)})
+        if self.moves:  # hooks (the trace recorder among them) see every transfer this rank took part in
+            end = time.perf_counter()
+            for h in self.moves:
+                h(f"{t.key}: {t.producer} {list(t.src_ranks)} -> {list(t.dst_ranks)}", rank, start, end,
+                  {"key": t.key, "from": list(t.src_ranks), "to": list(t.dst_ranks)})
 
     def agree(self, step: _Step) -> None:
         """The node's ranks learn whether any of them has failed (lowest failing rank wins)."""

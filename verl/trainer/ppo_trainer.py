@@ -205,13 +205,18 @@ class PPOTrainer:
         resume = self.ckpt.resolve(self.cfg.trainer.resume)
         info: dict[str, float] = {}
         if resume is None and self.cfg.warmup.steps > 0:
-            info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, self.placement,
+            # every rank warms the same policy up, data parallel over the whole world (whatever the roles)
+            world = self.placement
+            if world.distributed:
+                world = world.subset(tuple(range(world.world_size)), dist.group.WORLD)
+            info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, world,
                                      self.cfg.trainer.seed)
         self._build_workers()
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
-        self.rollout.sync_weights(self.actor)
+        if self.rollout is not None:
+            self.rollout.sync_weights(self.actor)
         return info
 
     # -- one step -------------------------------------------------------------------------------------------
