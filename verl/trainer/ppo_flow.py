@@ -38,8 +38,14 @@ def reward(batch, reward_fn):
 
 
 @DataflowNode(input_keys=["batch", "actor"], output_keys=["old_log_probs", "mismatch_metrics"])
-def old_log_prob(batch, actor, on_policy=False):
-    """On-policy updates (one epoch, one mini-batch) get them, and the mismatch, from their own first forward."""
+def old_log_prob(batch, actor, on_policy=False, bypass=False):
+    """On-policy updates (one epoch, one mini-batch) get them, and the mismatch, from their own first forward;
+    `bypass` (algorithm.rollout_correction.bypass) takes the rollout engine's instead."""
+    if bypass:
+        if batch.rollout_log_probs is None:
+            raise ValueError("algorithm.rollout_correction.bypass needs the rollout engine's log-probs, and this "
+                             "rollout returned none; set bypass=false")
+        return batch.rollout_log_probs, {}
     if on_policy:
         return None, {}
     old = actor.compute_log_probs(batch)[0]
@@ -145,7 +151,8 @@ def build_ppo_dataflow(cfg: PPOConfig):
     train = cfg.actor.engine
     configs = {"generate": {"engine": cfg.rollout.engine}, "generate_baseline": {"engine": cfg.rollout.engine},
                "reward": {"engine": "rule" if cfg.reward.type == "rule" else "torch"},
-               "old_log_prob": {"engine": train, "on_policy": cfg.on_policy},
+               "old_log_prob": {"engine": train, "on_policy": cfg.on_policy,
+                                "bypass": cfg.algorithm.rollout_correction.bypass},
                "update_actor": {"engine": train, "critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0},
                **{n: {"engine": train} for n in ("ref_log_prob", "values", "update_critic", "sync_weights")}}
     names = {n.name for n in nodes}

@@ -116,7 +116,7 @@ class PPOTrainer:
         engines = self._megatron_engines(init_dir) if cfg.actor.engine == "megatron" else self._torch_engines()
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens,
                   responses_per_mini=cfg.actor.mini_batch_size // p.dp_size * cfg.rollout.n)
-        self.actor = ActorWorker(engines["actor"], cfg.actor, **kw)
+        self.actor = ActorWorker(engines["actor"], cfg.actor, rollout_correction=cfg.algorithm.rollout_correction, **kw)
         self.ref = ActorWorker(engines["ref"], cfg.actor, **kw) if "ref" in engines else None
         self.critic = CriticWorker(engines["critic"], cfg.critic) if "critic" in engines else None
         rollout_cfg = cfg.rollout
