@@ -225,7 +225,7 @@ def sapo(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_
     set actor.loss_agg_mode=seq-mean-token-mean for its behaviour). No clip statistics (both 0)."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "sapo")
     lr = _log_ratio(logprob, old)
-    tau = torch.where(adv > 0, params.tau_pos, params.tau_neg).to(logprob.dtype)
+    tau = torch.where(adv > 0, logprob.new_tensor(params.tau_pos), logprob.new_tensor(params.tau_neg))
     gate = torch.sigmoid(tau * (lr.exp() - 1.0)) * (4.0 / tau)
     return _finish(-gate * adv, response_mask, agg, w, valid, lr)
 
@@ -343,7 +343,7 @@ def geo_mean(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, c
              agg="token-mean", rollout_is_weights=None, params: GMPOParams = GMPOParams()) -> PolicyLossOutput:
     """GMPO (arXiv:2507.20673), plain PyTorch: per sequence, L = -mean_t(A) * exp(mean_t(d_t)) with the token
     log-ratio clipped in log space against the advantage's sign, d = sgn(A) min(sgn(A) lr, sgn(A) clamp(lr,
-    -clip_low, clip_high)). A sequence-level objective: whatever actor.loss_agg_mode says, it is the mean of L over
+    -clip_low, clip_high)), so a token with A = 0 contributes d = 0 (as upstream). A sequence-level objective: whatever actor.loss_agg_mode says, it is the mean of L over
     the step's sequences with a valid token (upstream: torch.mean over the micro-batch's rows, fully padded rows
     included as 0). Rollout IS weights enter as their per-sequence geometric mean, as upstream. Log space bounds
     are params (upstream reuses actor.clip_ratio_low / high). Statistics: share of tokens whose log-ratio is
