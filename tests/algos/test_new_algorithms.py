@@ -29,7 +29,8 @@ PARAMS = {"cispo": P.CISPOParams(clip_low=0.3, clip_high=0.28), "sapo": P.SAPOPa
           "gpg": None, "dppo_tv": P.DPPOTVParams(threshold_low=0.1, threshold_high=0.05, is_cap=2.0),
           "dppo_kl": P.DPPOKLParams(threshold_low=0.02, threshold_high=0.05, is_cap=2.0),
           "clip_cov": P.ClipCovParams(clip_cov_ratio=0.3, cov_lb=0.0, cov_ub=5.0),
-          "kl_cov": P.KLCovParams(kl_cov_ratio=0.3, ppo_kl_coef=0.7), "geo_mean": P.GMPOParams(clip_low=0.3, clip_high=0.2),
+          "kl_cov": P.KLCovParams(kl_cov_ratio=0.3, ppo_kl_coef=0.7),
+          "geo_mean": P.GMPOParams(clip_low=0.3, clip_high=0.2),
           "dro": P.DROParams(beta=0.3)}
 CLIP = (0.2, 0.28)
 
@@ -470,7 +471,8 @@ def test_rollout_correction_metrics_by_hand():
     corr = rollout_correction(old, mu, mask, cfg)
     w = [math.exp(0.1), math.exp(-0.2), 1.0, 1.0, 2.0, math.exp(-0.1), 1.0]
     m = corr.metrics
-    assert m["rollout_corr/is_weight_max"] == pytest.approx(2.0) and m["rollout_corr/is_weight_min"] == pytest.approx(w[1])
+    assert m["rollout_corr/is_weight_max"] == pytest.approx(2.0)
+    assert m["rollout_corr/is_weight_min"] == pytest.approx(w[1])
     assert m["rollout_corr/is_weight_mean"] == pytest.approx(sum(w) / 7)
     assert m["rollout_corr/is_truncated_frac"] == pytest.approx(1 / 7)
     assert m["rollout_corr/rejected_frac"] == pytest.approx(2 / 7)  # e^-0.2 < 0.85 and e^1.5 > 2
@@ -524,7 +526,8 @@ def test_train_decoder_makes_rollout_correction_a_no_op(tmp_path, tiny_args):
     from verl.trainer.main_ppo import main
     base = ["rollout.decoder=train", "actor.mini_batch_size=2", *QUIET]
     main(tiny_args(*base, "algorithm.rollout_correction.is_level=sequence",
-                   "algorithm.rollout_correction.rejection_level=token", "algorithm.rollout_correction.rejection_lower=0.999",
+                   "algorithm.rollout_correction.rejection_level=token",
+                   "algorithm.rollout_correction.rejection_lower=0.999",
                    "algorithm.rollout_correction.rejection_upper=1.001", out="corr"))
     main(tiny_args(*base, out="plain"))
     (corr,), (plain,) = _steps(tmp_path / "corr"), _steps(tmp_path / "plain")

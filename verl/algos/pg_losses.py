@@ -343,11 +343,12 @@ def geo_mean(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, c
              agg="token-mean", rollout_is_weights=None, params: GMPOParams = GMPOParams()) -> PolicyLossOutput:
     """GMPO (arXiv:2507.20673), plain PyTorch: per sequence, L = -mean_t(A) * exp(mean_t(d_t)) with the token
     log-ratio clipped in log space against the advantage's sign, d = sgn(A) min(sgn(A) lr, sgn(A) clamp(lr,
-    -clip_low, clip_high)), so a token with A = 0 contributes d = 0 (as upstream). A sequence-level objective: whatever actor.loss_agg_mode says, it is the mean of L over
-    the step's sequences with a valid token (upstream: torch.mean over the micro-batch's rows, fully padded rows
-    included as 0). Rollout IS weights enter as their per-sequence geometric mean, as upstream. Log space bounds
-    are params (upstream reuses actor.clip_ratio_low / high). Statistics: share of tokens whose log-ratio is
-    outside the bounds, with A > 0 (pg_clipfrac) and A < 0 (pg_clipfrac_lower)."""
+    -clip_low, clip_high)), so a token with A = 0 contributes d = 0 (as upstream). A sequence-level objective:
+    whatever actor.loss_agg_mode says, it is the mean of L over the step's sequences with a valid token
+    (upstream: torch.mean over the micro-batch's rows, fully padded rows included as 0). Rollout IS weights enter
+    as their per-sequence geometric mean, as upstream. Log space bounds are params (upstream reuses
+    actor.clip_ratio_low / high). Statistics: share of tokens whose log-ratio is outside the bounds, with A > 0
+    (pg_clipfrac) and A < 0 (pg_clipfrac_lower)."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "geo_mean")
     lr = _log_ratio(logprob, old)
     lr_c = torch.clamp(lr, -params.clip_low, params.clip_high)
@@ -368,9 +369,9 @@ def geo_mean(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, c
 @register_policy_loss("dro", params=DROParams)
 def dro(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
         agg="token-mean", rollout_is_weights=None, params: DROParams = DROParams()) -> PolicyLossOutput:
-    """DRO (Richemond et al., "Offline Regularised RL for LLM Alignment"), plain PyTorch: l = -(A logp - beta/2 (logp - old)^2),
-    i.e. the policy gradient with a quadratic pull back to the old policy (unclamped, as upstream). Statistics:
-    ppo_kl only."""
+    """DRO (Richemond et al., "Offline Regularised RL for LLM Alignment"), plain PyTorch:
+    l = -(A logp - beta/2 (logp - old)^2), i.e. the policy gradient with a quadratic pull back to the old policy
+    (unclamped, as upstream). Statistics: ppo_kl only."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "dro")
     if params.beta is None:
         params.check()

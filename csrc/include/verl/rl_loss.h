@@ -42,7 +42,9 @@ using at::Tensor;
 
 // Loss aggregation. Every mode is loss = sum_b w_b * sum_t m_bt * l_bt with a per-row weight w_b.
 // token-sum has no normaliser: w_b = dp, so DP gradient averaging leaves the sum over every rank's tokens.
-enum class Agg : int { TokenMean = 0, SeqMeanTokenSum = 1, SeqMeanTokenMean = 2, SeqMeanTokenSumNorm = 3, TokenSum = 4 };
+enum class Agg : int {
+  TokenMean = 0, SeqMeanTokenSum = 1, SeqMeanTokenMean = 2, SeqMeanTokenSumNorm = 3, TokenSum = 4
+};
 
 inline Agg parse_agg(std::string_view s, const char* op) {
   static constexpr Named<Agg> kNames[] = {{"token-mean", Agg::TokenMean},
