@@ -544,3 +544,23 @@ def test_bypass_uses_rollout_log_probs_as_old(tmp_path, tiny_args):
     main(tiny_args("algorithm.rollout_correction.bypass=true", "actor.ppo_epochs=2", *QUIET))
     (step,) = _steps(tmp_path / "run")
     assert math.isfinite(step["actor/pg_loss"]) and "rollout/mismatch_max" not in step
+
+
+def test_bad_inputs_name_the_argument():
+    lp, old, adv, mask = _case(3, 4, seed=0)
+    for name in NEW_LOSSES:
+        extra = {} if PARAMS[name] is None else {"params": PARAMS[name]}
+        fn = A.get_policy_loss(name)
+        with pytest.raises(ValueError, match=f"{name}: `advantages` must have the shape"):
+            fn(lp, old, adv[:, :2], mask, **extra)
+        with pytest.raises(TypeError, match=f"{name}: `logprob` must be a floating-point tensor"):
+            fn(lp.long(), old, adv, mask, **extra)
+        with pytest.raises(ValueError, match="`rollout_is_weights` must have the shape"):
+            fn(lp, old, adv, mask, rollout_is_weights=adv[:1], **extra)
+    for name in ("opo", "gpg", "grpo_passk"):
+        with pytest.raises(ValueError, match=f"{name}: `mask` must have the shape of `token_level_rewards`"):
+            A.get_advantage(name)(adv, mask[:, :2], index=torch.arange(3))
+        with pytest.raises(VerlConfigError, match=f"'{name}' needs `index`"):
+            A.get_advantage(name)(adv, mask)
+    with pytest.raises(ValueError, match="`rollout_log_probs` must have the shape"):
+        rollout_correction(old, old[:, :2], mask, RolloutCorrectionConfig(is_level="token"))
