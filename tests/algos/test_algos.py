@@ -54,9 +54,10 @@ def test_missing_inputs_and_unknown_names_are_config_errors():
     with pytest.raises(VerlConfigError, match="'remax' needs `baseline`"):
         A.get_advantage("remax")(r, m)
     with pytest.raises(VerlConfigError, match=r"unknown advantage estimator 'gpro' \(did you mean 'grpo'\?\); "
-                                              r"known: dr_grpo, gae, grpo"):
+                                              r"known: dr_grpo, gae, gpg, grpo"):
         A.get_advantage("gpro")
-    with pytest.raises(VerlConfigError, match="unknown policy loss 'vanila'.*known: gspo, ppo, reinforce, vanilla"):
+    with pytest.raises(VerlConfigError,
+                       match="unknown policy loss 'vanila'.*known: cispo, .*gspo, .*ppo, reinforce, sapo, vanilla"):
         A.get_policy_loss("vanila")
     with pytest.raises(VerlConfigError, match="unknown KL penalty 'k4'.*known: abs, k1"):
         A.get_kl("k4")

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 from verl.algos.registry import Registry
 from verl.errors import VerlConfigError
-from verl.ops.rl import AdvantageResult, compute_gae, outcome_advantage, reinforce_plus_plus
+from verl.ops.checks import check_bt, valid_mask
+from verl.ops.rl import (AdvantageResult, _raise_if_nonfinite, as_group_index, compute_gae, outcome_advantage,
+                         reinforce_plus_plus)
 
 __all__ = ["ADVANTAGES", "AdvantageInfo", "advantage_info", "register_advantage", "get_advantage"]
 
@@ -129,3 +131,89 @@ def reinforce_pp_baseline(token_level_rewards, response_mask, *, values=None, in
     """REINFORCE++-baseline: score - group mean, whitened over the batch's valid tokens. Needs `index` [B]."""
     return _outcome("reinforce_plus_plus_baseline", True, token_level_rewards, response_mask, index, None, eps,
                     check_finite, "reinforce_plus_plus_baseline")
+
+
+# ---------------------------------------------------------------------------------------------- OPO, GPG, pass@k
+#
+# Plain PyTorch: each is a per-group reduction over B scores (index_add / scatter_reduce), far below a kernel's
+# launch cost at any batch size; shared with the fused outcome estimators: scores = sum of the valid token rewards.
+
+def _group_scores(token_level_rewards, response_mask, index, check_finite, name):
+    """(scores [B] float64, group id [B] dense, group sizes [G], valid [B, T]) of an outcome estimator."""
+    check_bt(token_level_rewards, response_mask, name, "token_level_rewards")
+    r = token_level_rewards.detach()
+    valid = valid_mask(response_mask)
+    bad = (~torch.isfinite(r) & valid).sum()
+    if check_finite:
+        _raise_if_nonfinite(bad, f"token_level_rewards ({name})")
+    scores = torch.where(valid, r.double(), 0.0).sum(-1)
+    idx = as_group_index(_need(index, "index", name), r.shape[0], r.device)
+    gid = torch.unique(idx, return_inverse=True)[1]
+    size = torch.zeros(int(gid.max()) + 1, dtype=torch.float64, device=r.device).index_add_(
+        0, gid, torch.ones_like(scores))
+    return scores, gid, size, valid, bad
+
+
+def _per_group(values, gid, size, reduce: str):
+    out = torch.zeros_like(size)
+    if reduce == "sum":
+        return out.index_add_(0, gid, values)
+    return out.scatter_reduce_(0, gid, values, reduce, include_self=False)
+
+
+def _broadcast(seq_adv, token_level_rewards, valid, bad) -> AdvantageResult:
+    adv = torch.where(valid, seq_adv.unsqueeze(-1), 0.0).to(token_level_rewards.dtype)
+    return AdvantageResult(adv, adv, bad)
+
+
+@register_advantage("opo", needs_group=True)
+def opo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+        eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """OPO (arXiv:2505.23585): score - the group's length-weighted mean score sum_j |o_j| s_j / sum_j |o_j| (the
+    optimal baseline under on-policy sampling), |o| = valid tokens. Needs `index` [B]. A single-response group
+    gets 0 (the formula's own baseline is its score; upstream verl special-cases it to baseline 0, i.e. A = s)."""
+    s, gid, size, valid, bad = _group_scores(token_level_rewards, response_mask, index, check_finite, "opo")
+    length = valid.sum(-1).double()
+    total_len = _per_group(length, gid, size, "sum")
+    weighted = _per_group(length * s, gid, size, "sum")
+    base = torch.where(total_len > 0, weighted / total_len.clamp(min=1), 0.0)
+    return _broadcast(s - base[gid], token_level_rewards, valid, bad)
+
+
+@register_advantage("gpg", needs_group=True)
+def gpg(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+        eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """GPG (arXiv:2504.02546): alpha * (score - group mean) / F_norm with F_norm = 1 and alpha = B / (B - M), M the
+    responses in groups whose scores are all equal (they carry no signal, so alpha rescales the batch-mean
+    gradient to the valid responses; that includes single-response groups, which get 0). Upstream verl instead
+    takes alpha = B / #(nonzero scores) and gives a single-response group mean 0 (A = alpha * s); we follow the
+    paper. Needs `index` [B]; `norm_by_std` is ignored (GPG does not divide by the std)."""
+    s, gid, size, valid, bad = _group_scores(token_level_rewards, response_mask, index, check_finite, "gpg")
+    mean = _per_group(s, gid, size, "sum") / size
+    flat = _per_group(s, gid, size, "amax") == _per_group(s, gid, size, "amin")
+    n_invalid = float(size[flat].sum())
+    B = s.shape[0]
+    alpha = B / (B - n_invalid) if B > n_invalid else 1.0
+    return _broadcast(alpha * (s - mean[gid]), token_level_rewards, valid, bad)
+
+
+@register_advantage("grpo_passk", needs_group=True)
+def grpo_passk(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
+               eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
+    """GRPO for pass@k (arXiv:2503.19595): only each group's best response gets an advantage, r_max - r_second
+    (the second-largest score, counting ties, so a tied best gets 0), divided by (group unbiased std + eps) when
+    norm_by_std. Ties for the best go to the lowest batch index. Needs `index` [B]; a single-response group gets
+    0 (upstream verl raises on it)."""
+    s, gid, size, valid, bad = _group_scores(token_level_rewards, response_mask, index, check_finite, "grpo_passk")
+    B = s.shape[0]
+    rows = torch.arange(B, device=s.device)
+    best = _per_group(s, gid, size, "amax")
+    first = _per_group(torch.where(s == best[gid], rows, B).double(), gid, size, "amin").long()
+    is_first = rows == first[gid]
+    second = _per_group(torch.where(is_first, float("-inf"), s), gid, size, "amax")
+    gap = torch.where(size >= 2, best - second, 0.0)
+    if norm_by_std:
+        mean = _per_group(s, gid, size, "sum") / size
+        var = _per_group((s - mean[gid]) ** 2, gid, size, "sum") / (size - 1).clamp(min=1)
+        gap = gap / (var.sqrt() + eps)
+    return _broadcast(torch.where(is_first, gap[gid], 0.0), token_level_rewards, valid, bad)

@@ -28,18 +28,23 @@ MISMATCH_THRESHOLD = 1e-3
 def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *,
                old_log_probs: torch.Tensor | None, ref_log_probs: torch.Tensor | None, policy_loss: str,
                clip_low: float, clip_high: float, clip_c: float, agg: Aggregation, entropy_coeff: float = 0.0,
-               kl_coef: float = 0.0, kl_type: str = "low_var_kl") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               kl_coef: float = 0.0, kl_type: str = "low_var_kl", loss_params=None,
+               rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss − entropy_coeff · entropy (+ kl_coef · KL to the reference when kl_coef > 0).
 
     `old_log_probs=None` is the on-policy shortcut (one epoch over one mini-batch): this forward's detached
-    log-probs are the old ones, so the ratio is 1 and its gradient the policy gradient.
+    log-probs are the old ones, so the ratio is 1 and its gradient the policy gradient. `loss_params`: the policy
+    loss's params dataclass (verl.algos.build_policy_loss_params), passed when the loss declares one;
+    `rollout_is_weights` [B, R]: rollout-correction weights on the policy loss only.
     """
     old = log_probs.detach() if old_log_probs is None else old_log_probs
+    extra = {} if loss_params is None else {"params": loss_params}
     out = get_policy_loss(policy_loss)(log_probs, old, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                       clip_c=clip_c, agg=agg)
+                                       clip_c=clip_c, agg=agg, rollout_is_weights=rollout_is_weights, **extra)
     loss = out.loss
     stats = {"actor/pg_loss": out.loss.detach(), "actor/pg_clipfrac": out.pg_clipfrac.detach(),
-             "actor/ppo_kl": out.ppo_kl.detach(), "actor/entropy": agg_loss(entropy.detach(), mask, "token-mean")}
+             "actor/pg_clipfrac_lower": out.pg_clipfrac_lower.detach(), "actor/ppo_kl": out.ppo_kl.detach(),
+             "actor/entropy": agg_loss(entropy.detach(), mask, "token-mean")}
     if entropy_coeff:
         loss = loss - entropy_coeff * agg_loss(entropy, mask, agg)
     if ref_log_probs is not None:

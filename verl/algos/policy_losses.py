@@ -3,31 +3,53 @@
 Calling convention (all [B, T]; gradients flow to `logprob` only):
 
     fn(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
-       agg="token-mean" | Aggregation(...)) -> PolicyLossOutput(loss 0-d, pg_clipfrac, pg_clipfrac_lower, ppo_kl)
+       agg="token-mean" | Aggregation(...), rollout_is_weights=None [B, T], params=<its params dataclass>)
+       -> PolicyLossOutput(loss 0-d, pg_clipfrac, pg_clipfrac_lower, ppo_kl)
 
 `agg` is an aggregation mode name (see verl.algos.AGG_MODES) or a verl.ops.Aggregation carrying the step's
-global token / sequence counts and the data-parallel size. The built-ins are single fused kernels (loss,
-aggregation and statistics in one pass; gradient in one pass). Add one with:
+global token / sequence counts and the data-parallel size. `rollout_is_weights` are detached per-token
+importance weights from rollout correction (verl.algos.rollout_correction) that multiply the per-token loss
+before aggregation. A loss with its own hyperparameters declares a dataclass (`params=`) at registration; the
+trainer builds it from `actor.policy_loss_params` (unknown keys are config errors) and passes it as `params`.
+The built-ins vanilla, gspo and reinforce are single fused kernels (loss, aggregation and statistics in one
+pass; gradient in one pass); the others are plain PyTorch (verl/algos/pg_losses.py). Add one with:
 
-    @register_policy_loss("my_loss")
+    @register_policy_loss("my_loss", params=MyParams)
     def my_loss(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
-                agg="token-mean"): ...   # e.g. a per-token loss passed through verl.algos.agg_loss
+                agg="token-mean", rollout_is_weights=None, params=MyParams()): ...   # e.g. via verl.algos.agg_loss
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from verl.algos.registry import Registry
+from verl.errors import VerlConfigError
 from verl.ops.losses import PolicyLossOutput, policy_loss
 
-__all__ = ["POLICY_LOSS_FNS", "register_policy_loss", "get_policy_loss"]
+__all__ = ["POLICY_LOSS_FNS", "PolicyLossInfo", "build_policy_loss_params", "get_policy_loss",
+           "policy_loss_info", "register_policy_loss"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyLossInfo:
+    """What a policy loss declares at registration."""
+
+    params: type | None = None
+    """The dataclass of its own hyperparameters (built from actor.policy_loss_params), or None."""
+
 
 POLICY_LOSS_FNS: Registry = Registry("policy loss", required=(
-    "logprob", "old_logprob", "advantages", "response_mask", "clip_low", "clip_high", "clip_c", "agg"))
+    "logprob", "old_logprob", "advantages", "response_mask", "clip_low", "clip_high", "clip_c", "agg",
+    "rollout_is_weights"), meta_type=PolicyLossInfo)
 
 
-def register_policy_loss(name: str, *aliases: str):
-    """Decorator registering a policy loss under `name` (and aliases)."""
-    return POLICY_LOSS_FNS.register(name, *aliases)
+def register_policy_loss(name: str, *aliases: str, params: type | None = None):
+    """Decorator registering a policy loss under `name` (and aliases); `params`: its hyperparameter dataclass."""
+    if params is not None and not dataclasses.is_dataclass(params):
+        raise VerlConfigError(f"policy loss {name!r}: `params` must be a dataclass type, got {params!r}")
+    return POLICY_LOSS_FNS.register(name, *aliases, params=params)
 
 
 def get_policy_loss(name: str):
@@ -35,19 +57,44 @@ def get_policy_loss(name: str):
     return POLICY_LOSS_FNS.get(name)
 
 
+def policy_loss_info(name: str) -> PolicyLossInfo:
+    """What policy loss `name` declared (its params dataclass)."""
+    return POLICY_LOSS_FNS.meta(name)
+
+
+def build_policy_loss_params(name: str, values: dict | None, key: str = "actor.policy_loss_params"):
+    """The params dataclass of loss `name` filled from `values` (typed, with its own check()), or None for a loss
+    without parameters. Unknown keys, ill-typed values and parameters given to a loss that takes none are
+    VerlConfigError naming the dotted key."""
+    from verl.config.base import from_dict
+    cls = policy_loss_info(name).params
+    values = dict(values or {})
+    if cls is None:
+        if values:
+            raise VerlConfigError(f"{key}: policy loss {name!r} takes no parameters (got {', '.join(sorted(values))}); "
+                                  f"its clip bounds are actor.clip_ratio_low / clip_ratio_high / clip_ratio_c")
+        return None
+    return from_dict(cls, values, f"{key}.")
+
+
 def _fused(loss_type: str):
     def fn(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
-           agg="token-mean") -> PolicyLossOutput:
-        return policy_loss(logprob, old_logprob, advantages, response_mask, loss_type, clip_low=clip_low,
+           agg="token-mean", rollout_is_weights=None) -> PolicyLossOutput:
+        # These losses are positively homogeneous in the advantage (every branch is -A times a function of the
+        # ratio, and the branch taken depends on sign(A) only), so weighting a token's loss by w > 0 is exactly
+        # scaling its advantage by w: the fused kernel needs no weight input.
+        adv = advantages if rollout_is_weights is None else advantages * rollout_is_weights
+        return policy_loss(logprob, old_logprob, adv, response_mask, loss_type, clip_low=clip_low,
                            clip_high=clip_high, clip_c=clip_c, agg=agg)
     fn.__name__ = fn.__qualname__ = loss_type
     return fn
 
 
 vanilla = register_policy_loss("vanilla", "ppo")(_fused("vanilla"))
-vanilla.__doc__ = ("PPO clip: ratio = exp(clamp(logp - old, +-20)), clip to [1 - clip_low, 1 + clip_high], dual clip "
-                   "-A * clip_c bounding negative-advantage tokens.")
+vanilla.__doc__ = ("PPO clip (fused kernel): ratio = exp(clamp(logp - old, +-20)), clip to [1 - clip_low, 1 + "
+                   "clip_high], dual clip -A * clip_c bounding negative-advantage tokens.")
 gspo = register_policy_loss("gspo")(_fused("gspo"))
-gspo.__doc__ = "GSPO: the PPO clip on the length-normalised sequence ratio exp(mean_t(logp - old)), token gradient."
+gspo.__doc__ = ("GSPO (fused kernel): the PPO clip on the length-normalised sequence ratio exp(mean_t(logp - old)), "
+                "token gradient.")
 reinforce = register_policy_loss("reinforce")(_fused("reinforce"))
-reinforce.__doc__ = "Unclipped -A * ratio (on-policy: the REINFORCE gradient -A grad logp)."
+reinforce.__doc__ = "Unclipped -A * ratio (fused kernel; on-policy: the REINFORCE gradient -A grad logp)."

@@ -198,8 +198,11 @@ def _check_path(cls: type, path: list[str]) -> None:
             where = ".".join(path[:i]) or "<root>"
             raise VerlConfigError(f"unknown config key '{'.'.join(path)}' ('{part}' is not a key of {where}); "
                                   f"{_suggest(part, names)}")
-        sub = _dataclass_type(_hints(cur)[part])
+        tp = _hints(cur)[part]
+        sub = _dataclass_type(tp)
         if i < len(path) - 1:
+            if sub is None and (tp is dict or typing.get_origin(tp) is dict):
+                return  # a free-form mapping (e.g. actor.policy_loss_params): its owner checks the keys
             if sub is None:
                 raise VerlConfigError(f"config key '{'.'.join(path[:i + 1])}' is a value, not a section; "
                                       f"it has no key '{path[i + 1]}'")

@@ -150,7 +150,13 @@ class ActorConfig:
     micro_batch_size: int = 32
     """Responses per forward/backward on one rank (gradient accumulation unit)."""
     policy_loss: str = "vanilla"
-    """Registered policy loss (verl.algos: vanilla PPO clip, gspo, reinforce, or your own)."""
+    """Registered policy loss (verl.algos: vanilla / ppo, gspo, reinforce, cispo, sapo, gpg, dppo_tv, dppo_kl,
+    clip_cov, kl_cov, geo_mean / gmpo, dro, or your own)."""
+    policy_loss_params: dict = field(default_factory=dict)
+    """Hyperparameters of the chosen loss, checked against its declared dataclass (verl/algos/pg_losses.py), e.g.
+    actor.policy_loss_params.clip_high=5.0 for cispo; tau_pos/tau_neg (sapo); threshold_low/threshold_high/is_cap
+    (dppo_*); clip_cov_ratio/cov_lb/cov_ub (clip_cov); kl_cov_ratio/ppo_kl_coef (kl_cov); clip_low/clip_high in
+    log space (geo_mean); beta (dro, required). The PPO clip of vanilla/gspo/clip_cov is clip_ratio_*."""
     clip_ratio_low: float = 0.2
     """PPO clip below 1 (ratio >= 1 - clip_ratio_low)."""
     clip_ratio_high: float = 0.2
@@ -166,8 +172,8 @@ class ActorConfig:
     kl_loss_type: str = "k3"
     """Registered KL estimator used in the loss (k1, abs, k2, k3, k1+, k3+, ...)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
-    """How per-token losses are reduced to one number."""
+                           "seq-mean-token-sum-norm", "token-sum"] = "token-mean"
+    """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,12 +226,50 @@ class KLControlConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    """Correction for the rollout engine's sampling distribution differing from the trained policy's
+    (verl/algos/rollout_correction.py). Off by default; weights and rejection need the old log-probs
+    recomputed by the training engine, so they turn off the on-policy shortcut."""
+
+    is_level: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance weights pi_old / pi_rollout on the policy loss, per token or per sequence."""
+    is_cap: float = 2.0
+    """Truncation C: weights are min(ratio, C)."""
+    rejection_level: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Masked IS: drop tokens (token), whole sequences (sequence product, or geometric mean of the token ratios)
+    whose ratio leaves [rejection_lower, rejection_upper]."""
+    rejection_lower: float = 0.5
+    """Lower bound of the kept ratio (0: none)."""
+    rejection_upper: float = 2.0
+    """Upper bound of the kept ratio."""
+    bypass: bool = False
+    """Use the rollout engine's log-probs as the old log-probs (skips their recomputation; PPO's ratio then
+    corrects against the rollout policy directly)."""
+
+    @property
+    def enabled(self) -> bool:
+        """IS weights or rejection are on (they need the training engine's old log-probs)."""
+        return self.is_level != "none" or self.rejection_level != "none"
+
+    def check(self) -> None:
+        if not (self.is_cap > 0 and math.isfinite(self.is_cap)):
+            raise VerlConfigError(f"algorithm.rollout_correction.is_cap must be a finite number > 0, got {self.is_cap}")
+        if not 0 <= self.rejection_lower < self.rejection_upper:
+            raise VerlConfigError(f"algorithm.rollout_correction: rejection_lower={self.rejection_lower} and "
+                                  f"rejection_upper={self.rejection_upper} must satisfy 0 <= lower < upper")
+        if self.bypass and self.enabled:
+            raise VerlConfigError("algorithm.rollout_correction.bypass makes the rollout log-probs the old ones, so "
+                                  "IS weights and rejection would be identically 1 / keep-all; set is_level=none and "
+                                  "rejection_level=none, or bypass=false")
+
+
+@dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     """Advantage estimation and KL handling."""
 
     adv_estimator: str = "grpo"
-    """Registered advantage estimator: gae (PPO with a critic), grpo, dr_grpo, rloo, reinforce_plus_plus, remax
-    (no critic), or your own (verl.algos.register_advantage)."""
+    """Registered advantage estimator: gae (PPO with a critic), grpo, dr_grpo, rloo, reinforce_plus_plus, remax,
+    opo, gpg, grpo_passk (no critic), or your own (verl.algos.register_advantage)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -238,6 +282,8 @@ class AlgorithmConfig:
     """Registered KL estimator used in the reward."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Controller of the KL-in-reward coefficient."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Rollout/training mismatch correction (truncated IS, rejection, bypass); off by default."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -443,7 +489,7 @@ class PPOConfig:
         """One epoch over one mini-batch without KL in the reward: the update's own first forward gives the old
         log-probs (nothing changed the weights since generation), which saves a forward pass per step."""
         return (self.actor.ppo_epochs == 1 and self.actor.mini_batch_size == self.data.train_batch_size
-                and not self.algorithm.use_kl_in_reward)
+                and not self.algorithm.use_kl_in_reward and not self.algorithm.rollout_correction.enabled)
 
     def check(self) -> None:
         """Checks that do not depend on the world size (run when the tree is built)."""
@@ -457,6 +503,8 @@ class PPOConfig:
             except VerlConfigError as e:
                 raise VerlConfigError(f"{key}: {e}") from None
         check_agg_mode(self.actor.loss_agg_mode)
+        from verl.algos import build_policy_loss_params
+        build_policy_loss_params(self.actor.policy_loss, self.actor.policy_loss_params)
         if advantage_info(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
             raise VerlConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses "
                                   f"within a group; set rollout.n >= 2 (got {self.rollout.n})")

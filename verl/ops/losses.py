@@ -11,10 +11,12 @@ Aggregation (`Aggregation.mode`), with m the mask and l the per-token loss:
 - seq-mean-token-sum:      sum_b sum_t(m*l) / seqs
 - seq-mean-token-mean:     sum_b [sum_t(m*l) / count_b] / seqs
 - seq-mean-token-sum-norm: sum_b sum_t(m*l) / (seqs * norm_len)     (Dr.GRPO; norm_len defaults to T)
+- token-sum:               sum(m*l)                                   (no normaliser; the loss grows with the batch)
 `seqs` counts sequences with at least one valid token. By default tokens/seqs are this batch's counts. For
 data-parallel training pass the step's global counts (over every DP rank and micro-batch) and `dp_size`: each
-call then returns partial_sum / global_count * dp_size, so summing micro-batches and averaging across ranks (as
-DDP does with gradients) reproduces the full-batch loss and gradient exactly. Nothing valid gives 0, never NaN.
+call then returns partial_sum / global_count * dp_size (token-sum: partial_sum * dp_size), so summing
+micro-batches and averaging across ranks (as DDP does with gradients) reproduces the full-batch loss and gradient
+exactly. Nothing valid gives 0, never NaN.
 
 Statistics (clip fractions, ppo_kl) are token means over this batch's valid tokens, float32.
 Gradients flow to `logprob` (policy, KL: also `ref_logprob`) and `values` (value loss); advantages, old
@@ -39,7 +41,7 @@ __all__ = ["AGG_MODES", "KL_KINDS", "POLICY_LOSSES", "Aggregation", "PolicyLossO
 # Canonical names first; aliases map to them (same spelling as csrc/include/verl/rl_loss.h).
 KL_KINDS = {"kl": "kl", "k1": "kl", "abs": "abs", "mse": "mse", "k2": "mse", "low_var_kl": "low_var_kl",
             "k3": "low_var_kl", "k1+": "k1+", "kl+": "k1+", "k3+": "k3+", "low_var_kl+": "k3+"}
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
 POLICY_LOSSES = ("vanilla", "gspo", "reinforce")
 
 
@@ -142,6 +144,8 @@ def agg_loss_ref(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str 
         out = safe_div(row_sum.sum(), seqs)
     elif a.mode == "seq-mean-token-mean":
         out = safe_div(safe_div(row_sum, count).sum(), seqs)
+    elif a.mode == "token-sum":
+        out = row_sum.sum()
     else:
         out = safe_div(row_sum.sum(), seqs * norm_len)
     return (out * a.dp_size).to(loss.dtype)

@@ -44,8 +44,14 @@ def reward(batch, reward_fn):
 
 
 @DataflowNode(input_keys=["batch", "actor"], output_keys=["old_log_probs", "mismatch_metrics"])
-def old_log_prob(batch, actor, on_policy=False):
-    """On-policy updates (one epoch, one mini-batch) get them, and the mismatch, from their own first forward."""
+def old_log_prob(batch, actor, on_policy=False, bypass=False):
+    """On-policy updates (one epoch, one mini-batch) get them, and the mismatch, from their own first forward;
+    `bypass` (algorithm.rollout_correction.bypass) takes the rollout engine's instead."""
+    if bypass:
+        if batch.rollout_log_probs is None:
+            raise ValueError("algorithm.rollout_correction.bypass needs the rollout engine's log-probs, and this "
+                             "rollout returned none; set bypass=false")
+        return batch.rollout_log_probs, {}
     if on_policy:
         return None, {}
     old = actor.compute_log_probs(batch)[0]
@@ -157,7 +163,7 @@ update, the weight sync) runs on the actor's ranks."""
 def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
     """Each node's dataflow config: its role's ranks (as a device map), engine and cpu_offload, plus settings.
     This is the seed article's `*_config` dicts, derived from the job's roles."""
-    settings = {"old_log_prob": {"on_policy": cfg.on_policy},
+    settings = {"old_log_prob": {"on_policy": cfg.on_policy, "bypass": cfg.algorithm.rollout_correction.bypass},
                 "update_actor": {"critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0}}
     out = {}
     for node in ppo_nodes(cfg):

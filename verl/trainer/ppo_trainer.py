@@ -134,7 +134,8 @@ class PPOTrainer:
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens)
         if places["actor"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
-            self.actor = ActorWorker(self._engine("actor", init_dir), cfg.actor, **kw)
+            self.actor = ActorWorker(self._engine("actor", init_dir), cfg.actor,
+                                     rollout_correction=cfg.algorithm.rollout_correction, **kw)
         if cfg.needs_ref and places["ref"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
             self.ref = ActorWorker(self._engine("ref", init_dir), cfg.actor, **kw)

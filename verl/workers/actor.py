@@ -3,16 +3,22 @@ mini-batches, micro-batches and epochs with `verl.algos.actor_loss`. A frozen en
 
 On-policy updates (one epoch over one mini-batch) need no separate old-log-prob pass: the update's forward,
 detached, gives the old log-probs, and with them the rollout/train mismatch of this step.
+
+Rollout correction (algorithm.rollout_correction, verl/algos/rollout_correction.py) is applied here, once per
+step before the epochs: rejected tokens leave the batch's response mask (so the aggregation's counts drop them)
+and the IS weights travel with the advantages into the policy loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
 
-from verl.algos import ADDITIVE, actor_loss, rollout_mismatch
-from verl.config.ppo import ActorConfig
+from verl.algos import ADDITIVE, actor_loss, build_policy_loss_params, rollout_correction, rollout_mismatch
+from verl.config.ppo import ActorConfig, RolloutCorrectionConfig
+from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch, micro_slices
 
 __all__ = ["ActorWorker", "reduce_micro_stats"]
@@ -28,9 +34,11 @@ class ActorWorker:
     """The trained policy (or, on a frozen engine, the reference)."""
 
     def __init__(self, engine, cfg: ActorConfig, *, temperature: float, responses_per_mini: int,
-                 max_response_length: int):
+                 max_response_length: int, rollout_correction: RolloutCorrectionConfig | None = None):
         self.engine, self.cfg, self.temperature = engine, cfg, temperature
         self.responses_per_mini, self.max_response_length = responses_per_mini, max_response_length
+        self.correction = rollout_correction or RolloutCorrectionConfig()
+        self.loss_params = build_policy_loss_params(cfg.policy_loss, cfg.policy_loss_params)
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
@@ -54,15 +62,32 @@ class ActorWorker:
                               old_log_probs=f.get("old_log_probs"), ref_log_probs=f.get("ref_log_probs"),
                               policy_loss=cfg.policy_loss, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
                               clip_c=cfg.clip_ratio_c, agg=agg, entropy_coeff=cfg.entropy_coeff,
-                              kl_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_type=cfg.kl_loss_type)
+                              kl_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_type=cfg.kl_loss_type,
+                              loss_params=self.loss_params, rollout_is_weights=f.get("rollout_is_weights"))
         return loss_fn
+
+    def _correct(self, batch: RolloutBatch, old_log_probs: torch.Tensor | None):
+        """(batch with rejected tokens masked out, IS weights or None, metrics) under algorithm.rollout_correction."""
+        if batch.rollout_log_probs is None:
+            raise VerlConfigError("algorithm.rollout_correction needs the rollout engine's log-probs of the sampled "
+                                  "tokens, and this rollout returned none; turn the correction off or use an engine "
+                                  "that returns them")
+        if old_log_probs is None:
+            raise VerlConfigError("algorithm.rollout_correction weights / rejection need the old log-probs from the "
+                                  "old_log_prob node (PPOConfig.on_policy is false when the correction is on)")
+        corr = rollout_correction(old_log_probs, batch.rollout_log_probs, batch.response_mask, self.correction)
+        mask = batch.response_mask * corr.keep.to(batch.response_mask.dtype)
+        return dataclasses.replace(batch, response_mask=mask), corr.weights, corr.metrics
 
     def update(self, batch: RolloutBatch, old_log_probs: torch.Tensor | None, advantages: torch.Tensor,
                ref_log_probs: torch.Tensor | None) -> dict[str, float]:
         """PPO epochs over mini-batches (one optimizer step each) of micro-batches (gradient accumulation).
         `old_log_probs=None` means on-policy (see the module docstring)."""
+        weights, corr_metrics = None, {}
+        if self.correction.enabled:
+            batch, weights, corr_metrics = self._correct(batch, old_log_probs)
         tensors = {"advantages": advantages, "old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs,
-                   "row": torch.arange(len(batch), device=advantages.device)}
+                   "rollout_is_weights": weights, "row": torch.arange(len(batch), device=advantages.device)}
         tensors = {k: v for k, v in tensors.items() if v is not None}
         seen = None
         if old_log_probs is None and batch.rollout_log_probs is not None:
@@ -80,6 +105,7 @@ class ActorWorker:
                 stats["actor/grad_norm"].append(grad_norm)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["actor/lr"] = self.engine.lr
+        out.update(corr_metrics)
         if seen is not None:
             out.update(rollout_mismatch(self.engine.from_last_stage(seen), batch.rollout_log_probs,
                                         batch.response_mask))

@@ -41,15 +41,19 @@ using at::Tensor;
 // ------------------------------------------------------------------------------------------ aggregation
 
 // Loss aggregation. Every mode is loss = sum_b w_b * sum_t m_bt * l_bt with a per-row weight w_b.
-enum class Agg : int { TokenMean = 0, SeqMeanTokenSum = 1, SeqMeanTokenMean = 2, SeqMeanTokenSumNorm = 3 };
+// token-sum has no normaliser: w_b = dp, so DP gradient averaging leaves the sum over every rank's tokens.
+enum class Agg : int {
+  TokenMean = 0, SeqMeanTokenSum = 1, SeqMeanTokenMean = 2, SeqMeanTokenSumNorm = 3, TokenSum = 4
+};
 
 inline Agg parse_agg(std::string_view s, const char* op) {
   static constexpr Named<Agg> kNames[] = {{"token-mean", Agg::TokenMean},
                                           {"seq-mean-token-sum", Agg::SeqMeanTokenSum},
                                           {"seq-mean-token-mean", Agg::SeqMeanTokenMean},
-                                          {"seq-mean-token-sum-norm", Agg::SeqMeanTokenSumNorm}};
+                                          {"seq-mean-token-sum-norm", Agg::SeqMeanTokenSumNorm},
+                                          {"token-sum", Agg::TokenSum}};
   return parse_named(s, kNames, op, "aggregation `mode`", "modes",
-                     "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm");
+                     "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm, token-sum");
 }
 
 // The normalisers of one aggregation, fixed before the per-row weights are computed. With
@@ -73,6 +77,8 @@ VERL_HD double row_weight(const AggParams& p, double count) {
       return p.seqs > 0.0 ? p.dp / p.seqs : 0.0;
     case Agg::SeqMeanTokenMean:
       return p.seqs > 0.0 ? p.dp / (p.seqs * count) : 0.0;
+    case Agg::TokenSum:
+      return p.dp;
     default:
       return p.seqs > 0.0 ? p.dp / (p.seqs * p.norm_len) : 0.0;
   }
