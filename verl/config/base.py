@@ -187,9 +187,8 @@ def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:
         elif value is None:  # `section:` with nothing under it: None if the field allows it, else the defaults
             kwargs[key] = None if _allows_none(hints[key]) else from_dict(sub, {}, f"{full}.")
         else:
-            keys = ", ".join(f.name for f in dataclasses.fields(sub))
             raise VerlConfigError(f"config key '{full}' is a section ({sub.__name__}), not a value: got {value!r}; "
-                                  f"set its keys instead, e.g. '{full}.<key>=...' (keys: {keys})")
+                                  f"{_section_hint(sub, full, value)}")
     try:
         obj = cls(**kwargs)
         check = getattr(obj, "check", None)
@@ -202,6 +201,19 @@ def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:
             raise
         raise ConfigValueError(prefix + e.key, e.detail) from None
     return obj
+
+
+def _section_hint(cls: type, full: str, value: Any) -> str:
+    """What the user of `section: value` probably meant: the key whose choices or default is `value`, or `path`."""
+    hints, defaults = _hints(cls), cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if (typing.get_origin(tp) is Literal and value in typing.get_args(tp)) or getattr(defaults, f.name) == value:
+            return f"did you mean '{full}.{f.name}={value}'?"
+    names = [f.name for f in dataclasses.fields(cls)]
+    if "path" in names and isinstance(value, str):
+        return f"did you mean '{full}.path={value}'?"
+    return f"set its keys instead, e.g. '{full}.<key>=...' (keys: {', '.join(names)})"
 
 
 def _allows_none(tp: Any) -> bool:
