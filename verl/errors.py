@@ -55,3 +55,30 @@ def nearest(name: object, candidates: Iterable[object], what: str = "") -> str:
         return f" (there are no {what or 'names'})"
     shown = cands if len(cands) <= 12 else cands[:12] + ["..."]
     return f" ({what or 'valid names'}: {', '.join(shown)})"
+
+
+def run_cli(main, argv: list[str] | None = None, prog: str = "verl") -> int:
+    """Runs a command-line `main(argv)`: verl's own errors print as one short message on stderr (the message names
+    the key or node and the fix; a traceback would bury it) and give exit code 2 (config) or 1 (runtime).
+    VERL_TRACEBACK=1 re-raises them with the full traceback."""
+    import os
+    import sys
+    try:
+        return main(argv) or 0
+    except VerlError as e:
+        if os.environ.get("VERL_TRACEBACK", "") not in ("", "0"):
+            raise
+        config = isinstance(e, VerlConfigError)
+        # A config error is the same on every rank of a torchrun job: print it once.
+        if not (config and os.environ.get("RANK", "0") != "0"):
+            print(f"{prog}: {'config error' if config else 'error'}: {_with_cause(e)}\n"
+                  f"(set VERL_TRACEBACK=1 for the full traceback)", file=sys.stderr)
+        return 2 if config else 1
+
+
+def _with_cause(e: BaseException) -> str:
+    msg = str(e)
+    cause = e.__cause__
+    if cause is not None and str(cause) not in msg:
+        msg += f"\n  caused by {type(cause).__name__}: {cause}"
+    return msg

@@ -63,9 +63,9 @@ Acc2 sum_count(const scalar_t* x, const bool* m, int64_t n) {
   return parallel_sum2(n, [&](int64_t b, int64_t e, const Acc2&) {
     double s = 0.0, c = 0.0;
     for (int64_t i = b; i < e; ++i) {
-      const double keep = m[i] ? 1.0 : 0.0;
-      s += keep * static_cast<double>(x[i]);
-      c += keep;
+      // A select, not keep * x: 0 * NaN (or inf) at a padded position would poison the sum.
+      s += m[i] ? static_cast<double>(x[i]) : 0.0;
+      c += m[i] ? 1.0 : 0.0;
     }
     return Acc2{s, c};
   });
@@ -118,9 +118,8 @@ at::Tensor masked_reduce_cpu(const at::Tensor& values, const at::Tensor& mask, s
         const scalar_t* xr = x + r * cols;
         const bool* mr = m + r * cols;
         for (int64_t j = 0; j < cols; ++j) {
-          const double keep = mr[j] ? 1.0 : 0.0;
-          s += keep * static_cast<double>(xr[j]);
-          c += keep;
+          s += mr[j] ? static_cast<double>(xr[j]) : 0.0;
+          c += mr[j] ? 1.0 : 0.0;
         }
         o[r] = static_cast<scalar_t>(finish(Acc2{s, c}));
       }

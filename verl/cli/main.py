@@ -45,7 +45,8 @@ def _train(argv: list[str]) -> int:
     except ImportError as e:
         print(f"verl train: the trainer is not available in this installation ({e})", file=sys.stderr)
         return 2
-    return train_main(argv) or 0
+    from verl.errors import run_cli
+    return run_cli(train_main, argv, prog="verl train")
 
 
 def main(argv: list[str] | None = None) -> int:

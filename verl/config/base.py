@@ -5,7 +5,10 @@
 Every config class is a `@dataclass(kw_only=True, slots=True)` whose fields carry a docstring (a string
 literal right after the field, read back with `field_docs`). Unknown keys — in the YAML or in an override —
 raise `VerlConfigError` naming the full dotted key and its nearest valid spelling; values are checked
-against the field's type (int, float, bool, str, Literal choices, optional, lists, nested configs).
+against the field's type (int, float, bool, str, Literal choices, optional, lists, nested configs). A section
+given a scalar, a key written twice in one YAML mapping and a NaN are errors too. Ranges live on the classes:
+each may define `check()`, which raises `ConfigValueError(key, why)`; `from_dict` puts the section's dotted path
+in front of the key, so one OptimConfig under `actor.optim` and `critic.optim` names the right one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -26,6 +30,31 @@ import yaml
 from verl.errors import VerlConfigError
 
 T = TypeVar("T")
+
+
+class ConfigValueError(VerlConfigError):
+    """A bad value of one key, raised by a config class's `check()`; `key` is relative to the class."""
+
+    def __init__(self, key: str, detail: str):
+        self.key, self.detail = key, detail
+        super().__init__(f"config key '{key}': {detail}")
+
+
+def require(ok: bool, key: str, value: Any, want: str) -> None:
+    """Raises ConfigValueError(key, "<value> <want>") unless `ok` (NaN fails every comparison, so a range check
+    written as `ok = low <= value <= high` rejects NaN too)."""
+    if not ok:
+        raise ConfigValueError(key, f"{value!r} {want}")
+
+
+def check_finite(cfg: Any, allow_inf: tuple[str, ...] = ()) -> None:
+    """Every float field (and float list) of the config object `cfg` is finite, except ±inf in `allow_inf`."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for v in items:
+            if isinstance(v, float) and not math.isfinite(v) and not (f.name in allow_inf and math.isinf(v)):
+                raise ConfigValueError(f.name, f"{value!r} is not a finite number; give a finite value")
 
 
 def _suggest(key: str, valid: list[str]) -> str:
@@ -120,14 +149,19 @@ def _to_int(value: Any, key: str) -> int:
 
 
 def _to_float(value: Any, key: str) -> float:
+    out = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
+        out = float(value)
+    elif isinstance(value, str):
         try:  # YAML 1.1 reads `1e-6` (no dot) as a string
-            return float(value)
+            out = float(value)
         except ValueError:
             pass
-    raise VerlConfigError(f"config key '{key}': expected a number, got {value!r}")
+    if out is None:
+        raise VerlConfigError(f"config key '{key}': expected a number, got {value!r}")
+    if math.isnan(out):  # no setting means "not a number"; infinities are judged by each class's check()
+        raise VerlConfigError(f"config key '{key}': NaN is not a valid setting; give a number")
+    return out
 
 
 def _to_str(value: Any, key: str) -> str:
@@ -152,18 +186,44 @@ def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:
         if key not in names:
             raise VerlConfigError(f"unknown config key '{full}' in {cls.__name__}; {_suggest(str(key), names)}")
         sub = _dataclass_type(hints[key])
-        if sub is not None and isinstance(value, dict):
-            kwargs[key] = from_dict(sub, value, f"{full}.")
-        else:
+        if sub is None:
             kwargs[key] = _coerce(value, hints[key], full)
+        elif isinstance(value, dict):
+            kwargs[key] = from_dict(sub, value, f"{full}.")
+        elif value is None:  # `section:` with nothing under it: None if the field allows it, else the defaults
+            kwargs[key] = None if _allows_none(hints[key]) else from_dict(sub, {}, f"{full}.")
+        else:
+            raise VerlConfigError(f"config key '{full}' is a section ({sub.__name__}), not a value: got {value!r}; "
+                                  f"{_section_hint(sub, full, value)}")
     try:
         obj = cls(**kwargs)
+        check = getattr(obj, "check", None)
+        if callable(check):
+            check()
     except TypeError as e:
         raise VerlConfigError(f"config section '{prefix or '<root>'}': {e}") from e
-    check = getattr(obj, "check", None)
-    if callable(check):
-        check()
+    except ConfigValueError as e:
+        if not prefix:
+            raise
+        raise ConfigValueError(prefix + e.key, e.detail) from None
     return obj
+
+
+def _section_hint(cls: type, full: str, value: Any) -> str:
+    """What the user of `section: value` probably meant: the key whose choices or default is `value`, or `path`."""
+    hints, defaults = _hints(cls), cls()
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if (typing.get_origin(tp) is Literal and value in typing.get_args(tp)) or getattr(defaults, f.name) == value:
+            return f"did you mean '{full}.{f.name}={value}'?"
+    names = [f.name for f in dataclasses.fields(cls)]
+    if "path" in names and isinstance(value, str):
+        return f"did you mean '{full}.path={value}'?"
+    return f"set its keys instead, e.g. '{full}.<key>=...' (keys: {', '.join(names)})"
+
+
+def _allows_none(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def to_dict(cfg: Any) -> Any:
@@ -175,6 +235,28 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key written twice in one mapping (PyYAML keeps the last one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise VerlConfigError(f"config key '{key}' is written twice in one mapping (lines {seen[key]} and "
+                                      f"{line}); keep one of them")
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _safe_load(stream) -> Any:
+    return yaml.load(stream, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise VerlConfigError(f"override {item!r} must look like 'section.key=value' (e.g. actor.optim.lr=1e-6)")
@@ -183,7 +265,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key:
         raise VerlConfigError(f"override {item!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -232,9 +314,11 @@ def load_yaml(path: str | Path) -> dict:
                               f"(e.g. verl/trainer/config/default.yaml)")
     with p.open() as f:
         try:
-            data = yaml.safe_load(f)
+            data = _safe_load(f)
         except yaml.YAMLError as e:
             raise VerlConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        except VerlConfigError as e:
+            raise VerlConfigError(f"config file {str(p)!r}: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

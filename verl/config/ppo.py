@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from verl.config.base import check_finite, require
 from verl.errors import VerlConfigError
 from verl.rollout.config import RolloutConfig
 
@@ -32,6 +33,15 @@ class TinyModelConfig:
     """Longest sequence (prompt + response) the model supports."""
     vocab_size: int = 96
     """Target size of the BPE vocabulary trained in memory on the task's text."""
+
+    def check(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "max_position_embeddings", "vocab_size"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
+                f"must be a multiple of num_heads={self.num_heads}")
+        require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
+                f"must divide num_heads={self.num_heads} (grouped-query attention)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +79,10 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle every epoch (seeded by trainer.seed, so runs and resumes are reproducible)."""
 
+    def check(self) -> None:
+        for name in ("num_examples", "max_operand", "max_prompt_length"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
@@ -92,13 +106,16 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables)."""
 
     def check(self) -> None:
-        if not self.lr > 0 or not self.min_lr >= 0 or self.min_lr > self.lr:
-            raise VerlConfigError(f"optim: lr={self.lr} must be > 0 and 0 <= min_lr={self.min_lr} <= lr")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or not self.eps > 0:
-            raise VerlConfigError(f"optim: warmup_steps={self.warmup_steps}, weight_decay={self.weight_decay} and "
-                                  f"grad_clip={self.grad_clip} must be >= 0 and eps={self.eps} > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise VerlConfigError(f"optim.betas={self.betas} must be two numbers in [0, 1)")
+        check_finite(self)
+        require(self.lr > 0, "lr", self.lr, "must be > 0 (e.g. 1e-6 for a 7B policy)")
+        require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        require(self.eps > 0, "eps", self.eps, "must be > 0")
+        # A negative clip norm would make torch's clip_grad_norm_ scale gradients by a negative factor.
+        require(self.grad_clip >= 0, "grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
+                "must be two numbers in [0, 1)")
 
     def lr_factor(self, step: int, total_steps: int) -> float:
         """Multiplier of `lr` at optimizer step `step` of `total_steps` (warm-up, then the decay style)."""
@@ -187,6 +204,18 @@ class RefConfig:
     cpu_offload: bool = False
     """Keep its weights on the CPU except while it computes log-probs (torch engine)."""
 
+    def check(self) -> None:
+        check_finite(self, allow_inf=("clip_ratio_c",))  # inf turns the dual clip off
+        # The same ranges the fused policy loss checks (csrc/include/verl/rl_loss.h), found before any model is built.
+        require(0 <= self.clip_ratio_low < 1, "clip_ratio_low", self.clip_ratio_low,
+                "must be in [0, 1) (the ratio's lower bound is 1 - clip_ratio_low)")
+        require(self.clip_ratio_high >= 0, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
+        require(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c,
+                "must be > 1 (the dual-clip bound; .inf turns it off)")
+        require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff,
+                "must be >= 0 (0 disables the entropy bonus)")
+        require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+
 
 @dataclass(kw_only=True, slots=True)
 class CriticConfig:
@@ -210,6 +239,12 @@ class CriticConfig:
     warmup_steps: int = 0
     """Steps during which only the critic is trained (the actor update is skipped)."""
 
+    def check(self) -> None:
+        check_finite(self, allow_inf=("cliprange_value",))  # inf: no value clipping
+        require(self.cliprange_value >= 0, "cliprange_value", self.cliprange_value,
+                "must be >= 0 (.inf: no clipping)")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+
 
 @dataclass(kw_only=True, slots=True)
 class KLControlConfig:
@@ -223,6 +258,13 @@ class KLControlConfig:
     """Adaptive controller's target KL per sequence."""
     horizon: int = 10000
     """Adaptive controller's horizon in samples."""
+
+    def check(self) -> None:
+        check_finite(self)
+        require(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        if self.type == "adaptive":  # the controller divides by both
+            require(self.target_kl > 0, "target_kl", self.target_kl, "must be > 0 for the adaptive controller")
+            require(self.horizon >= 1, "horizon", self.horizon, "must be >= 1 for the adaptive controller")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -339,6 +381,11 @@ class RewardSourceConfig:
                 raise VerlConfigError(f"{key}.name={self.name!r} names a rule function; a model source is named "
                                       f"by {key}.label")
 
+    def check(self) -> None:
+        check_finite(self)
+        require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
+
 
 @dataclass(kw_only=True, slots=True)
 class RewardConfig:
@@ -406,6 +453,12 @@ class WarmupConfig:
     lr: float = 3e-3
     """Learning rate of the warm start."""
 
+    def check(self) -> None:
+        check_finite(self)
+        require(self.steps >= 0, "steps", self.steps, "must be >= 0 (0 skips the warm start)")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        require(self.lr > 0, "lr", self.lr, "must be > 0")
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
@@ -446,6 +499,11 @@ class TrainerConfig:
     concurrently where the dataflow allows. A role's own `ranks` overrides its default."""
     trace_step: int = 0
     """Write a Chrome trace of this step's dataflow to output_dir/trace_step_N.json (0: no trace)."""
+
+    def check(self) -> None:
+        for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -505,6 +563,10 @@ class PPOConfig:
         check_agg_mode(self.actor.loss_agg_mode)
         from verl.algos import build_policy_loss_params
         build_policy_loss_params(self.actor.policy_loss, self.actor.policy_loss_params)
+        # Training reads log-probs of logits / temperature: a greedy (0) rollout has no distribution to train on.
+        require(self.rollout.temperature > 0, "rollout.temperature", self.rollout.temperature,
+                "must be > 0 for training (the actor's log-probs are taken at this temperature; 0 is greedy "
+                "decoding, which has no distribution to train on); use e.g. 1.0")
         if advantage_info(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
             raise VerlConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses "
                                   f"within a group; set rollout.n >= 2 (got {self.rollout.n})")

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.models.gpt import MegatronGPT
+from verl.models.config import ArchSpec
 from verl.models.layout import ShardSpec, hf_tensor_shapes
 
 _INDEX = "model.safetensors.index.json"
@@ -82,18 +83,39 @@ def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: b
     """Loads this rank's shards from an HF checkpoint directory into `model` in place.
 
     Returns {'loaded': [megatron names], 'missing': [megatron names whose HF tensors are absent],
-    'bytes_read': int}. With strict=True a missing tensor raises, except the value head of a critic
-    initialised from a causal-LM checkpoint (it keeps its fresh init).
+    'unused': [checkpoint tensors the model has no place for], 'bytes_read': int}. With strict=True a missing
+    tensor raises, except the value head of a critic initialised from a causal-LM checkpoint (it keeps its
+    fresh init), and so does an unused one: a tensor the model drops (a bias it lacks, an extra layer) means the
+    loaded model is not the checkpoint's.
     """
     path = Path(path)
     reader = _LazyReader(_tensor_files(path))
+    unused = unused_tensors(reader.files, model.arch, value_head=model.options.value_head)
+    if unused and strict:
+        reader.close()
+        shown = ", ".join(unused[:8]) + (f", ... ({len(unused)} in all)" if len(unused) > 8 else "")
+        raise VerlConfigError(f"checkpoint {path} has tensors the {model.arch.model_type} model does not use: "
+                              f"{shown}. Loading would drop them and compute something else than the checkpoint; "
+                              f"check that config.json matches the weights (e.g. attention_bias, "
+                              f"num_hidden_layers), or pass strict=False to ignore them")
     params = dict(model.gpt.named_parameters())
     loaded, missing = [], []
     try:
         _load_specs(model, reader, params, path, strict, loaded, missing)
     finally:
         reader.close()
-    return {"loaded": loaded, "missing": missing, "bytes_read": reader.bytes_read}
+    return {"loaded": loaded, "missing": missing, "unused": unused, "bytes_read": reader.bytes_read}
+
+
+def unused_tensors(names, arch: ArchSpec, *, value_head: bool = False) -> list[str]:
+    """Checkpoint tensor names the megatron model built from `arch` has no parameter for (over every pipeline
+    stage, so each rank reaches the same verdict), sorted."""
+    expected = set(hf_tensor_shapes(arch, value_head=value_head))
+    # Rotary inverse frequencies are recomputed from rope_theta; a tied LM head is the embedding itself; a critic
+    # initialised from a causal LM has no use for its LM head.
+    optional = {"lm_head.weight"} if arch.tie_word_embeddings or value_head else set()
+    return sorted(n for n in names if n not in expected and n not in optional
+                  and not n.endswith("rotary_emb.inv_freq"))
 
 
 def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Path, strict: bool,

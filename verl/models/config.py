@@ -61,6 +61,10 @@ def _rope(hf_config) -> tuple[float, float | None, float | None]:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0) or 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise VerlConfigError(f"partial_rotary_factor={partial} is not supported: the megatron model rotates every "
+                              f"head dimension; use a checkpoint with full rotary embeddings")
     if rope_type == "default":
         return theta, None, None
     if rope_type == "linear":
@@ -74,6 +78,26 @@ def _rope(hf_config) -> tuple[float, float | None, float | None]:
                                   f"{expected}; only 'factor' may vary")
         return theta, None, float(params.get("factor", 8.0))
     raise VerlConfigError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+def _sliding_window(hf_config, model_type: str) -> int | None:
+    """The attention window, refused when shorter than the context: the megatron model has no local attention,
+    so it would attend to tokens the checkpoint's model never sees at longer lengths."""
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type == "qwen2":
+        types = getattr(hf_config, "layer_types", None) or []
+        if not getattr(hf_config, "use_sliding_window", False) and "sliding_attention" not in types:
+            return None
+    if window is None:
+        return None
+    limit = hf_config.max_position_embeddings
+    if window < limit:
+        raise VerlConfigError(f"sliding_window={window} is shorter than max_position_embeddings={limit}: the "
+                              f"megatron model has no sliding-window attention, so sequences longer than the window "
+                              f"would differ from the checkpoint's model. Set max_position_embeddings <= {window} in "
+                              f"the checkpoint's config.json if your sequences fit the window, or use a checkpoint "
+                              f"without a window (sliding_window: null)")
+    return window
 
 
 def arch_from_hf(hf_config) -> ArchSpec:
@@ -97,9 +121,7 @@ def arch_from_hf(hf_config) -> ArchSpec:
         raise VerlConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     theta, linear, llama3 = _rope(hf_config)
-    window = getattr(hf_config, "sliding_window", None)
-    if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-        window = None
+    window = _sliding_window(hf_config, model_type)
     return ArchSpec(
         model_type=model_type, num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_heads=heads, num_kv_heads=kv, head_dim=head_dim, ffn_hidden_size=hf_config.intermediate_size,

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from verl import _extension
 from verl.ops._backend import use_fused
+from verl.ops.checks import check_arg, check_floating, check_same_device
 
 __all__ = ["logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
            "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
@@ -67,12 +68,14 @@ def _check_temperature(temperature: float, op: str) -> float:
 
 
 def _check_labels(labels: torch.Tensor, rows: torch.Size, rows_name: str, vocab_size: int, ignore_index: int,
-                  op: str) -> None:
+                  op: str, like: torch.Tensor | None = None) -> None:
     if labels.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{op}: `labels` must be int64 or int32, got {labels.dtype}")
     if tuple(labels.shape) != tuple(rows):
         raise ValueError(f"{op}: `labels` has shape {tuple(labels.shape)} but `{rows_name}` has leading shape "
                          f"{tuple(rows)}; they must match (one label per row)")
+    if like is not None:
+        check_same_device(like, labels, op, rows_name, "labels")
     if torch.compiler.is_compiling() or labels.numel() == 0:
         return  # data-dependent; the fused kernels check it themselves
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
@@ -85,17 +88,44 @@ def _check_labels(labels: torch.Tensor, rows: torch.Size, rows_name: str, vocab_
 def _check_linear(hidden: torch.Tensor, weight: torch.Tensor, op: str) -> None:
     if weight.dim() != 2:
         raise ValueError(f"{op}: `weight` must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    check_arg(hidden.dim() >= 1, op, "`hidden` must be [..., H], got a 0-d tensor")
+    check_floating(hidden, op, "hidden")
     if hidden.dtype != weight.dtype:
         raise TypeError(f"{op}: `weight` has dtype {weight.dtype} but `hidden` has {hidden.dtype}; cast one of "
                         f"them so both match")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"{op}: `weight` [V, H] has H={weight.shape[1]} but `hidden` [..., H] has "
                          f"H={hidden.shape[-1]}; pass the LM head weight as [vocab, hidden] (as nn.Linear stores it)")
+    check_same_device(hidden, weight, op, "hidden", "weight")
+    check_arg(weight.shape[0] > 0, op, "`weight` has an empty vocabulary dimension (V=0)")
 
 
 def _check_chunks(chunk_n: int, chunk_v: int, op: str) -> None:
-    if chunk_n <= 0 or chunk_v <= 0:
-        raise ValueError(f"{op}: `chunk_n` and `chunk_v` must be > 0, got chunk_n={chunk_n}, chunk_v={chunk_v}")
+    check_arg(chunk_n > 0, op, f"`chunk_n` must be > 0, got {chunk_n}")
+    check_arg(chunk_v > 0, op, f"`chunk_v` must be > 0, got {chunk_v}")
+
+
+def check_logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float, ignore_index: int,
+                          op: str = "logprob_entropy") -> float:
+    """What the logprob_entropy kernels check (csrc/include/verl/logprob.h), run on both backends; returns the
+    temperature as a float. logits [..., V], labels [...]."""
+    t = _check_temperature(temperature, op)
+    check_arg(logits.dim() >= 1, op, "`logits` must be [..., V], got a 0-d tensor")
+    check_floating(logits, op, "logits")
+    check_arg(logits.shape[-1] > 0, op, "`logits` has an empty vocabulary dimension (V=0)")
+    _check_labels(labels, logits.shape[:-1], "logits", logits.shape[-1], ignore_index, op, like=logits)
+    return t
+
+
+def check_linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                 temperature: float, ignore_index: int, chunk_n: int, chunk_v: int,
+                                 op: str = "linear_logprob_entropy") -> float:
+    """What the linear_logprob_entropy kernels check, run on both backends; returns the temperature."""
+    t = _check_temperature(temperature, op)
+    _check_chunks(chunk_n, chunk_v, op)
+    _check_linear(hidden, weight, op)
+    _check_labels(labels, hidden.shape[:-1], "hidden", weight.shape[0], ignore_index, op, like=hidden)
+    return t
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -103,11 +133,7 @@ def _check_chunks(chunk_n: int, chunk_v: int, op: str) -> None:
 def logprob_entropy_ref(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                         ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch reference: log_softmax, gather and entropy over materialised [..., V] tensors."""
-    op = "logprob_entropy"
-    t = _check_temperature(temperature, op)
-    if not logits.is_floating_point():
-        raise TypeError(f"{op}: `logits` must be a floating-point tensor, got {logits.dtype}")
-    _check_labels(labels, logits.shape[:-1], "logits", logits.shape[-1], ignore_index, op)
+    t = check_logprob_entropy(logits, labels, temperature, ignore_index)
     z = logits.to(_out_dtype(logits.dtype)) / t
     logp = torch.log_softmax(z, dim=-1)
     valid = labels != ignore_index
@@ -122,7 +148,7 @@ def logprob_entropy_ref(logits: torch.Tensor, labels: torch.Tensor, temperature:
 def linear_logprob_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                temperature: float = 1.0, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch reference: logits = hidden @ weight.T in full, then `logprob_entropy_ref`."""
-    _check_linear(hidden, weight, "linear_logprob_entropy")
+    check_linear_logprob_entropy(hidden, weight, labels, temperature, ignore_index, DEFAULT_CHUNK_N, DEFAULT_CHUNK_V)
     return logprob_entropy_ref(hidden @ weight.t(), labels, temperature, ignore_index)
 
 
@@ -168,10 +194,7 @@ def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     logits [..., V] float; labels [...] int. Returns (logprob [...], entropy [...]) in float32 (float64 for
     float64 logits); 0 and no gradient where labels == ignore_index. Differentiable w.r.t. logits.
     """
-    t = _check_temperature(temperature, "logprob_entropy")
-    if logits.dim() < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"logprob_entropy: `labels` has shape {tuple(labels.shape)} but `logits` has leading "
-                         f"shape {tuple(logits.shape[:-1])}; they must match (one label per row)")
+    t = check_logprob_entropy(logits, labels, temperature, ignore_index)
     x, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if use_fused("logprob_entropy", x):
         lp, ent, _ = torch.ops.verl.logprob_entropy(x, y, t, ignore_index)
@@ -189,12 +212,7 @@ def linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     live at a time (forward and backward). Differentiable w.r.t. hidden and weight.
     """
     op = "linear_logprob_entropy"
-    t = _check_temperature(temperature, op)
-    _check_linear(hidden, weight, op)
-    _check_chunks(chunk_n, chunk_v, op)
-    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{op}: `labels` has shape {tuple(labels.shape)} but `hidden` has leading shape "
-                         f"{tuple(hidden.shape[:-1])}; they must match (one label per row)")
+    t = check_linear_logprob_entropy(hidden, weight, labels, temperature, ignore_index, chunk_n, chunk_v)
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if use_fused(op, h, weight):
         lp, ent, _ = torch.ops.verl.linear_logprob_entropy(h, weight, y, t, ignore_index, chunk_n, chunk_v)

@@ -26,13 +26,14 @@ log-probs, old values and returns are treated as constants.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
 
 from verl import _extension
 from verl.ops._backend import use_fused
-from verl.ops.checks import check_bt, check_name, valid_mask
+from verl.ops.checks import check_arg, check_bt, check_floating, check_like, check_name, valid_mask
 
 __all__ = ["AGG_MODES", "KL_KINDS", "POLICY_LOSSES", "Aggregation", "PolicyLossOutput", "ValueLossOutput",
            "agg_loss", "agg_loss_ref", "kl_loss", "kl_loss_ref", "kl_penalty", "kl_penalty_ref", "policy_loss",
@@ -61,15 +62,17 @@ class Aggregation:
     """seq-mean-token-sum-norm only: the constant each sequence sum is divided by; None: T."""
 
     def __post_init__(self):
+        # The aggregation arguments every loss kernel checks (make_agg in csrc/include/verl/rl_loss.h).
         check_name(self.mode, AGG_MODES, "aggregation mode")
         if int(self.dp_size) < 1:
             raise ValueError(f"Aggregation.dp_size must be >= 1, got {self.dp_size}")
         for name in ("global_tokens", "global_seqs"):
             v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise ValueError(f"Aggregation.{name} must be a count >= 0, got {v}")
-        if self.norm_len is not None and not self.norm_len > 0:
-            raise ValueError(f"Aggregation.norm_len must be > 0, got {self.norm_len}")
+            if v is not None and not 0 <= v < math.inf:
+                raise ValueError(f"Aggregation.{name} must be a finite count >= 0, got {v}")
+        if self.norm_len is not None and not 0 < self.norm_len < math.inf:
+            raise ValueError(f"Aggregation.norm_len must be a finite number > 0 (it divides each sequence's token "
+                             f"sum), got {self.norm_len}")
 
     def args(self) -> tuple:
         f = lambda v: None if v is None else float(v)  # noqa: E731
@@ -82,6 +85,48 @@ def _agg(agg: Aggregation | str | None) -> Aggregation:
     if isinstance(agg, str):
         return Aggregation(mode=agg)
     return agg
+
+
+# ---------------------------------------------------------------------------------------------- checks
+# One per op: what its kernel checks (csrc/include/verl/rl_loss.h), run by the wrapper and the reference alike.
+
+def check_kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str, op: str = "kl_penalty") -> None:
+    check_name(kind, KL_KINDS, "KL kind")
+    check_floating(logprob, op, "logprob")
+    check_like(logprob, ref_logprob, op, "logprob", "ref_logprob")
+
+
+def check_agg_loss(loss: torch.Tensor, mask: torch.Tensor) -> None:
+    check_bt(loss, mask, "agg_loss", "loss")
+
+
+def check_kl_loss(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor, kind: str) -> None:
+    check_name(kind, KL_KINDS, "KL kind")
+    check_bt(logprob, mask, "kl_loss", "logprob")
+    check_like(logprob, ref_logprob, "kl_loss", "logprob", "ref_logprob")
+
+
+def check_policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, loss_type: str, clip_low: float, clip_high: float, clip_c: float) -> None:
+    op = "policy_loss"
+    check_name(loss_type, POLICY_LOSSES, "policy loss")
+    check_arg(0.0 <= clip_low < 1.0, op, f"`clip_low` must be in [0, 1) (ratio lower bound 1 - clip_low), "
+                                         f"got {clip_low}")
+    check_arg(clip_high >= 0.0, op, f"`clip_high` must be >= 0, got {clip_high}")
+    check_arg(clip_c > 1.0, op, f"`clip_c` (dual-clip constant) must be > 1, got {clip_c}; pass inf to turn dual "
+                                f"clip off")
+    check_bt(logprob, mask, op, "logprob")
+    check_like(logprob, old_logprob, op, "logprob", "old_logprob")
+    check_like(logprob, advantages, op, "logprob", "advantages")
+
+
+def check_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                     clip: float) -> None:
+    op = "value_loss"
+    check_bt(values, mask, op, "values")
+    check_like(values, old_values, op, "values", "old_values")
+    check_like(values, returns, op, "values", "returns")
+    check_arg(clip >= 0.0, op, f"`clip` (value clip range) must be >= 0, got {clip}; pass inf for no clipping")
 
 
 class PolicyLossOutput(NamedTuple):
@@ -104,7 +149,8 @@ class ValueLossOutput(NamedTuple):
 
 def kl_penalty_ref(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate of KL(pi || ref). Same shape as the inputs."""
-    kind = KL_KINDS[check_name(kind, KL_KINDS, "KL kind")]
+    check_kl_penalty(logprob, ref_logprob, kind)
+    kind = KL_KINDS[kind]
     d = logprob - ref_logprob
     if kind == "kl":
         return d
@@ -125,7 +171,7 @@ def kl_penalty_ref(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) 
 def agg_loss_ref(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | None = None) -> torch.Tensor:
     """Pure-PyTorch aggregation of a [B, T] per-token loss into a 0-d tensor."""
     a = _agg(agg)
-    check_bt(loss, mask, "agg_loss", "loss")
+    check_agg_loss(loss, mask)
     valid = valid_mask(mask)
     acc = torch.float64 if loss.dtype == torch.float64 else torch.float32
     x = torch.where(valid, loss.to(acc), 0.0)
@@ -160,7 +206,7 @@ def policy_loss_ref(logprob, old_logprob, advantages, mask, loss_type: str = "va
                     clip_high: float = 0.2, clip_c: float = 3.0,
                     agg: Aggregation | str | None = None) -> PolicyLossOutput:
     """Pure-PyTorch PPO-family policy loss (the usual formulation, op by op)."""
-    check_name(loss_type, POLICY_LOSSES, "policy loss")
+    check_policy_loss(logprob, old_logprob, advantages, mask, loss_type, clip_low, clip_high, clip_c)
     valid = valid_mask(mask)
     neg_kl = logprob - old_logprob
     if loss_type == "gspo":
@@ -192,6 +238,7 @@ def policy_loss_ref(logprob, old_logprob, advantages, mask, loss_type: str = "va
 def value_loss_ref(values, old_values, returns, mask, clip: float = 0.5,
                    agg: Aggregation | str | None = None) -> ValueLossOutput:
     """Pure-PyTorch clipped value loss: 0.5 * max((v - R)^2, (clip(v, old +- clip) - R)^2), aggregated."""
+    check_value_loss(values, old_values, returns, mask, clip)
     vc = torch.clamp(values, old_values - clip, old_values + clip)
     l1 = (values - returns).square()
     l2 = (vc - returns).square()
@@ -201,6 +248,7 @@ def value_loss_ref(values, old_values, returns, mask, clip: float = 0.5,
 
 def kl_loss_ref(logprob, ref_logprob, mask, kind: str = "low_var_kl",
                 agg: Aggregation | str | None = None) -> torch.Tensor:
+    check_kl_loss(logprob, ref_logprob, mask, kind)
     return agg_loss_ref(kl_penalty_ref(logprob, ref_logprob, kind), mask, agg)
 
 
@@ -217,7 +265,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "lo
     """Per-token KL penalty, [...] -> [...]: kl/k1 (logp - ref), abs, mse/k2 (0.5 d^2), low_var_kl/k3
     (exp(ref - logp) - (ref - logp) - 1, argument clamped to +-20, result to +-10), and straight-through k1+ / k3+
     (value of k1 / k3, gradient of k2). Differentiable in both inputs."""
-    check_name(kind, KL_KINDS, "KL kind")
+    check_kl_penalty(logprob, ref_logprob, kind)
     if use_fused("kl_penalty", logprob, ref_logprob):
         return torch.ops.verl.kl_penalty(logprob, ref_logprob, kind)
     return kl_penalty_ref(logprob, ref_logprob, kind)
@@ -226,6 +274,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "lo
 def agg_loss(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | None = None) -> torch.Tensor:
     """Aggregates a per-token loss [B, T] over `mask` [B, T] into a 0-d tensor (e.g. the entropy bonus)."""
     a = _agg(agg)
+    check_agg_loss(loss, mask)
     if use_fused("agg_loss", loss):
         return torch.ops.verl.agg_loss(loss, mask, *a.args())[0]
     return agg_loss_ref(loss, mask, a)
@@ -234,7 +283,7 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | No
 def kl_loss(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor, kind: str = "low_var_kl",
             agg: Aggregation | str | None = None) -> torch.Tensor:
     """KL penalty (see verl.ops.kl_penalty for the kinds) fused with masked aggregation: [B, T] x2 -> 0-d."""
-    check_name(kind, KL_KINDS, "KL kind")
+    check_kl_loss(logprob, ref_logprob, mask, kind)
     a = _agg(agg)
     if use_fused("kl_loss", logprob, ref_logprob):
         with_grad = _wants_grad(logprob, ref_logprob)
@@ -252,9 +301,9 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
     carried per token with a stop-gradient (token-level gradient), no dual clip. reinforce: -A r, unclipped
     (on-policy its gradient is -A grad logp). clip_high defaults to clip_low.
     """
-    check_name(loss_type, POLICY_LOSSES, "policy loss")
     a = _agg(agg)
     ch = clip_low if clip_high is None else clip_high
+    check_policy_loss(logprob, old_logprob, advantages, mask, loss_type, clip_low, ch, clip_c)
     if use_fused("policy_loss", logprob):
         out = torch.ops.verl.policy_loss(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type,
                                          float(clip_low), float(ch), float(clip_c), *a.args(), _wants_grad(logprob))
@@ -266,6 +315,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                clip: float = 0.5, *, agg: Aggregation | str | None = None) -> ValueLossOutput:
     """Clipped value loss 0.5 * max((v - R)^2, (old + clamp(v - old, +-clip) - R)^2) aggregated; [B, T] -> 0-d."""
     a = _agg(agg)
+    check_value_loss(values, old_values, returns, mask, clip)
     if use_fused("value_loss", values):
         out = torch.ops.verl.value_loss(values, old_values.detach(), returns.detach(), mask, float(clip), *a.args(),
                                         _wants_grad(values))

@@ -17,6 +17,7 @@ import torch
 
 from verl import _extension
 from verl.ops._backend import use_fused
+from verl.ops.checks import check_arg, check_floating, check_mask_of
 
 __all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten",
            "masked_sum_ref", "masked_mean_ref", "masked_var_ref", "masked_whiten_ref"]
@@ -28,15 +29,21 @@ def _valid(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask.ne(0)
 
 
-def _check(values: torch.Tensor, mask: torch.Tensor, op: str) -> None:
-    if not values.is_floating_point():
-        raise TypeError(f"{op}: `values` must be a floating-point tensor, got {values.dtype}")
-    if values.shape != mask.shape:
-        raise ValueError(f"{op}: `mask` must have the shape of `values` {tuple(values.shape)}, got {tuple(mask.shape)}")
+def check_masked(values: torch.Tensor, mask: torch.Tensor, op: str, dim: int | None = None,
+                 eps: float | None = None) -> None:
+    """What the masked kernels check (csrc/cpu/masked.cpp, csrc/cuda/masked.cu), run on both backends."""
+    check_floating(values, op, "values")
+    check_mask_of(values, mask, op, "values")
+    if dim is not None:
+        nd = values.dim()
+        check_arg(nd > 0, op, "`dim` given for a 0-d tensor; pass dim=None")
+        check_arg(-nd <= dim < nd, op, f"`dim`={dim} is out of range for a tensor with {nd} dimensions")
+    if eps is not None:
+        check_arg(eps >= 0, op, f"`eps` must be >= 0, got {eps}")
 
 
 def masked_sum_ref(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    _check(values, mask, "masked_sum")
+    check_masked(values, mask, "masked_sum", dim)
     kept = torch.where(_valid(mask), values, values.new_zeros(()))
     return kept.sum() if dim is None else kept.sum(dim)
 
@@ -47,11 +54,13 @@ def _count(mask: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 
 def masked_mean_ref(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    check_masked(values, mask, "masked_mean", dim)
     total = masked_sum_ref(values, mask, dim)
     return total / _count(mask, dim).clamp(min=1).to(total.dtype)
 
 
 def masked_var_ref(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    check_masked(values, mask, "masked_var")
     mean = masked_mean_ref(values, mask)
     sq = masked_sum_ref((values - mean) ** 2, mask)
     n = _count(mask, None)
@@ -61,6 +70,7 @@ def masked_var_ref(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = Tr
 
 def masked_whiten_ref(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                       eps: float = 1e-8) -> torch.Tensor:
+    check_masked(values, mask, "masked_whiten", eps=eps)
     mean = masked_mean_ref(values, mask)
     var = masked_var_ref(values, mask)
     out = (values - mean) * torch.rsqrt(var + eps)
@@ -73,6 +83,7 @@ def masked_whiten_ref(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of `values` where `mask` != 0. values, mask: [...]; returns [] (dim=None) or [...] without `dim`."""
+    check_masked(values, mask, "masked_sum", dim)
     if use_fused("masked_sum", values):
         return torch.ops.verl.masked_sum(values, mask, dim)
     return masked_sum_ref(values, mask, dim)
@@ -80,6 +91,7 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `values` over `mask` != 0 (0 where nothing is valid). Shapes as masked_sum."""
+    check_masked(values, mask, "masked_mean", dim)
     if use_fused("masked_mean", values):
         return torch.ops.verl.masked_mean(values, mask, dim)
     return masked_mean_ref(values, mask, dim)
@@ -87,6 +99,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of every valid element (0-d result); unbiased (n - 1) by default, 0 when n <= 1."""
+    check_masked(values, mask, "masked_var")
     if use_fused("masked_var", values):
         return torch.ops.verl.masked_var(values, mask, unbiased)
     return masked_var_ref(values, mask, unbiased)
@@ -95,6 +108,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                   eps: float = 1e-8) -> torch.Tensor:
     """(values - mean) / sqrt(var + eps) over the mask (mean added back if not shift_mean); 0 where masked."""
+    check_masked(values, mask, "masked_whiten", eps=eps)
     if use_fused("masked_whiten", values):
         return torch.ops.verl.masked_whiten(values, mask, shift_mean, eps)
     return masked_whiten_ref(values, mask, shift_mean, eps)

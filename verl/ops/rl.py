@@ -27,7 +27,7 @@ import torch
 from verl import _extension
 from verl.errors import VerlRuntimeError
 from verl.ops._backend import use_fused
-from verl.ops.checks import check_bt, check_name, valid_mask
+from verl.ops.checks import check_arg, check_bt, check_floating, check_like, check_name, valid_mask
 from verl.ops.masked import masked_sum_ref, masked_whiten
 
 __all__ = ["AdvantageResult", "OUTCOME_ESTIMATORS", "compute_gae", "compute_gae_ref", "outcome_advantage",
@@ -59,10 +59,22 @@ def _raise_if_nonfinite(num: torch.Tensor, what: str) -> None:
 
 _WHITEN_EPS = 1e-8  # masked_whiten's default
 
+
+def check_gae(rewards: torch.Tensor, values: torch.Tensor | None, mask: torch.Tensor, gamma: float,
+              lam: float) -> None:
+    """What the gae kernels check (csrc/include/verl/rl_advantage.h), run on both backends."""
+    op = "gae"
+    check_bt(rewards, mask, op, "rewards")
+    if values is not None:
+        check_like(rewards, values, op, "rewards", "values")
+    check_arg(0.0 <= gamma <= 1.0, op, f"`gamma` must be in [0, 1], got {gamma}")
+    check_arg(0.0 <= lam <= 1.0, op, f"`lam` must be in [0, 1], got {lam}")
+
+
 def compute_gae_ref(rewards: torch.Tensor, values: torch.Tensor | None, mask: torch.Tensor, gamma: float,
                     lam: float) -> AdvantageResult:
     """Per-timestep loop over T (vectorised over B): the way most RL frameworks write GAE. Not whitened."""
-    check_bt(rewards, mask, "gae", "rewards")
+    check_gae(rewards, values, mask, gamma, lam)
     valid = valid_mask(mask)
     v = values if values is not None else torch.zeros_like(rewards)
     B, T = rewards.shape
@@ -93,6 +105,7 @@ def compute_gae(token_level_rewards: torch.Tensor, values: torch.Tensor | None, 
     the mask (masked_whiten: mean 0, unbiased variance 1) when `whiten`.
     """
     args = (token_level_rewards.detach(), None if values is None else values.detach(), response_mask)
+    check_gae(*args, gamma, lam)
     fused = use_fused("gae", token_level_rewards)
     if fused:  # whitening statistics come out of the scan: one extra elementwise pass
         out = AdvantageResult(*torch.ops.verl.gae(*args, float(gamma), float(lam), _WHITEN_EPS if whiten else None))
@@ -135,18 +148,41 @@ def as_group_index(index, batch_size: int, device: torch.device | str) -> torch.
     return out
 
 
+def check_outcome(rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, estimator: str, eps: float,
+                  baseline: torch.Tensor | None) -> None:
+    """What the outcome_advantage kernels check (csrc/include/verl/rl_advantage.h), run on both backends."""
+    op = "outcome_advantage"
+    check_name(estimator, OUTCOME_ESTIMATORS, "outcome estimator")
+    check_bt(rewards, mask, op, "rewards")
+    B = rewards.shape[0]
+    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        raise TypeError(f"{op}: `index` (the prompt id of each sequence) must be an integer tensor, got {index.dtype}")
+    check_arg(index.device == rewards.device, op, f"`index` is on {index.device} but `rewards` is on "
+                                                  f"{rewards.device}; move both to one device")
+    check_arg(index.dim() == 1 and index.shape[0] == B, op, f"`index` must be 1-D with one prompt id per sequence "
+                                                            f"(B={B}), got shape {list(index.shape)}")
+    check_arg(eps >= 0.0, op, f"`eps` must be >= 0, got {eps}")
+    check_arg(estimator != "remax" or baseline is not None, op,
+              "estimator 'remax' needs `baseline` [B] (the reward of each prompt's greedy response)")
+    check_arg(estimator == "remax" or baseline is None, op,
+              f"`baseline` is only used by estimator 'remax'; pass None for '{estimator}'")
+    if baseline is not None:
+        check_floating(baseline, op, "baseline")
+        check_arg(baseline.device == rewards.device, op, f"`baseline` is on {baseline.device} but `rewards` is on "
+                                                         f"{rewards.device}; move both to one device")
+        check_arg(baseline.dim() == 1 and baseline.shape[0] == B, op,
+                  f"`baseline` must have shape [B]=[{B}], got {list(baseline.shape)}")
+
+
 def outcome_advantage_ref(rewards: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, estimator: str,
                           eps: float = 1e-6, norm_by_std: bool = True,
                           baseline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch outcome advantages: (advantages [B, T], num_nonfinite int64 0-d)."""
-    check_name(estimator, OUTCOME_ESTIMATORS, "outcome estimator")
-    check_bt(rewards, mask, "outcome_advantage", "rewards")
+    check_outcome(rewards, mask, index, estimator, eps, baseline)
     valid = valid_mask(mask)
     scores = masked_sum_ref(rewards.double(), mask, -1)
     bad = _nonfinite(rewards, mask)
     if estimator == "remax":
-        if baseline is None:
-            raise ValueError("estimator 'remax' needs `baseline` [B] (the reward of each prompt's greedy response)")
         bad = bad + (~torch.isfinite(baseline)).sum()
         adv = scores - baseline.double()
     else:
@@ -185,6 +221,7 @@ def outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Te
     r = token_level_rewards.detach()
     idx = as_group_index(index, r.shape[0] if r.dim() else -1, r.device)
     base = None if baseline is None else baseline.detach().to(r.device)
+    check_outcome(r, response_mask, idx, estimator, eps, base)
     if use_fused("outcome_advantage", r):
         adv, bad = torch.ops.verl.outcome_advantage(r, response_mask, idx, estimator, float(eps), bool(norm_by_std),
                                                     base)

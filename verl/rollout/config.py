@@ -9,6 +9,7 @@ with; engine settings are read only by the engine they name in their docstring.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -98,13 +99,13 @@ class RolloutConfig:
         for name in ("n", "max_new_tokens", "tp", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise VerlConfigError(f"rollout.{name}={getattr(self, name)} must be >= 1")
-        if self.temperature < 0:
-            raise VerlConfigError(f"rollout.temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not 0 <= self.temperature < math.inf:  # written so that NaN fails too
+            raise VerlConfigError(f"rollout.temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise VerlConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise VerlConfigError(f"rollout.top_k={self.top_k} must be >= 0 (0 disables)")
-        if not self.sync_bucket_mb > 0:
+        if not 0 < self.sync_bucket_mb < math.inf:
             raise VerlConfigError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise VerlConfigError(f"rollout.max_model_len={self.max_model_len} must be >= 2 (or unset)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from verl.config.ppo import KLControlConfig
+from verl.errors import VerlConfigError
 
 
 class FixedKLController:
@@ -24,6 +25,9 @@ class AdaptiveKLController(FixedKLController):
     with the error clipped to ±20%, at a rate of n_steps / horizon."""
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        if not target_kl > 0 or not horizon >= 1:  # update() divides by both
+            raise VerlConfigError(f"algorithm.kl_ctrl: the adaptive controller needs target_kl > 0 and horizon >= 1, "
+                                  f"got target_kl={target_kl}, horizon={horizon}")
         super().__init__(init_kl_coef)
         self.target, self.horizon = target_kl, horizon
 
