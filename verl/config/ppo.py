@@ -129,13 +129,46 @@ class MegatronConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FSDPConfig:
+    """Sharding of the FSDP2 engine (`torch.distributed.fsdp.fully_shard`, one unit per decoder layer + the root)."""
+
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype parameters are all-gathered and computed in (the sharded master copy stays in its own dtype)."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype gradients are reduce-scattered in."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after each unit's forward (ZeRO-3; False keeps them until backward: ZeRO-2)."""
+    offload_params: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer steps on the CPU)."""
+    shard_size: int = -1
+    """Ranks each parameter is sharded over: -1 = all ranks of the role; a smaller divisor of them gives
+    HSDP (replicas of shard_size-rank shard groups, gradients all-reduced across the replicas)."""
+
+    def check(self) -> None:
+        if self.shard_size != -1 and self.shard_size < 1:
+            raise VerlConfigError(f"fsdp.shard_size={self.shard_size} must be -1 (all ranks of the role) or >= 1")
+
+    def mesh_shape(self, ranks: int) -> tuple[int, int]:
+        """(replicas, shard size) over `ranks` ranks, or a VerlConfigError naming shard_size."""
+        size = ranks if self.shard_size == -1 else self.shard_size
+        if size < 1 or ranks % size:
+            divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+            raise VerlConfigError(f"fsdp.shard_size={self.shard_size} does not divide the role's {ranks} ranks; "
+                                  f"use -1 (all ranks) or one of {divisors}")
+        return ranks // size, size
+
+
+@dataclass(kw_only=True, slots=True)
 class ActorConfig:
     """The policy and its PPO update."""
 
-    engine: Literal["torch", "megatron"] = "torch"
-    """Training engine: plain torch data parallel over a Hugging Face / verl model, or megatron-core."""
+    engine: Literal["torch", "megatron", "fsdp"] = "torch"
+    """Training engine: plain torch data parallel over a Hugging Face / verl model, megatron-core, or FSDP2
+    (`fully_shard` over any Hugging Face causal LM); the reference and the critic use the same engine."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Layout of the megatron engine (used when engine=megatron)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the FSDP2 engine (used when engine=fsdp; the reference shares it)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer of the policy."""
     ppo_epochs: int = 1
@@ -171,6 +204,8 @@ class CriticConfig:
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     """Optimizer of the critic."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the critic under actor.engine=fsdp."""
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     micro_batch_size: int = 32
@@ -367,6 +402,13 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.tp={tp_g} must divide the {world_size} ranks (each generation replica "
                                   f"spans rollout.tp ranks); use a divisor of {world_size}, or launch more processes")
         replicas = world_size // tp_g
+        if self.actor.engine == "fsdp":  # an FSDP mesh that does not divide the ranks fails before any step
+            roles = [("actor", self.actor.fsdp)] + ([("critic", self.critic.fsdp)] if self.needs_critic else [])
+            for role, fsdp in roles:
+                try:
+                    fsdp.mesh_shape(world_size)
+                except VerlConfigError as e:
+                    raise VerlConfigError(f"{role}.{e}") from None
         world_size = self.data_parallel_size(world_size)
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
