@@ -89,8 +89,8 @@ def _engine_body(rank, world):
         res["moved"] = max(float((t["params"][n] - p.detach()).abs().max()) for n, p in model.named_parameters())
         res["sharded"] = {str(p.placements) for p in f["engine"].engine.module.parameters()}
         res["offloaded"] = {p.to_local().device.type for p in f["engine"].engine.module.parameters()}
-        if case == "clipped":
-            results["sync"] = _sync_case(placement, tok, f["engine"], batch)
+        if case in ("clipped", "hsdp"):
+            results[f"sync_{case}"] = _sync_case(placement, tok, f["engine"], batch)
         results[case] = res
     try:
         FSDPEngine(copy.deepcopy(model), None, placement, FSDPConfig(shard_size=3))
@@ -131,10 +131,12 @@ def test_fsdp_engine_matches_torch_engine_and_syncs_bit_exactly():
         assert results["plain"]["sharded"] == {"(Shard(dim=0),)"}
         assert results["hsdp"]["sharded"] == {"(Replicate(), Shard(dim=0))"}
         assert results["offload"]["offloaded"] == {"cpu"}
-        sync = results["sync"]
-        assert sync["n"] > 0 and sync["mismatched"] == [], sync["mismatched"]
-        assert sync["shared"] == 0.0 and sync["comm_bytes"] > 0  # each rank gathered the other's rows
-        assert torch.equal(*sync["lp"])
+        for case, moved in (("clipped", True), ("hsdp", False)):
+            sync = results[f"sync_{case}"]
+            assert sync["n"] > 0 and sync["mismatched"] == [], (case, sync["mismatched"])
+            assert torch.equal(*sync["lp"]), case
+            # 1-D: each rank gathers the other's rows; HSDP with shard_size=1: every rank holds a whole copy
+            assert sync["shared"] == 0.0 and (sync["comm_bytes"] > 0) == moved, (case, sync["comm_bytes"])
         assert "fsdp.shard_size=3" in results["bad_shard_size"] and "[1, 2]" in results["bad_shard_size"]
 
 

@@ -25,6 +25,7 @@ from verl.utils.checkpoint import CheckpointManager
 from verl.distributed.collectives import barrier, reduce_metrics
 from verl.utils.metrics import MetricsLogger, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
+from verl.workers.engine import ModuleEngine
 
 MAXED = ("reward/max", "rollout/mismatch_max")
 
@@ -113,7 +114,8 @@ class PPOTrainer:
         cfg, p = self.cfg, self.placement
         needs_dir = cfg.actor.engine == "megatron" or cfg.rollout.engine in ("vllm", "sglang")
         init_dir = self._init_dir() if needs_dir else None
-        engines = self._megatron_engines(init_dir) if cfg.actor.engine == "megatron" else self._torch_engines()
+        engines = {"megatron": lambda: self._megatron_engines(init_dir), "fsdp": self._fsdp_engines,
+                   "torch": self._torch_engines}[cfg.actor.engine]()
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens,
                   responses_per_mini=cfg.actor.mini_batch_size // p.dp_size * cfg.rollout.n)
         self.actor = ActorWorker(engines["actor"], cfg.actor, **kw)
@@ -136,6 +138,19 @@ class PPOTrainer:
                                         total_steps=steps)
         return out
 
+    def _fsdp_engines(self) -> dict:
+        """FSDP2 engines shard their modules in place: the actor gets a copy, the policy stays whole for the
+        rollout engine (which receives the actor's shards through the hybrid engine)."""
+        from verl.workers.fsdp import FSDPEngine
+        cfg, p, steps = self.cfg, self.placement, self.cfg.trainer.total_steps
+        out = {"actor": FSDPEngine(copy.deepcopy(self.policy), cfg.actor.optim, p, cfg.actor.fsdp, total_steps=steps)}
+        if cfg.needs_ref:
+            out["ref"] = FSDPEngine(copy.deepcopy(self.policy), None, p, cfg.actor.fsdp)
+        if cfg.needs_critic:
+            out["critic"] = FSDPEngine(ValueModel.from_causal_lm(self.policy), cfg.critic.optim, p, cfg.critic.fsdp,
+                                       head="value", total_steps=steps)
+        return out
+
     def _megatron_engines(self, init_dir: Path) -> dict:
         from verl.workers.megatron import MegatronEngine
         cfg, p, m, steps = self.cfg, self.placement, self.cfg.actor.megatron, self.cfg.trainer.total_steps
@@ -148,12 +163,13 @@ class PPOTrainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _checkpointed(self) -> tuple[dict, dict]:
-        """(torch modules and optimizers, megatron engines with their own per-rank layout): both go to DCP."""
+        """(torch modules and optimizers — whole, or FSDP2's sharded DTensors — and megatron engines with their
+        own per-rank layout): all go to one DCP checkpoint."""
         modules, sharded = {}, {}
         for name, w in {"actor": self.actor, "ref": self.ref, "critic": self.critic}.items():
             if w is None:
                 continue
-            if isinstance(w.engine, TorchEngine):
+            if isinstance(w.engine, ModuleEngine):
                 modules[name] = (w.engine.module, w.engine.optimizer)
             else:
                 sharded[name] = w.engine

@@ -77,8 +77,10 @@ class _Root(torch.nn.Module):
         self.model, self.head = model, head
 
     def forward(self, input_ids, attention_mask, position_ids, responses, prompt_length: int, temperature: float):
-        return head_outputs(self.model, self.head, input_ids, attention_mask, position_ids, responses, prompt_length,
-                            temperature)
+        out = head_outputs(self.model, self.head, input_ids, attention_mask, position_ids, responses, prompt_length,
+                           temperature)
+        # FSDP hooks backward onto the root's outputs; a slice (the values) would lose the hook to an in-place op
+        return {k: v.clone() if v._base is not None else v for k, v in out.items()}
 
 
 class FSDPEngine(ModuleEngine):
