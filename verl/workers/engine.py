@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
-from verl.ops.logprob import lm_head_logprob_entropy
+from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
 
@@ -36,6 +36,15 @@ def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_si
                        norm_len=float(norm_len))
 
 
+def logit_head(config) -> tuple[float, float | None]:
+    """(scale, soft-cap) a family's CausalLM.forward applies to the LM head's logits (the base model never
+    does): Cohere multiplies by `logit_scale`, Granite divides by `logits_scaling`, Gemma 2/3 soft-cap with
+    cap·tanh(logits / cap). A scale folds into the temperature (so the fused LM head still applies); a cap
+    needs the logits."""
+    scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+    return scale, getattr(config, "final_logit_softcapping", None) or None
+
+
 def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, responses: torch.Tensor, prompt_length: int,
                  temperature: float) -> dict[str, torch.Tensor]:
@@ -47,7 +56,13 @@ def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, at
     hidden = module.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
     # only the R positions that predict response tokens go through the (fused) LM head
-    lp, ent = lm_head_logprob_entropy(hidden[:, P - 1:-1], module.get_output_embeddings(), responses, temperature)
+    scale, cap = logit_head(getattr(module, "config", None))
+    lm_head = module.get_output_embeddings()
+    if cap is not None:
+        logits = lm_head(hidden[:, P - 1:-1]).float()
+        lp, ent = logprob_entropy(torch.tanh(logits / cap) * cap, responses, temperature / scale)
+    else:
+        lp, ent = lm_head_logprob_entropy(hidden[:, P - 1:-1], lm_head, responses, temperature / scale)
     return {"log_probs": lp, "entropy": ent}
 
 
