@@ -92,6 +92,9 @@ def _engine_body(rank, world):
         if case in ("clipped", "hsdp"):
             results[f"sync_{case}"] = _sync_case(placement, tok, f["engine"], batch)
         results[case] = res
+    bf16 = FSDPEngine(copy.deepcopy(model), None, placement, FSDPConfig(param_dtype="bfloat16"))
+    results["bf16"] = {"lp": (results["plain"]["lp"][0], bf16.forward(batch, 4)["log_probs"]),
+                       "dtypes": {str(p.dtype) for p in bf16.module.parameters()}}
     try:
         FSDPEngine(copy.deepcopy(model), None, placement, FSDPConfig(shard_size=3))
     except VerlConfigError as e:
@@ -137,6 +140,8 @@ def test_fsdp_engine_matches_torch_engine_and_syncs_bit_exactly():
             assert torch.equal(*sync["lp"]), case
             # 1-D: each rank gathers the other's rows; HSDP with shard_size=1: every rank holds a whole copy
             assert sync["shared"] == 0.0 and (sync["comm_bytes"] > 0) == moved, (case, sync["comm_bytes"])
+        fp32, bf16 = results["bf16"]["lp"]  # computed in bfloat16 (close, not equal), master weights float32
+        assert 0 < float((bf16 - fp32).abs().max()) < 2e-2 and results["bf16"]["dtypes"] == {"torch.float32"}
         assert "fsdp.shard_size=3" in results["bad_shard_size"] and "[1, 2]" in results["bad_shard_size"]
 
 

@@ -94,6 +94,9 @@ class ModuleEngine:
         """Makes every rank's gradients the data-parallel mean (before clipping)."""
         raise NotImplementedError
 
+    def _gradient_sync(self, last_micro_batch: bool) -> None:
+        """Called before each micro-batch's backward: engines that reduce in backward skip all but the last."""
+
     # -- forward --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0
@@ -107,7 +110,9 @@ class ModuleEngine:
         """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step.
         Returns each micro-batch's statistics (floats) and the pre-clip gradient norm."""
         stats = []
-        for sl in micro_slices(len(batch), micro_batch_size):
+        slices = micro_slices(len(batch), micro_batch_size)
+        for i, sl in enumerate(slices):
+            self._gradient_sync(i == len(slices) - 1)
             mb = batch.select(sl)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
             loss, s = loss_fn(self._forward(mb, temperature), fields)

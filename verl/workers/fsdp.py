@@ -120,6 +120,10 @@ class FSDPEngine(ModuleEngine):
         return self.root(mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses, mb.prompt_length,
                          temperature)
 
+    def _gradient_sync(self, last_micro_batch: bool) -> None:
+        # earlier micro-batches accumulate unsharded local gradients; the last one reduce-scatters their sum once
+        self.root.set_requires_gradient_sync(last_micro_batch)
+
     def _reduce_grads(self) -> None:
         """Nothing left to do: FSDP reduce-scattered (and, under HSDP, all-reduced) the mean in backward."""
 
