@@ -4,6 +4,7 @@ from verl.config.base import apply_overrides, describe, field_docs, from_dict, l
 from verl.config.ppo import (
     MegatronConfig,
     ActorConfig,
+    FSDPConfig,
     AlgorithmConfig,
     CriticConfig,
     DataConfig,
@@ -20,6 +21,6 @@ from verl.config.ppo import (
 
 __all__ = [
     "apply_overrides", "describe", "field_docs", "from_dict", "load_config", "load_yaml", "to_dict",
-    "ActorConfig", "AlgorithmConfig", "MegatronConfig", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
+    "ActorConfig", "AlgorithmConfig", "FSDPConfig", "MegatronConfig", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
     "PPOConfig", "RewardConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig", "WarmupConfig",
 ]

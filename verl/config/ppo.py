@@ -146,18 +146,51 @@ class MegatronConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FSDPConfig:
+    """Sharding of the FSDP2 engine (`torch.distributed.fsdp.fully_shard`, one unit per decoder layer + the root)."""
+
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype parameters are all-gathered and computed in (the sharded master copy stays in its own dtype)."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype gradients are reduce-scattered in."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after each unit's forward (ZeRO-3; False keeps them until backward: ZeRO-2)."""
+    shard_size: int = -1
+    """Ranks each parameter is sharded over: -1 = all ranks of the role; a smaller divisor of them gives
+    HSDP (replicas of shard_size-rank shard groups, gradients all-reduced across the replicas)."""
+
+    def check(self) -> None:
+        if self.shard_size != -1 and self.shard_size < 1:
+            raise VerlConfigError(f"fsdp.shard_size={self.shard_size} must be -1 (all ranks of the role) or >= 1")
+
+    def mesh_shape(self, ranks: int) -> tuple[int, int]:
+        """(replicas, shard size) over `ranks` ranks, or a VerlConfigError naming shard_size."""
+        size = ranks if self.shard_size == -1 else self.shard_size
+        if size < 1 or ranks % size:
+            divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+            raise VerlConfigError(f"fsdp.shard_size={self.shard_size} does not divide the role's {ranks} ranks; "
+                                  f"use -1 (all ranks) or one of {divisors}")
+        return ranks // size, size
+
+
+@dataclass(kw_only=True, slots=True)
 class ActorConfig:
     """The policy and its PPO update."""
 
-    engine: Literal["torch", "megatron"] = "torch"
-    """Training engine: plain torch data parallel over a Hugging Face / verl model, or megatron-core."""
+    engine: Literal["torch", "megatron", "fsdp"] = "torch"
+    """Training engine: plain torch data parallel over a Hugging Face / verl model, megatron-core, or FSDP2
+    (`fully_shard` over any Hugging Face causal LM); the reference and the critic default to it."""
     ranks: list[int] | None = None
     """World ranks that train the policy (None: trainer.placement decides). Rank 0 must be among them (it
     logs, and keeps the trainer state); megatron needs every rank."""
     cpu_offload: bool = False
-    """Keep the policy's weights and optimizer state on the CPU between its nodes (torch engine; not megatron)."""
+    """Keep the policy's weights and optimizer state on the CPU: torch moves them between the role's nodes;
+    fsdp keeps its shards, gradients and optimizer state there (CPUOffloadPolicy: the optimizer steps on the
+    CPU); megatron cannot."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Layout of the megatron engine (used when engine=megatron)."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the FSDP2 engine (used when engine=fsdp; the reference shares it)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer of the policy."""
     ppo_epochs: int = 1
@@ -197,12 +230,12 @@ class ActorConfig:
 class RefConfig:
     """The frozen reference policy (used when a KL term is on)."""
 
-    engine: Literal["torch", "megatron"] | None = None
-    """Its engine (None: the actor's)."""
+    engine: Literal["torch", "megatron", "fsdp"] | None = None
+    """Its engine (None: the actor's; an fsdp reference shards like actor.fsdp)."""
     ranks: list[int] | None = None
     """World ranks that hold it (None: the actor's)."""
     cpu_offload: bool = False
-    """Keep its weights on the CPU except while it computes log-probs (torch engine)."""
+    """Keep its weights on the CPU except while it computes log-probs (torch; fsdp keeps its shards there)."""
 
     def check(self) -> None:
         check_finite(self, allow_inf=("clip_ratio_c",))  # inf turns the dual clip off
@@ -221,15 +254,18 @@ class RefConfig:
 class CriticConfig:
     """The value model (used by the `gae` estimator only)."""
 
-    engine: Literal["torch", "megatron"] | None = None
+    engine: Literal["torch", "megatron", "fsdp"] | None = None
     """Its training engine (None: the actor's)."""
     ranks: list[int] | None = None
     """World ranks that train it (None: trainer.placement decides)."""
     cpu_offload: bool = False
-    """Keep its weights and optimizer state on the CPU between its nodes (torch engine)."""
+    """Keep its weights and optimizer state on the CPU between its nodes (torch; fsdp keeps its shards,
+    gradients and optimizer state there)."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     """Optimizer of the critic."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """Sharding of the critic under actor.engine=fsdp."""
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     micro_batch_size: int = 32
@@ -612,6 +648,12 @@ class PPOConfig:
                                   f"processes")
         replicas = gen_ranks // tp_g
         world_size = self.data_parallel_size(len(roles["actor"].ranks))
+        for role in ("actor", "critic"):  # an FSDP mesh that does not divide its role's ranks fails here
+            if roles[role].engine == "fsdp" and (role == "actor" or self.needs_critic):
+                try:
+                    getattr(self, role).fsdp.mesh_shape(len(roles[role].ranks))
+                except VerlConfigError as e:
+                    raise VerlConfigError(f"{role}.{e}") from None
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
@@ -642,10 +684,11 @@ class PPOConfig:
 
 
 # ---- placement per role ------------------------------------------------------------------------------------
-ROLE_ENGINES = {"actor": ("torch", "megatron"), "ref": ("torch", "megatron"), "critic": ("torch", "megatron"),
+ROLE_ENGINES = {"actor": ("torch", "megatron", "fsdp"), "ref": ("torch", "megatron", "fsdp"),
+                "critic": ("torch", "megatron", "fsdp"),
                 "rollout": ("hf", "torch", "vllm", "sglang"), "reward": ("rule", "torch")}
 """The engines each role can run on (a reward model runs on torch; reward.type picks rule or model)."""
-OFFLOADABLE = ("torch", "hf", "vllm", "sglang")
+OFFLOADABLE = ("torch", "fsdp", "hf", "vllm", "sglang")
 """Engines that can keep a role's memory on the CPU between its nodes (megatron keeps its own layout; a rule
 reward holds nothing)."""
 EXCLUSIVE = ("vllm", "sglang")

@@ -6,9 +6,10 @@
 Two training layouts, both Placement.layout(tp=1, pp=1, dp=world): plain data parallelism (every rank holds
 every parameter whole — a single process, or DistributedDataParallel), where every target is built from
 the rank's own copy and nothing moves; and FSDP2 (`torch.distributed.fsdp.fully_shard` on a 1-D mesh
-over the group), where rank k holds dim-0 chunk k of every parameter and each generation rank gathers
-only the rows its targets need. Parameter names are the module's HF names; a tied `lm_head.weight` is
-the embedding itself and not a separate target (vLLM and the torch engine share it too).
+over the group, or HSDP's 2-D mesh with the group being this rank's shard group), where rank k holds dim-0
+chunk k of every parameter and each generation rank gathers only the rows its targets need. Parameter
+names are the module's HF names; a tied `lm_head.weight` is the embedding itself and not a separate target
+(vLLM and the torch engine share it too).
 """
 
 from __future__ import annotations
@@ -36,9 +37,21 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _shard_ranks(p) -> list[int] | None:
+    """The ranks a DTensor is cut over along dim 0 — FSDP2's Shard(0) on a 1-D mesh, or HSDP's
+    (Replicate, Shard(0)) on a 2-D one, this rank's shard group — or None for any other placement."""
+    from torch.distributed.tensor import Replicate, Shard
+    placements, mesh = tuple(p.placements), p.device_mesh
+    if mesh.ndim == 1 and placements == (Shard(0),):
+        return mesh.mesh.tolist()
+    if mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
+        return dist.get_process_group_ranks(mesh.get_group(1))
+    return None
+
+
 def _fsdp_shards(params: dict[str, torch.Tensor], group) -> int:
-    """1 for whole parameters; the mesh size for FSDP2 dim-0 shards over exactly `group`, in its rank order."""
-    from torch.distributed.tensor import Shard
+    """1 for whole parameters; the shard-group size for FSDP2 dim-0 shards over exactly `group`, in its rank
+    order (under HSDP `group` is this rank's shard group: every replica holds one whole copy)."""
     sharded = [n for n, p in params.items() if _is_dtensor(p)]
     if not sharded:
         return 1
@@ -49,10 +62,10 @@ def _fsdp_shards(params: dict[str, torch.Tensor], group) -> int:
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     for n in sharded:
         p = params[n]
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.device_mesh.mesh.tolist() != ranks:
+        if _shard_ranks(p) != ranks:
             raise VerlConfigError(f"{n} is a DTensor with placements {tuple(p.placements)} on mesh "
-                                  f"{p.device_mesh.mesh.tolist()}; the hybrid engine serves FSDP2's Shard(0) on a 1-D "
-                                  f"mesh over the ranks {ranks} of its group (HSDP and 2-D meshes are not supported)")
+                                  f"{p.device_mesh.mesh.tolist()}; the hybrid engine serves FSDP2's Shard(0) (or "
+                                  f"HSDP's Replicate, Shard(0)) cut over the ranks {ranks} of its group")
     return len(ranks)
 
 

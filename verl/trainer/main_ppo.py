@@ -9,6 +9,7 @@ exact-match reward, a short supervised warm start, then GRPO. Other algorithms a
     python -m verl.trainer.main_ppo verl/trainer/config/default.yaml actor.optim.lr=1e-6 rollout.n=4
     torchrun --nproc_per_node=2 -m verl.trainer.main_ppo CONFIG.yaml trainer.output_dir=outputs/run2
     torchrun --nproc_per_node=8 -m verl.trainer.main_ppo CONFIG.yaml actor.engine=megatron actor.megatron.tp=2
+    torchrun --nproc_per_node=8 -m verl.trainer.main_ppo CONFIG.yaml actor.engine=fsdp actor.fsdp.param_dtype=bfloat16
     python -m verl.trainer.main_ppo CONFIG.yaml trainer.resume=auto   # continue the newest checkpoint
     python -m verl.trainer.main_ppo --help                            # every config key, documented
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     m = cfg.actor.megatron
     placement = init_placement(cfg.trainer.device, tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
                                seed=cfg.trainer.seed, megatron=cfg.actor.engine == "megatron",
-                               process_group=cfg.rollout.engine in ("vllm", "sglang"),
+                               process_group=cfg.rollout.engine in ("vllm", "sglang") or cfg.actor.engine == "fsdp",
                                timeout_s=cfg.trainer.collective_timeout_s)
     trainer = None
     try:

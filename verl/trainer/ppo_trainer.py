@@ -26,6 +26,7 @@ from verl.utils.checkpoint import CheckpointManager
 from verl.distributed.collectives import barrier, reduce_metrics
 from verl.utils.metrics import MetricsLogger, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
+from verl.workers.engine import ModuleEngine
 
 MAXED = ("reward/max", "rollout/mismatch_max")
 
@@ -158,19 +159,26 @@ class PPOTrainer:
             from verl.workers.megatron import MegatronEngine
             return MegatronEngine(init_dir, p, cfg.actor.megatron, value_head=role == "critic", optim=optim,
                                   total_steps=steps)
+        head = "value" if role == "critic" else "lm"
+        if self.roles[role].engine == "fsdp":  # shards its module in place: the policy stays whole for rollout
+            from verl.workers.fsdp import FSDPEngine
+            module = ValueModel.from_causal_lm(self.policy) if role == "critic" else copy.deepcopy(self.policy)
+            return FSDPEngine(module, optim, p, cfg.critic.fsdp if role == "critic" else cfg.actor.fsdp, head=head,
+                              total_steps=steps, cpu_offload=self.roles[role].cpu_offload)
         if role == "critic":
-            return TorchEngine(ValueModel.from_causal_lm(self.policy), optim, p, head="value", total_steps=steps)
+            return TorchEngine(ValueModel.from_causal_lm(self.policy), optim, p, head=head, total_steps=steps)
         module = self.policy if role == "actor" else copy.deepcopy(self.policy)
         return TorchEngine(module, optim, p, total_steps=steps)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _checkpointed(self) -> tuple[dict, dict]:
-        """(torch modules and optimizers, megatron engines with their own per-rank layout): both go to DCP."""
+        """(torch modules and optimizers — whole, or FSDP2's sharded DTensors — and megatron engines with their
+        own per-rank layout): all go to one DCP checkpoint."""
         modules, sharded = {}, {}
         for name, w in {"actor": self.actor, "ref": self.ref, "critic": self.critic}.items():
             if w is None:
                 continue
-            if isinstance(w.engine, TorchEngine):
+            if isinstance(w.engine, ModuleEngine):
                 modules[name] = (w.engine.module, w.engine.optimizer)
             else:
                 sharded[name] = w.engine

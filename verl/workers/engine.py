@@ -2,8 +2,8 @@
 (data parallel with explicit all-reduce, so it runs on gloo as well as NCCL), AdamW with the OptimConfig's
 warm-up + decay schedule and global-norm clipping.
 
-Every training engine (this one, `verl.workers.megatron.MegatronEngine`) offers the same calls, which is all
-the actor and critic workers use:
+Every training engine (this one, `verl.workers.fsdp.FSDPEngine`, `verl.workers.megatron.MegatronEngine`) offers
+the same calls, which is all the actor and critic workers use:
 
     engine.forward(batch, micro_batch_size, temperature=T)   # no grad: {"log_probs", "entropy"} or {"values"}, [B, R]
     engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # one optimizer step
@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
-from verl.ops.logprob import lm_head_logprob_entropy
+from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
 
-__all__ = ["TorchEngine", "count_aggregation"]
+__all__ = ["ModuleEngine", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs"]
 
 def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_size: int) -> Aggregation:
     """Aggregation over one optimizer step's tokens on all `group` ranks, so micro-batch losses add up (and DP
@@ -36,47 +36,68 @@ def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_si
                        norm_len=float(norm_len))
 
 
-def is_device_mapped(module: torch.nn.Module) -> bool:
-    """Loaded by transformers with `device_map=...` over more than one device (accelerate's hooks move the
-    activations between them); a map onto one device is an ordinary placement."""
-    device_map = getattr(module, "hf_device_map", None) or {}
-    return len(set(map(str, device_map.values()))) > 1
+def logit_head(config) -> tuple[float, float | None]:
+    """(scale, soft-cap) a family's CausalLM.forward applies to the LM head's logits (the base model never
+    does): Cohere multiplies by `logit_scale`, Granite divides by `logits_scaling`, Gemma 2/3 soft-cap with
+    cap·tanh(logits / cap). A scale folds into the temperature (so the fused LM head still applies); a cap
+    needs the logits."""
+    scale = float(getattr(config, "logit_scale", None) or 1.0) / float(getattr(config, "logits_scaling", None) or 1.0)
+    return scale, getattr(config, "final_logit_softcapping", None) or None
 
 
-class TorchEngine:
-    """Owns a module (a causal LM, or a `ValueModel` with `head="value"`) and, unless frozen, its optimizer."""
+def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor, responses: torch.Tensor, prompt_length: int,
+                 temperature: float) -> dict[str, torch.Tensor]:
+    """Response-position outputs [b, R] of a causal LM ("lm": log-probs and entropy) or a `ValueModel` ("value")."""
+    P = prompt_length
+    if head == "value":
+        values = module(input_ids, attention_mask, position_ids)
+        return {"values": values[:, P - 1:-1]}
+    hidden = module.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+    # only the R positions that predict response tokens go through the (fused) LM head
+    scale, cap = logit_head(getattr(module, "config", None))
+    lm_head = module.get_output_embeddings()
+    if cap is not None:
+        logits = lm_head(hidden[:, P - 1:-1]).float()
+        lp, ent = logprob_entropy(torch.tanh(logits / cap) * cap, responses, temperature / scale)
+    else:
+        lp, ent = lm_head_logprob_entropy(hidden[:, P - 1:-1], lm_head, responses, temperature / scale)
+    return {"log_probs": lp, "entropy": ent}
 
-    def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, *,
-                 head: str = "lm", total_steps: int = 1):
-        # a model loaded with a device map stays where it was put (verl.trainer.ppo_trainer.check_device_map)
-        self.module = module if is_device_mapped(module) else module.to(placement.device)
-        self.placement, self.head, self.optim_cfg = placement, head, optim
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler = None
-        if optim is None:
-            self.module.requires_grad_(False)
-            self.module.eval()
-            return
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                           weight_decay=optim.weight_decay, foreach=False)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           lambda s: optim.lr_factor(s, total_steps))
-        self.broadcast_parameters()
+
+def build_optimizer(module: torch.nn.Module, optim: OptimConfig, total_steps: int):
+    """(AdamW over the trainable parameters, its LambdaLR following `optim.lr_factor`)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                  weight_decay=optim.weight_decay, foreach=False)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s, total_steps))
+
+
+class ModuleEngine:
+    """What the torch-module engines share: micro-batched forward / train step, the optimizer step with
+    global-norm clipping, aggregation counts over the data-parallel group, and the weights' way to the rollout
+    engine. Subclasses set `module` (HF names), `placement`, `head`, `optim_cfg`, `optimizer`, `scheduler`, and
+    give `_forward` and `_reduce_grads`."""
+
+    module: torch.nn.Module
+    placement: Placement
+    head: str
+    optim_cfg: OptimConfig | None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler = None
+
+    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _reduce_grads(self) -> None:
+        """Makes every rank's gradients the data-parallel mean (before clipping)."""
+        raise NotImplementedError
+
+    def _gradient_sync(self, last_micro_batch: bool) -> None:
+        """Called before each micro-batch's backward: engines that reduce in backward skip all but the last."""
 
     # -- forward --------------------------------------------------------------------------------------------
-    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
-        P = mb.prompt_length
-        if self.head == "value":
-            values = self.module(mb.input_ids, mb.attention_mask, mb.position_ids)
-            return {"values": values[:, P - 1:-1]}
-        hidden = self.module.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                        position_ids=mb.position_ids, use_cache=False).last_hidden_state
-        # only the R positions that predict response tokens go through the (fused) LM head
-        lp, ent = lm_head_logprob_entropy(hidden[:, P - 1:-1], self.module.get_output_embeddings(), mb.responses,
-                                          temperature)
-        return {"log_probs": lp, "entropy": ent}
-
     @torch.no_grad()
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0
                 ) -> dict[str, torch.Tensor]:
@@ -89,7 +110,9 @@ class TorchEngine:
         """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step.
         Returns each micro-batch's statistics (floats) and the pre-clip gradient norm."""
         stats = []
-        for sl in micro_slices(len(batch), micro_batch_size):
+        slices = micro_slices(len(batch), micro_batch_size)
+        for i, sl in enumerate(slices):
+            self._gradient_sync(i == len(slices) - 1)
             mb = batch.select(sl)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
             loss, s = loss_fn(self._forward(mb, temperature), fields)
@@ -106,6 +129,64 @@ class TorchEngine:
         return count_aggregation(mode, mask, norm_len, p.dp, p.dp_size if p.distributed else 1)
 
     # -- optimizer --------------------------------------------------------------------------------------------
+    def step(self) -> float:
+        """Averages gradients over the replicas, clips, steps the optimizer and schedule; returns the pre-clip
+        grad norm (over the whole model: FSDP2's DTensor gradients give the norm across their shards)."""
+        assert self.optimizer is not None, "frozen engine has no optimizer"
+        self._reduce_grads()
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False) if params else torch.tensor(0.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    # -- weights for the rollout engine -------------------------------------------------------------------------
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """This rank's weights by Hugging Face name (the live tensors, or FSDP2's local dim-0 chunks: views; the
+        hybrid engine only reads them)."""
+        from verl.hybrid_engine.module import module_local_params
+        return module_local_params(self.module)
+
+    def hybrid_engine(self, config):
+        """The 3D-HybridEngine planned for this module's data-parallel replicas (collective)."""
+        from verl.hybrid_engine.module import hybrid_engine_for_module
+        return hybrid_engine_for_module(self.module, config, group=self.placement.dp)
+
+
+def is_device_mapped(module: torch.nn.Module) -> bool:
+    """Loaded by transformers with `device_map=...` over more than one device (accelerate's hooks move the
+    activations between them); a map onto one device is an ordinary placement."""
+    device_map = getattr(module, "hf_device_map", None) or {}
+    return len(set(map(str, device_map.values()))) > 1
+
+
+class TorchEngine(ModuleEngine):
+    """Owns a module (a causal LM, or a `ValueModel` with `head="value"`) and, unless frozen, its optimizer."""
+
+    def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, *,
+                 head: str = "lm", total_steps: int = 1):
+        # a model loaded with a device map stays where it was put (verl.trainer.ppo_trainer.check_device_map)
+        self.module = module if is_device_mapped(module) else module.to(placement.device)
+        self.placement, self.head, self.optim_cfg = placement, head, optim
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        if optim is None:
+            self.module.requires_grad_(False)
+            self.module.eval()
+            return
+        self.optimizer, self.scheduler = build_optimizer(self.module, optim, total_steps)
+        self.broadcast_parameters()
+
+    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+        return head_outputs(self.module, self.head, mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses,
+                            mb.prompt_length, temperature)
+
     def broadcast_parameters(self) -> None:
         """Makes every rank of the engine start from its first rank's weights."""
         p = self.placement
@@ -113,7 +194,7 @@ class TorchEngine:
             for t in self.module.parameters():
                 dist.broadcast(t.data, src=p.global_of(0), group=p.dp)
 
-    def _all_reduce_grads(self) -> None:
+    def _reduce_grads(self) -> None:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not self.placement.distributed or not grads:
             return
@@ -125,25 +206,9 @@ class TorchEngine:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def step(self) -> float:
-        """All-reduces gradients, clips, steps the optimizer and schedule; returns the pre-clip grad norm."""
-        assert self.optimizer is not None, "frozen engine has no optimizer"
-        self._all_reduce_grads()
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False) if params else torch.tensor(0.0)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
-
-    # -- memory -----------------------------------------------------------------------------------------------
+    # -- memory (a role with cpu_offload: the dataflow runtime calls these around the role's nodes) -----------
     def offload(self) -> None:
-        """Weights and optimizer state to the CPU (a role with cpu_offload, between its nodes)."""
+        """Weights and optimizer state to the CPU."""
         self._move(torch.device("cpu"))
 
     def onload(self, device: torch.device) -> None:
@@ -158,14 +223,3 @@ class TorchEngine:
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and k != "step":
                         state[k] = v.to(device)
-
-    # -- weights for the rollout engine -------------------------------------------------------------------------
-    def local_params(self) -> dict[str, torch.Tensor]:
-        """This rank's weights by Hugging Face name (the live tensors; the hybrid engine only reads them)."""
-        from verl.hybrid_engine.module import module_local_params
-        return module_local_params(self.module)
-
-    def hybrid_engine(self, config):
-        """The 3D-HybridEngine planned for this module's data-parallel replicas (collective)."""
-        from verl.hybrid_engine.module import hybrid_engine_for_module
-        return hybrid_engine_for_module(self.module, config, group=self.placement.dp)

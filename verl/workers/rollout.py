@@ -128,7 +128,9 @@ class RolloutWorker:
             self._hybrid = actor.engine.hybrid_engine(HybridEngineConfig(
                 generation_tp=self.cfg.tp, bucket_mb=self.cfg.sync_bucket_mb,
                 weight_format=self.weight_format, rank_mapping="contiguous"))
-            self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(self.placement.rank))
+            # the plan numbers the ranks of the engine's group (the role's ranks, or an HSDP shard group)
+            rank = dist.get_rank(self._hybrid.group) if dist.is_initialized() else 0
+            self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(rank))
         stats = self._hybrid.sync(actor.engine.local_params(), self.engine)
         return {"perf/sync_s": time.perf_counter() - t0, "perf/sync_bytes": float(self._engine_bytes),
                 "perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received),
