@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     m = cfg.actor.megatron
     placement = init_placement(cfg.trainer.device, tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
                                seed=cfg.trainer.seed, megatron=cfg.actor.engine == "megatron",
-                               process_group=cfg.rollout.engine in ("vllm", "sglang") or cfg.actor.engine == "fsdp",
+                               process_group=cfg.rollout.engine in ("vllm", "sglang")
+                               or "fsdp" in (cfg.actor.engine, cfg.ref.engine, cfg.critic.engine),
                                timeout_s=cfg.trainer.collective_timeout_s)
     trainer = None
     try:
