@@ -156,8 +156,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def _describe(e: BaseException) -> str:
     """One line per failing rank of a DCP error (its str() is a traceback per rank)."""
     if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
-    return f"{type(e).__name__}: {e}"
+        return "; ".join(f"rank {r}: {_describe(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
+    # torch's weights_only refusal is a page of advice; its one line that names the offending global:
+    line = next((x for x in lines if x.startswith("WeightsUnpickler error:")), lines[0])
+    if isinstance(e, pickle.UnpicklingError) and "could run code" not in line:
+        line += " (refused: unpickling it could run code)"
+    return f"{type(e).__name__}: {line}"
 
 
 # -- manifests --------------------------------------------------------------------------------------------------
