@@ -497,3 +497,41 @@ def test_behaves_kill_during_save_always_leaves_a_valid_checkpoint(tmp_path):
         resumed.append(step)
     print(f"\nkill-during-save: {n} kills (seed {seed}), {mid_save} inside a save; every resume=auto found a valid "
           f"checkpoint at or after the last reported save (resumed steps {resumed})")
+
+
+# -- two ranks: every rank reaches the same decision, nobody hangs ------------------------------------------------
+def _two_ranks(rank: int, world_size: int, root: str) -> dict:
+    import torch.distributed as dist
+    root, world = Path(root), Placement(rank=rank, world_size=world_size, dp_size=world_size, dp_rank=rank)
+    _save(root, 1, 2, mgr=CheckpointManager(root, world))
+    out = {}
+    if rank == 0:
+        victim = sorted(_step_dir(root, 2).glob("*.distcp"))[-1]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        CheckpointManager(root, world).resolve(str(_step_dir(root, 2)))
+    except VerlConfigError as e:
+        out["explicit"] = str(e)
+    mgr = CheckpointManager(root, world)
+    model, opt = _model(-1.0)
+    out["auto"] = mgr.load(mgr.resolve("auto"), {"m": (model, opt)})["step"]
+    if rank == 0:  # the newest verifies no more, and fails to load: the fall-back is collective too
+        (_step_dir(root, 2) / MANIFEST).unlink()
+        (_step_dir(root, 2) / ".metadata").write_bytes(b"\x80\x04garbage")
+    dist.barrier()
+    mgr = CheckpointManager(root, world, trust=True)
+    out["fallback"] = mgr.load(mgr.resolve("auto"), {"m": (model, opt)})["step"]
+    out["weights"] = model.weight[0, 0].item()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_behaves_two_ranks_agree_on_refusal_and_fallback(tmp_path):
+    from verl.testing.distributed import run_distributed
+    r0, r1 = run_distributed(_two_ranks, 2, args=(str(tmp_path),), timeout=120)
+    assert "sha256" in r0["explicit"] and "rank 0 could not resolve" in r1["explicit"]
+    assert r0["auto"] == r1["auto"] == 1
+    assert r0["fallback"] == r1["fallback"] == 1 and r0["weights"] == r1["weights"] == 1.0
