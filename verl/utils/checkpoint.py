@@ -298,7 +298,8 @@ class CheckpointManager:
         return [p for _, p in sorted(found)]
 
     # -- choosing what to resume -----------------------------------------------------------------------------
-    def resolve(self, resume: str | None, *, overwrite: bool = False, run_files: Sequence[str | Path] = ()) -> Path | None:
+    def resolve(self, resume: str | None, *, overwrite: bool = False,
+                run_files: Sequence[str | Path] = ()) -> Path | None:
         """`resume` setting → a verified checkpoint directory (None: start fresh), the same on every rank.
 
         'auto' takes the newest checkpoint that verifies and starts fresh when none was saved. Without `resume`
