@@ -513,7 +513,14 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     """Most recent checkpoints kept on disk (0 keeps all)."""
     resume: str | None = None
-    """Checkpoint directory to continue from, or 'auto' for the newest in output_dir."""
+    """Checkpoint directory to continue from, or 'auto' for the newest valid one in output_dir (an incomplete or
+    corrupted newer one is skipped with a warning)."""
+    overwrite: bool = False
+    """Start a fresh run in an output_dir that an earlier run used (checkpoints or metrics.jsonl there): deletes
+    that run's checkpoints and metrics first. Without it (and without `resume`) such a folder is refused."""
+    trust_checkpoint: bool = False
+    """Resume from a checkpoint without verl's verified manifest.json, and let DCP unpickle its metadata and
+    objects unrestricted. Unpickling runs code: only for checkpoints whose origin you trust."""
     export_hf: bool = True
     """Export the final actor as a Hugging Face directory (output_dir/hf_actor)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -10,6 +10,7 @@ DP all-reduce or reduce-scatter, SP layer-norm and tied-embedding grad sync in `
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,7 +174,17 @@ def load_training_state(model: MegatronGPT, opt: Optimizer, directory: str | Pat
     path = Path(directory) / f"rank_{dist.get_rank() if dist.is_initialized() else 0:05d}.pt"
     if not path.exists():
         raise VerlConfigError(f"no training state for this rank at {path}")
-    restore_training_state(model, opt, torch.load(path, weights_only=False), str(directory))
+    restore_training_state(model, opt, read_plain_state(path, str(path)), str(directory))
+
+
+def read_plain_state(f, source: str) -> dict:
+    """A `torch.save`d dict of tensors and plain values (file path or stream), unpickled with weights_only=True:
+    anything else in it (an object whose unpickling could run code) is refused with the `source` named."""
+    try:
+        return torch.load(f, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise VerlConfigError(f"training state in {source} holds more than tensors and plain values; refused, since "
+                              f"unpickling it could run code ({str(e).splitlines()[0]})") from e
 
 
 def _dist_opt_param_state(opt: Optimizer) -> dict:

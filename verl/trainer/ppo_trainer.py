@@ -104,7 +104,8 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
         self.out_dir = Path(cfg.trainer.output_dir)
-        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints)
+        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints,
+                                      trust=cfg.trainer.trust_checkpoint)
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -211,7 +212,8 @@ class PPOTrainer:
 
     def setup(self) -> dict[str, float]:
         """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up and first-sync metrics."""
-        resume = self.ckpt.resolve(self.cfg.trainer.resume)
+        resume = self.ckpt.resolve(self.cfg.trainer.resume, overwrite=self.cfg.trainer.overwrite,
+                                   run_files=[self.out_dir / "metrics.jsonl"])
         info: dict[str, float] = {}
         if resume is None and self.cfg.warmup.steps > 0:
             # every rank warms the same policy up, data parallel over the whole world (whatever the roles)

@@ -4,25 +4,32 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from pathlib import Path
+
+from verl.errors import VerlConfigError
 
 
 class MetricsLogger:
     """Appends `{"step": s, ...}` lines to metrics.jsonl and TensorBoard scalars; inactive off rank 0.
 
-    On resume the JSONL keeps only records before the resumed step, so the file reads as one run.
+    On resume the JSONL keeps only records up to the resumed step, one per step (a kill mid-write may have torn
+    the last line: it is dropped with a warning), so the file reads as one run. Rewrites are atomic.
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, start_step: int = 0):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = None
+        self._last_step = -1
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step] if self.path.exists() else []
-        with self.path.open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        kept = dedup_by_step(kept)
+        _write_rows(self.path, kept)
+        self._last_step = max((r.get("step", 0) for r in kept), default=-1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
@@ -31,8 +38,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if step <= self._last_step:  # a step already on file (the resumed one): merge, keeping one row per step
+            _write_rows(self.path, dedup_by_step([*read_metrics(self.path), record]))
+        else:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            self._last_step = step
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(float(v)):
@@ -45,8 +56,41 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics.jsonl. A torn last line (a kill mid-write) is dropped with a warning; an
+    unreadable line elsewhere is a VerlConfigError naming it."""
+    path = Path(path)
+    lines = path.read_text().split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if i == len(lines) - 1:  # no newline after it: the write was cut short
+                warnings.warn(f"{path}: dropping the torn last line {i + 1} ({line[:60]!r}...)", stacklevel=2)
+                continue
+            raise VerlConfigError(f"{path} line {i + 1} is not a JSON record ({e}): {line[:80]!r}; delete that "
+                                  f"line (or the file) to go on") from e
+        out.append(record)
+    return out
+
+
+def dedup_by_step(records: list[dict]) -> list[dict]:
+    """One record per step, in order of first appearance; later values of a step win."""
+    merged: dict[object, dict] = {}
+    for r in records:
+        merged.setdefault(r.get("step"), {}).update(r)
+    return list(merged.values())
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
 
 
 CURVES = (("reward/mean", "mean reward"), ("actor/kl", "KL to reference (rollout policy without one)"),

@@ -136,28 +136,26 @@ class MegatronEngine:
         parameter names, so plain names would be de-duplicated across ranks): the model shard as DCP tensors
         (the live ones: DCP reads them on save and loads into them in place), the optimizer and LR schedule as
         one opaque blob (their tensors only exist after the first step, and DCP loads tensors into existing
-        ones). `for_load` leaves the blob empty: DCP replaces it with the saved one."""
+        ones). The blob is `bytes` (a torch.save of tensors and plain values, read back with weights_only=True);
+        `for_load` leaves it empty: DCP replaces it with the saved one."""
         from verl.models.optimizer import model_tensors, optimizer_state
         state = {"model": model_tensors(self.model)}
         if self.opt is not None:
             blob = io.BytesIO()
             if not for_load:
                 torch.save(optimizer_state(self.model, self.opt), blob)
-                blob.seek(0)
-            state["train_state"] = blob
+            state["train_state"] = blob.getvalue()
         return {f"rank{self.placement.rank:05d}": state}
 
     def load_dcp_state(self, state: dict, source: str) -> None:
-        """Restores what `dcp_state` saved (DCP has filled the tensors and hands the blob back as a stream)."""
+        """Restores what `dcp_state` saved (DCP has filled the tensors and hands the blob back as bytes)."""
         mine = state[f"rank{self.placement.rank:05d}"]
         if self.opt is None:
             self.model.gpt.load_state_dict(mine["model"], strict=False)
             return
-        from verl.models.optimizer import restore_training_state
-        blob = mine["train_state"]
-        blob.seek(0)
-        restore_training_state(self.model, self.opt, {"model": mine["model"], **torch.load(blob, weights_only=False)},
-                               source)
+        from verl.models.optimizer import read_plain_state, restore_training_state
+        saved = read_plain_state(io.BytesIO(mine["train_state"]), f"{source} (rank {self.placement.rank})")
+        restore_training_state(self.model, self.opt, {"model": mine["model"], **saved}, source)
 
     # -- weights --------------------------------------------------------------------------------------------
     def local_params(self) -> dict[str, torch.Tensor]:
