@@ -4,6 +4,7 @@ divisibility, and a docstring on every field."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -79,12 +80,13 @@ def test_every_field_documented_and_slots():
 
 
 def test_example_configs_load():
-    from pathlib import Path
     examples = sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml"))
     assert examples
     for path in examples:
         cfg = load_config(PPOConfig, path)
-        cfg.validate_world(1)
+        # a split example names the ranks it needs; the others run on one process
+        cfg.validate_world(1 + max([0, *(r for k in ("actor", "critic", "reward", "rollout")
+                                         for r in (getattr(cfg, k).ranks or []))]))
 
 
 def test_the_generation_layout_and_engine_are_checked_before_any_step(tmp_path, tiny_args):
@@ -117,3 +119,48 @@ def test_the_generation_layout_and_engine_are_checked_before_any_step(tmp_path, 
                                               r"maximum model length 128"):
         main(tiny_args("rollout.max_new_tokens=200", "model.tiny.max_position_embeddings=128"))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["trainer.placement=split", "critic.ranks=[2,4]"], 4, r"critic.ranks=\[2, 4\] names ranks \[4\] outside the world of 4"),
+    (["trainer.placement=split", "critic.ranks=[]"], 4, r"critic.ranks=\[\] must be a non-empty list"),
+    (["trainer.placement=split", "actor.ranks=[1, 2]", "rollout.ranks=[1, 2]"], 4, "must include rank 0"),
+    (["trainer.placement=split", "rollout.ranks=[0]"], 4, r"rollout.ranks=\[0\] differs from actor.ranks=\[0, 1\]"),
+    (["critic.ranks=[1]"], 2, r"critic.ranks=\[1\] with trainer.placement=colocated"),
+    (["trainer.placement=split"], 1, "trainer.placement=split .* needs at least 2 processes"),
+    (["trainer.placement=split", "rollout.engine=vllm", "critic.ranks=[0,1,2,3]", "algorithm.adv_estimator=gae"], 4,
+     r"critic.ranks=\[0, 1, 2, 3\] overlaps the vllm rollout on ranks \[0, 1\].*rollout.cpu_offload=true"),
+    (["actor.engine=megatron", "actor.cpu_offload=true"], 2, "actor.cpu_offload=true but its engine 'megatron' cannot"),
+    (["trainer.placement=split", "reward.cpu_offload=true"], 2, "reward.cpu_offload=true but its engine 'rule' cannot"),
+    (["trainer.placement=split", "actor.engine=megatron"], 4, r"actor.ranks=\[0, 1\] with the megatron engine"),
+    (["actor.engine=fsdp", "actor.fsdp.shard_size=3"], 4, "actor.fsdp.shard_size=3 does not divide the role's 4 ranks"),
+    (["trainer.placement=split", "algorithm.adv_estimator=gae", "critic.engine=fsdp", "critic.fsdp.shard_size=4"], 4,
+     "critic.fsdp.shard_size=4 does not divide the role's 2 ranks"),
+])
+def test_placement_errors_name_the_role_and_value(overrides, world, message):
+    """Each bad placement fails when the job is validated (before any model is built), naming the role."""
+    base = ["data.train_batch_size=8", "actor.mini_batch_size=8", "actor.micro_batch_size=8", "rollout.n=4"]
+    with pytest.raises(VerlConfigError, match=message):
+        load_config(PPOConfig, None, base + overrides).validate_world(world)
+
+
+def test_engines_a_role_cannot_run_are_refused_on_load():
+    with pytest.raises(VerlConfigError, match="critic.engine.*'vllm'"):
+        load_config(PPOConfig, None, ["critic.engine=vllm"])
+    with pytest.raises(VerlConfigError, match="actor.engine.*'sglang'"):
+        load_config(PPOConfig, None, ["actor.engine=sglang"])
+
+
+@pytest.mark.parametrize("path, world", [("examples/split_placement.yaml", 4), ("examples/seed_8_devices.yaml", 8)])
+def test_placement_examples_load_and_validate(path, world):
+    from verl.trainer.ppo_flow import node_configs
+    cfg = load_config(PPOConfig, Path(__file__).parents[2] / path)
+    cfg.validate_world(world)
+    nodes = node_configs(cfg, cfg.roles(world))
+    if world == 8:  # the seed's three placements: vLLM on 0-3, the reward model on 4-5 offloaded, the critic on all 8
+        assert nodes["generate"] == {"device_map": [0, 1, 2, 3], "engine": "vllm", "cpu_offload": True}
+        assert nodes["reward"] == {"device_map": [4, 5], "engine": "torch", "cpu_offload": True}
+        assert nodes["update_critic"] == {"device_map": list(range(8)), "engine": "fsdp", "cpu_offload": False}
+    else:
+        assert nodes["reward"]["device_map"] == nodes["values"]["device_map"] == [2, 3]
+        assert nodes["generate"]["device_map"] == nodes["update_actor"]["device_map"] == [0, 1]

@@ -225,18 +225,6 @@ class ActorConfig:
                            "seq-mean-token-sum-norm", "token-sum"] = "token-mean"
     """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
 
-
-@dataclass(kw_only=True, slots=True)
-class RefConfig:
-    """The frozen reference policy (used when a KL term is on)."""
-
-    engine: Literal["torch", "megatron", "fsdp"] | None = None
-    """Its engine (None: the actor's; an fsdp reference shards like actor.fsdp)."""
-    ranks: list[int] | None = None
-    """World ranks that hold it (None: the actor's)."""
-    cpu_offload: bool = False
-    """Keep its weights on the CPU except while it computes log-probs (torch; fsdp keeps its shards there)."""
-
     def check(self) -> None:
         check_finite(self, allow_inf=("clip_ratio_c",))  # inf turns the dual clip off
         # The same ranges the fused policy loss checks (csrc/include/verl/rl_loss.h), found before any model is built.
@@ -248,6 +236,19 @@ class RefConfig:
         require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff,
                 "must be >= 0 (0 disables the entropy bonus)")
         require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+
+
+
+@dataclass(kw_only=True, slots=True)
+class RefConfig:
+    """The frozen reference policy (used when a KL term is on)."""
+
+    engine: Literal["torch", "megatron", "fsdp"] | None = None
+    """Its engine (None: the actor's; an fsdp reference shards like actor.fsdp)."""
+    ranks: list[int] | None = None
+    """World ranks that hold it (None: the actor's)."""
+    cpu_offload: bool = False
+    """Keep its weights on the CPU except while it computes log-probs (torch; fsdp keeps its shards there)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -363,6 +364,12 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Rollout/training mismatch correction (truncated IS, rejection, bypass); off by default."""
 
+    def check(self) -> None:
+        check_finite(self)
+        require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
+
+
 
 @dataclass(kw_only=True, slots=True)
 class RewardSourceConfig:
@@ -416,11 +423,6 @@ class RewardSourceConfig:
             if self.name is not None:
                 raise VerlConfigError(f"{key}.name={self.name!r} names a rule function; a model source is named "
                                       f"by {key}.label")
-
-    def check(self) -> None:
-        check_finite(self)
-        require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
-        require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -699,8 +701,9 @@ OFFLOADABLE = ("torch", "fsdp", "hf", "vllm", "sglang")
 """Engines that can keep a role's memory on the CPU between its nodes (megatron keeps its own layout; a rule
 reward holds nothing)."""
 EXCLUSIVE = ("vllm", "sglang")
-"""Generation engines that claim their devices' memory up front: in split placement they share ranks only
-with the actor (and its reference), whose weights they hold."""
+"""Generation engines that claim their devices' memory up front: in split placement they share ranks with
+roles other than the actor (whose weights they hold) and its reference only when rollout.cpu_offload puts
+them to sleep while the others train."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -777,11 +780,11 @@ def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
         raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} differs from actor.ranks={list(actor.ranks)}: "
                               f"the rollout engine receives the actor's weights in place through the "
                               f"3D-HybridEngine, so both must run on the same ranks")
-    if mode == "split" and rollout.engine in EXCLUSIVE:
+    if mode == "split" and rollout.engine in EXCLUSIVE and not rollout.cpu_offload:
         for other in ("critic", "reward"):
             shared = sorted(set(roles[other].ranks) & set(rollout.ranks))
             if shared:
                 raise VerlConfigError(f"{other}.ranks={list(roles[other].ranks)} overlaps the {rollout.engine} "
-                                      f"rollout on ranks {shared}; in split placement {rollout.engine} claims its "
-                                      f"devices' memory, so give {other} other ranks or use "
-                                      f"trainer.placement=colocated")
+                                      f"rollout on ranks {shared}, which holds its devices' memory; set "
+                                      f"rollout.cpu_offload=true (sleep mode frees it while {other} runs), give "
+                                      f"{other} other ranks, or use trainer.placement=colocated")
