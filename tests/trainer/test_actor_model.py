@@ -36,7 +36,8 @@ def test_a_device_mapped_model_object_is_trained_in_place(model_dir, tmp_path):
     model.hf_device_map = getattr(model, "hf_device_map", None) or {"model.embed_tokens": "cpu", "model": "cpu",
                                                                     "lm_head": "cpu"}
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = PPOTrainer(_cfg(tmp_path), init_placement("cpu"), actor_model=model,
+    trainer = PPOTrainer(_cfg(tmp_path, "reward.name=tests.trainer.test_multiprocess:length_reward",
+                              "actor.optim.lr=1e-2"), init_placement("cpu"), actor_model=model,
                          tokenizer=AutoTokenizer.from_pretrained(model_dir))
     trainer.fit()
     assert trainer.actor.engine.module is model  # trained in place, the caller's object
