@@ -24,11 +24,11 @@ from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
 from verl.distributed.collectives import barrier, reduce_metrics
-from verl.utils.metrics import MetricsLogger, plot_curves
+from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 from verl.workers.engine import ModuleEngine
 
-MAXED = ("reward/max", "rollout/mismatch_max")
+MAXED = ("reward/max", "rollout/mismatch_max", "perf/peak_memory_mb")
 
 
 def load_dataset(cfg: PPOConfig) -> PromptDataset:
@@ -267,6 +267,7 @@ class PPOTrainer:
         if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
             m.update(out.get("reward_metrics") or {})
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
+        m["perf/peak_memory_mb"] = peak_memory_mb()  # the largest process's
         m = reduce_metrics(m, self.placement, maxed=MAXED, mined=("reward/min",))
         # model-parallel peers hold the same tokens: count each actor replica once
         dp = self.cfg.data_parallel_size(len(self.roles["actor"].ranks))

@@ -124,3 +124,20 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "")
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
     return png_path
+
+
+def peak_memory_mb() -> float:
+    """This process's peak memory so far: allocated GPU memory under CUDA, else the resident set's high-water
+    mark (VmHWM)."""
+    import torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
