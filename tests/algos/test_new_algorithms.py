@@ -411,7 +411,7 @@ def test_property_single_response_groups_and_padding(B, T, seed, name, norm_by_s
 
 def test_params_are_typed_and_validated_with_the_key_named():
     cfg = load_config(PPOConfig, None, ["actor.policy_loss=cispo", "actor.policy_loss_params.clip_high=5"])
-    assert A.build_policy_loss_params("cispo", cfg.actor.policy_loss_params) == P.CISPOParams(clip_high=5.0)
+    assert cfg.actor.loss_params() == P.CISPOParams(clip_high=5.0)
     bad = {("actor.policy_loss=cispo", "actor.policy_loss_params.clip_hgh=5"):
            r"unknown config key 'actor.policy_loss_params.clip_hgh'.*did you mean 'clip_high'",
            ("actor.policy_loss=dro",): r"'dro' needs actor.policy_loss_params.beta",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from verl.algos.advantages import ADVANTAGES, AdvantageInfo, advantage_info, get_advantage, register_advantage
 from verl.algos.kl import KLS, get_kl, kl_loss, register_kl
 from verl.algos.objectives import ADDITIVE, actor_loss, critic_loss, rollout_mismatch
-from verl.algos.policy_losses import (POLICY_LOSS_FNS, PolicyLossInfo, build_policy_loss_params, get_policy_loss,
+from verl.algos.policy_losses import (POLICY_LOSS_FNS, PolicyLossInfo, get_policy_loss,
                                       policy_loss_info, register_policy_loss)
 from verl.algos import pg_losses  # noqa: F401  (registers cispo, sapo, gpg, dppo_*, clip_cov, kl_cov, geo_mean, dro)
 from verl.algos.rollout_correction import RolloutCorrection, rollout_correction
@@ -30,7 +30,7 @@ __all__ = ["ADDITIVE", "ADVANTAGES", "AGG_MODES", "AdvantageInfo", "actor_loss",
            "rollout_mismatch", "KLS", "POLICY_LOSS_FNS", "AdvantageResult", "Aggregation", "PolicyLossOutput",
            "Registry", "ValueLossOutput", "agg_loss", "check_agg_mode", "entropy_loss", "get_advantage", "get_kl",
            "get_policy_loss", "kl_loss", "register_advantage", "register_kl", "register_policy_loss", "value_loss",
-           "PolicyLossInfo", "build_policy_loss_params", "policy_loss_info", "RolloutCorrection",
+           "PolicyLossInfo", "policy_loss_info", "RolloutCorrection",
            "rollout_correction"]
 
 

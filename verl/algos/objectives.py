@@ -34,7 +34,7 @@ def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, mask: torch.Tenso
 
     `old_log_probs=None` is the on-policy shortcut (one epoch over one mini-batch): this forward's detached
     log-probs are the old ones, so the ratio is 1 and its gradient the policy gradient. `loss_params`: the policy
-    loss's params dataclass (verl.algos.build_policy_loss_params), passed when the loss declares one;
+    loss's params dataclass (verl.config.ActorConfig.loss_params), passed when the loss declares one;
     `rollout_is_weights` [B, R]: rollout-correction weights on the policy loss only.
     """
     old = log_probs.detach() if old_log_probs is None else old_log_probs

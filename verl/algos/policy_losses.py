@@ -28,7 +28,7 @@ from verl.algos.registry import Registry
 from verl.errors import VerlConfigError
 from verl.ops.losses import PolicyLossOutput, policy_loss
 
-__all__ = ["POLICY_LOSS_FNS", "PolicyLossInfo", "build_policy_loss_params", "get_policy_loss",
+__all__ = ["POLICY_LOSS_FNS", "PolicyLossInfo", "get_policy_loss",
            "policy_loss_info", "register_policy_loss"]
 
 
@@ -60,21 +60,6 @@ def get_policy_loss(name: str):
 def policy_loss_info(name: str) -> PolicyLossInfo:
     """What policy loss `name` declared (its params dataclass)."""
     return POLICY_LOSS_FNS.meta(name)
-
-
-def build_policy_loss_params(name: str, values: dict | None, key: str = "actor.policy_loss_params"):
-    """The params dataclass of loss `name` filled from `values` (typed, with its own check()), or None for a loss
-    without parameters. Unknown keys, ill-typed values and parameters given to a loss that takes none are
-    VerlConfigError naming the dotted key."""
-    from verl.config.base import from_dict
-    cls = policy_loss_info(name).params
-    values = dict(values or {})
-    if cls is None:
-        if values:
-            raise VerlConfigError(f"{key}: policy loss {name!r} takes no parameters (got {', '.join(sorted(values))}); "
-                                  f"its clip bounds are actor.clip_ratio_low / clip_ratio_high / clip_ratio_c")
-        return None
-    return from_dict(cls, values, f"{key}.")
 
 
 def _fused(loss_type: str):

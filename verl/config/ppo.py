@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from verl.config.base import check_finite, require
+from verl.config.base import check_finite, from_dict, require
 from verl.errors import VerlConfigError
 from verl.rollout.config import RolloutConfig
 
@@ -224,6 +224,21 @@ class ActorConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm", "token-sum"] = "token-mean"
     """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
+
+    def loss_params(self):
+        """The params dataclass of `policy_loss` filled from `policy_loss_params` (typed, with its own check()),
+        or None for a loss without parameters. Unknown keys, ill-typed values and parameters given to a loss that
+        takes none are VerlConfigError naming the dotted key."""
+        from verl.algos import policy_loss_info
+        key, cls, values = "actor.policy_loss_params", policy_loss_info(self.policy_loss).params, \
+            dict(self.policy_loss_params or {})
+        if cls is None:
+            if values:
+                raise VerlConfigError(f"{key}: policy loss {self.policy_loss!r} takes no parameters (got "
+                                      f"{', '.join(sorted(values))}); its clip bounds are actor.clip_ratio_low / "
+                                      f"clip_ratio_high / clip_ratio_c")
+            return None
+        return from_dict(cls, values, f"{key}.")
 
     def check(self) -> None:
         check_finite(self, allow_inf=("clip_ratio_c",))  # inf turns the dual clip off
@@ -606,8 +621,7 @@ class PPOConfig:
             except VerlConfigError as e:
                 raise VerlConfigError(f"{key}: {e}") from None
         check_agg_mode(self.actor.loss_agg_mode)
-        from verl.algos import build_policy_loss_params
-        build_policy_loss_params(self.actor.policy_loss, self.actor.policy_loss_params)
+        self.actor.loss_params()
         # Training reads log-probs of logits / temperature: a greedy (0) rollout has no distribution to train on.
         require(self.rollout.temperature > 0, "rollout.temperature", self.rollout.temperature,
                 "must be > 0 for training (the actor's log-probs are taken at this temperature; 0 is greedy "

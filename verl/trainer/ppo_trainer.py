@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
 from verl.distributed.collectives import barrier, reduce_metrics
+from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 from verl.workers.engine import ModuleEngine
@@ -385,15 +384,3 @@ def progress_fields(m: dict[str, float]) -> dict[str, str]:
     if "rollout/mismatch_max" in m:
         out["mismatch"] = f"{m['rollout/mismatch_max']:.2g}"
     return out
-
-
-def export_hf(module: torch.nn.Module, tokenizer, path: Path) -> Path:
-    """Writes a Hugging Face directory atomically (temp dir, then rename over the old one)."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.rename(tmp, path)
-    return path

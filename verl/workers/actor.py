@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from verl.algos import ADDITIVE, actor_loss, build_policy_loss_params, rollout_correction, rollout_mismatch
+from verl.algos import ADDITIVE, actor_loss, rollout_correction, rollout_mismatch
 from verl.config.ppo import ActorConfig, RolloutCorrectionConfig
 from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch, micro_slices
@@ -38,7 +38,7 @@ class ActorWorker:
         self.engine, self.cfg, self.temperature = engine, cfg, temperature
         self.responses_per_mini, self.max_response_length = responses_per_mini, max_response_length
         self.correction = rollout_correction or RolloutCorrectionConfig()
-        self.loss_params = build_policy_loss_params(cfg.policy_loss, cfg.policy_loss_params)
+        self.loss_params = cfg.loss_params()
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""

@@ -145,7 +145,7 @@ class FSDPEngine(ModuleEngine):
         is gathered from its shards one at a time, so no rank but the writer holds the whole model)."""
         from torch.distributed.tensor import DTensor
 
-        from verl.trainer.ppo_trainer import export_hf
+        from verl.utils.hf import export_hf
         group = _group_of(self.placement)
         writer = dist.get_rank() == dist.get_process_group_ranks(group)[0]
         full = {}
