@@ -11,7 +11,10 @@ process and its efficiency against the 1-process run, peak memory per process (t
 of step time in communication: moving batches between rank sets (timing/transfer_s) plus the weight sync
 (perf/sync_s). Gradient all-reduces inside the engines are not separated out (they count as compute).
 
-    verl bench scaling                  # --quick: 4 steps, processes 1 2 4
+Beside each process count, `independent` runs that many one-process jobs at once with no communication at all:
+the ceiling this machine itself sets (cores, memory bandwidth), against which the real runs' efficiency reads.
+
+    verl bench scaling                  # 10 steps (9 measured), processes 1 2 4
     verl bench scaling --steps 8 --procs 1 2
 Writes benchmarks/results/bench_scaling.json and .png. On a machine with fewer cores than processes the
 processes share cores (each runs one torch thread), and the efficiency says so.
@@ -64,17 +67,38 @@ def make_reward_model(path: str) -> None:
     tok.save_pretrained(path)
 
 
+def _launch(nproc: int, placement: str, reward_model: str, out: str, steps: int, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(port),
+           "-m", "verl.trainer.main_ppo", *job(nproc, placement, reward_model, out, steps)]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _measured(out: str) -> list[dict]:
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
+    return [r for r in rows if "perf/tokens_per_s" in r][1:]  # the first step pays for start-up
+
+
+def control(nproc: int, reward_model: str, work: str, steps: int) -> dict:
+    """The machine's own ceiling: `nproc` independent one-process jobs at once (no communication at all), so
+    the efficiency of a real run can be read against what sharing the machine alone costs."""
+    outs = [os.path.join(work, f"control_{nproc}_{i}") for i in range(nproc)]
+    procs = [_launch(1, "colocated", reward_model, o, steps, 29700 + 10 * nproc + i) for i, o in enumerate(outs)]
+    errors = [p.communicate(timeout=3600)[1] for p in procs]
+    if any(p.returncode for p in procs):
+        return {"processes": nproc, "placement": "independent", "error": "\n".join(errors)[-2000:]}
+    per = [sum(r["perf/tokens_per_s"] for r in rows) / len(rows) for rows in map(_measured, outs)]
+    return {"processes": nproc, "placement": "independent", "tokens_per_s": sum(per),
+            "tokens_per_s_per_process": sum(per) / nproc}
+
+
 def run(nproc: int, placement: str, reward_model: str, work: str, steps: int) -> dict:
     out = os.path.join(work, f"{placement}_{nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(29500 + nproc + (50 if placement == "split" else 0)), "-m", "verl.trainer.main_ppo",
-           *job(nproc, placement, reward_model, out, steps)]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    proc = _launch(nproc, placement, reward_model, out, steps, 29500 + nproc + (50 if placement == "split" else 0))
+    _, err = proc.communicate(timeout=3600)
     if proc.returncode != 0:
-        return {"processes": nproc, "placement": placement, "error": proc.stderr[-2000:]}
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
-    rows = [r for r in rows if "perf/tokens_per_s" in r][1:]  # the first step pays for start-up
+        return {"processes": nproc, "placement": placement, "error": err[-2000:]}
+    rows = _measured(out)
     mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
     step = mean("perf/step_time_s")
     comm = mean("timing/transfer_s") + mean("perf/sync_s")
@@ -90,7 +114,7 @@ def _plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for placement, marker in (("colocated", "o"), ("split", "s")):
+    for placement, marker in (("colocated", "o"), ("split", "s"), ("independent", "x")):
         pts = [r for r in rows if r["placement"] == placement and "error" not in r]
         if pts:
             ax[0].plot([r["processes"] for r in pts], [r["tokens_per_s"] for r in pts], marker=marker, label=placement)
@@ -108,8 +132,9 @@ def _plot(rows: list[dict], path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="the default settings (kept for the suite runner)")
+    ap.add_argument("--no-control", action="store_true", help="skip the independent-processes ceiling rows")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     rows = []
@@ -121,19 +146,22 @@ def main() -> int:
                 row = run(nproc, placement, rm, work, args.steps)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            if nproc > 1 and not args.no_control:
+                rows.append(control(nproc, rm, work, args.steps))
+                print(json.dumps(rows[-1]), flush=True)
     base = next((r["tokens_per_s_per_process"] for r in rows if r["processes"] == 1 and "error" not in r), None)
     for r in rows:
         if "error" not in r and base:
             r["efficiency"] = r["tokens_per_s_per_process"] / base
-    print(f"\n{'procs':>5} {'placement':>10} {'tok/s':>9} {'tok/s/proc':>10} {'eff':>6} {'peak MB':>8} "
+    print(f"\n{'procs':>5} {'placement':>11} {'tok/s':>9} {'tok/s/proc':>10} {'eff':>6} {'peak MB':>8} "
           f"{'comm %':>7} {'step s':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['processes']:>5} {r['placement']:>10}  failed: {r['error'][-300:]}")
+            print(f"{r['processes']:>5} {r['placement']:>11}  failed: {r['error'][-300:]}")
             continue
-        print(f"{r['processes']:>5} {r['placement']:>10} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_per_process']:>10.0f} "
-              f"{r.get('efficiency', float('nan')):>6.2f} {r['peak_memory_mb_per_process']:>8.0f} "
-              f"{100 * r['communication_share']:>7.1f} {r['step_time_s']:>7.2f}")
+        print(f"{r['processes']:>5} {r['placement']:>11} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_per_process']:>10.0f} "
+              f"{r.get('efficiency', float('nan')):>6.2f} {r.get('peak_memory_mb_per_process', float('nan')):>8.0f} "
+              f"{100 * r.get('communication_share', float('nan')):>7.1f} {r.get('step_time_s', float('nan')):>7.2f}")
     os.makedirs(args.out, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "machine": platform.machine(), "prompts_per_process": PROMPTS_PER_PROCESS,
             "steps": args.steps, "note": "weak scaling; communication = batch redistribution + weight sync"}
