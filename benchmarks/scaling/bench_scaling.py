@@ -150,18 +150,23 @@ def main() -> int:
                 rows.append(control(nproc, rm, work, args.steps))
                 print(json.dumps(rows[-1]), flush=True)
     base = next((r["tokens_per_s_per_process"] for r in rows if r["processes"] == 1 and "error" not in r), None)
+    ceiling = {r["processes"]: r["tokens_per_s_per_process"] for r in rows
+               if r["placement"] == "independent" and "error" not in r}
     for r in rows:
         if "error" not in r and base:
             r["efficiency"] = r["tokens_per_s_per_process"] / base
+        if "error" not in r and r["processes"] in ceiling:  # what the framework keeps of what the machine allows
+            r["vs_ceiling"] = r["tokens_per_s_per_process"] / ceiling[r["processes"]]
     print(f"\n{'procs':>5} {'placement':>11} {'tok/s':>9} {'tok/s/proc':>10} {'eff':>6} {'peak MB':>8} "
-          f"{'comm %':>7} {'step s':>7}")
+          f"{'comm %':>7} {'step s':>7} {'vs ceiling':>10}")
     for r in rows:
         if "error" in r:
             print(f"{r['processes']:>5} {r['placement']:>11}  failed: {r['error'][-300:]}")
             continue
         print(f"{r['processes']:>5} {r['placement']:>11} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_per_process']:>10.0f} "
               f"{r.get('efficiency', float('nan')):>6.2f} {r.get('peak_memory_mb_per_process', float('nan')):>8.0f} "
-              f"{100 * r.get('communication_share', float('nan')):>7.1f} {r.get('step_time_s', float('nan')):>7.2f}")
+              f"{100 * r.get('communication_share', float('nan')):>7.1f} {r.get('step_time_s', float('nan')):>7.2f} "
+              f"{r.get('vs_ceiling', float('nan')):>10.2f}")
     os.makedirs(args.out, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "machine": platform.machine(), "prompts_per_process": PROMPTS_PER_PROCESS,
             "steps": args.steps, "note": "weak scaling; communication = batch redistribution + weight sync"}
