@@ -317,3 +317,15 @@ def test_verl_train_padding_free_matches_padded(tmp_path):
     for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm",
                 "critic/grad_norm"):
         assert first_packed[key] == pytest.approx(first_padded[key], rel=1e-4, abs=1e-7), key
+
+
+def test_model_without_masking_utils_is_refused_for_packing():
+    from verl.workers.packing import check_varlen_attention
+
+    class Trunk(torch.nn.Module):  # modeling code that would ignore the restarting position ids
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(2, 2)
+    with pytest.raises(VerlConfigError, match="Trunk .* does not build its attention mask.*padding_free=false"):
+        check_varlen_attention(Trunk())
+    assert check_varlen_attention(_model()) == "sdpa"

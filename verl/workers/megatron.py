@@ -19,8 +19,8 @@ import torch.distributed as dist
 from verl.config.ppo import OptimConfig
 from verl.config.ppo import MegatronConfig
 from verl.distributed import Placement
-from verl.ops.losses import Aggregation
 from verl.errors import VerlConfigError
+from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.engine import count_aggregation
 from verl.workers.packing import PackedBatch, block_causal_mask, micro_batch_slices, pack
@@ -29,6 +29,7 @@ __all__ = ["MegatronEngine"]
 
 
 def _to_device(mb: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """The token tensors of `mb` on `device` (packing indexes them together with the model's outputs)."""
     import dataclasses
     return dataclasses.replace(mb, input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
                                position_ids=mb.position_ids.to(device), response_mask=mb.response_mask.to(device))
@@ -76,8 +77,8 @@ class MegatronEngine:
                                   "actor.padding_free=false / critic.padding_free=false, or build with spec='local'")
         p = self.placement
         device = self.model.device
-        packed = pack(_to_device(mb, device),
-                      multiple=p.tp_size if p.sequence_parallel else 1)
+        # sequence parallelism splits the packed row over the TP ranks
+        packed = pack(_to_device(mb, device), multiple=p.tp_size if p.sequence_parallel else 1)
         labels = torch.full_like(packed.input_ids, IGNORE_INDEX)
         labels[0, packed.src] = packed.targets
         return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": labels,

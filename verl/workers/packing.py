@@ -24,6 +24,7 @@ same count (FSDP gathers parameters per micro-batch, collectively).
 from __future__ import annotations
 
 import importlib.util
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -164,10 +165,22 @@ def padded_token_share(batch: RolloutBatch, slices: list[slice]) -> float:
 _WARNED: set[str] = set()
 
 
+_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
 def check_varlen_attention(module: torch.nn.Module) -> str:
-    """The attention a packed forward of this Hugging Face model runs, warned about once when it is the
-    block-diagonal [T, T] mask on a GPU (flash-attention's varlen kernels need neither the mask nor its memory)."""
-    impl = str(getattr(getattr(module, "config", None), "_attn_implementation", None) or "sdpa")
+    """The attention a packed forward of this Hugging Face model (or `ValueModel`) runs. Refused when its
+    modeling code does not build masks with transformers' masking_utils (the packed rows would attend to each
+    other); warned about once when it is the block-diagonal [T, T] mask on a GPU (flash-attention's varlen
+    kernels need neither the mask nor its memory)."""
+    trunk = getattr(module, "trunk", module)
+    modeling = sys.modules.get(type(trunk).__module__)
+    if not any(hasattr(modeling, name) for name in _MASK_BUILDERS):
+        raise VerlConfigError(f"padding_free: {type(trunk).__name__} ({type(trunk).__module__}) does not build its "
+                              f"attention mask with transformers' masking_utils, so the responses packed into one "
+                              f"row would attend to each other; set actor.padding_free=false and "
+                              f"critic.padding_free=false for this model")
+    impl = str(getattr(getattr(trunk, "config", None), "_attn_implementation", None) or "sdpa")
     device = next(module.parameters()).device
     if impl.startswith("flash_attention") or device.type != "cuda":
         return impl
