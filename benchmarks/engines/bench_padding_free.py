@@ -122,7 +122,7 @@ def main(argv=None) -> None:
               f"{r['update_speedup']:>6.2f}{r['micro_batches']:>7}{r['padded_share']:>8.1%}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "machine": platform.processor() or platform.machine(), "rows": res}, f,
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "machine": platform.processor() or platform.machine(), "rows": res}, f,
                   indent=2)
 
 

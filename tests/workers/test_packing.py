@@ -49,7 +49,8 @@ def _model(seed: int = 3):
 def _inputs(batch: RolloutBatch, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + seed)
     m = batch.response_mask
-    return {"adv": torch.randn(len(batch), 1, generator=g) * m, "ref": (torch.randn(m.shape, generator=g) * 0.1 - 2) * m,
+    return {"adv": torch.randn(len(batch), 1, generator=g) * m,
+            "ref": (torch.randn(m.shape, generator=g) * 0.1 - 2) * m,
             "returns": torch.randn(m.shape, generator=g) * m}
 
 
@@ -215,7 +216,8 @@ def _megatron_grads(monkeypatch, box: dict) -> None:
 
     def record(model, optimizer, outs):
         box.setdefault(model.options.value_head, {}).update(
-            {n: p.main_grad.clone() for n, p in model.gpt.named_parameters() if getattr(p, "main_grad", None) is not None})
+            {n: p.main_grad.clone() for n, p in model.gpt.named_parameters()
+             if getattr(p, "main_grad", None) is not None})
         return apply(model, optimizer, outs)
     monkeypatch.setattr(opt, "apply_update", record)
 
