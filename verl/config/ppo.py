@@ -198,7 +198,18 @@ class ActorConfig:
     mini_batch_size: int = 16
     """Prompts per optimizer step over all ranks (each brings rollout.n responses)."""
     micro_batch_size: int = 32
-    """Responses per forward/backward on one rank (gradient accumulation unit)."""
+    """Responses per forward/backward on one rank (gradient accumulation unit), unless
+    max_tokens_per_micro_batch is set."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a micro-batch on one rank: consecutive responses fill it while their real (prompt +
+    response) tokens fit, instead of micro_batch_size responses; every data-parallel rank then runs as many
+    micro-batches as the one that needs most. 0: count-based. At least data.max_prompt_length +
+    rollout.max_new_tokens. Losses and gradients do not depend on how a step is cut into micro-batches."""
+    padding_free: bool = True
+    """Log-prob and update passes on packed micro-batches: each micro-batch's real tokens as one row with
+    per-response position ids and attention kept within responses (verl/workers/packing.py), so no compute goes
+    to padding; the same outputs, losses and gradients as the padded batch up to float rounding. The reference
+    model follows the actor's setting."""
     policy_loss: str = "vanilla"
     """Registered policy loss (verl.algos: vanilla / ppo, gspo, reinforce, cispo, sapo, gpg, dppo_tv, dppo_kl,
     clip_cov, kl_cov, geo_mean / gmpo, dro, or your own)."""
@@ -285,7 +296,11 @@ class CriticConfig:
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     micro_batch_size: int = 32
-    """Responses per forward/backward on one rank."""
+    """Responses per forward/backward on one rank, unless max_tokens_per_micro_batch is set."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a micro-batch on one rank (see actor.max_tokens_per_micro_batch); 0: count-based."""
+    padding_free: bool = True
+    """Value and update passes on packed micro-batches (see actor.padding_free)."""
     cliprange_value: float = 0.5
     """Clip of the new values around the old ones in the value loss."""
     warmup_steps: int = 0
@@ -644,6 +659,13 @@ class PPOConfig:
         if self.rollout.compare_full_gather and self.actor.engine != "megatron":
             raise VerlConfigError("rollout.compare_full_gather times the full gather of a megatron actor's shards; "
                                   "set actor.engine=megatron, or turn it off")
+        for role in ("actor", "critic"):
+            budget = getattr(self, role).max_tokens_per_micro_batch
+            longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+            if budget != 0 and budget < longest:
+                raise VerlConfigError(f"{role}.max_tokens_per_micro_batch={budget} cannot hold one response of up to "
+                                      f"{longest} tokens (data.max_prompt_length + rollout.max_new_tokens); use "
+                                      f">= {longest}, or 0 for micro-batches of {role}.micro_batch_size responses")
         self.reward.check()
 
     def roles(self, world_size: int) -> dict[str, "Role"]:
@@ -691,7 +713,7 @@ class PPOConfig:
             raise VerlConfigError(f"actor.mini_batch_size={a.mini_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
         per_rank = a.mini_batch_size // world_size * n
-        if per_rank % a.micro_batch_size:
+        if per_rank % a.micro_batch_size and not a.max_tokens_per_micro_batch:
             raise VerlConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the "
                                   f"{per_rank} responses of a mini-batch on one rank "
                                   f"(actor.mini_batch_size / world_size * rollout.n)")
@@ -699,7 +721,8 @@ class PPOConfig:
             critic = roles["critic"]
             dp = (len(critic.ranks) if critic.engine != "megatron"
                   else len(critic.ranks) // (a.megatron.tp * a.megatron.pp))
-            if (d.train_batch_size * n) % dp or (d.train_batch_size * n // dp) % self.critic.micro_batch_size:
+            if (d.train_batch_size * n) % dp or ((d.train_batch_size * n // dp) % self.critic.micro_batch_size
+                                                 and not self.critic.max_tokens_per_micro_batch):
                 raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
                                       f"responses each of the critic's {dp} data-parallel ranks gets "
                                       f"(data.train_batch_size x rollout.n / {dp} = "

@@ -87,6 +87,8 @@ def _forward_step(model: MegatronGPT, loss_fn: LossFn):
         if model.spec == "te" and mb["mask_4d"] is not None:
             _check_right_padded(mb["attention_mask"])
             mb["mask_4d"] = None   # right padding under a causal mask leaves every real token's context intact
+        # a packed micro-batch (verl/workers/packing.py) is one row of several sequences, each at most max_seqlen
+        s = mb.get("max_seqlen", s)
         if arch.sliding_window is not None and s > arch.sliding_window:
             raise VerlConfigError(f"sequence length {s} exceeds the model's sliding_window={arch.sliding_window}; "
                                   f"the megatron local attention is full attention, so use sequences <= the window")

@@ -39,6 +39,7 @@ class ActorWorker:
         self.responses_per_mini, self.max_response_length = responses_per_mini, max_response_length
         self.correction = rollout_correction or RolloutCorrectionConfig()
         self.loss_params = cfg.loss_params()
+        self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
@@ -49,7 +50,7 @@ class ActorWorker:
 
     def compute_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy) [B, R] of the batch's responses under this worker's model (0 on padding)."""
-        out = self.engine.forward(batch, self.cfg.micro_batch_size, temperature=self.temperature)
+        out = self.engine.forward(batch, self.cfg.micro_batch_size, temperature=self.temperature, **self._micro)
         return out["log_probs"], out["entropy"]
 
     def _loss_fn(self, agg, seen: torch.Tensor | None):
@@ -99,7 +100,7 @@ class ActorWorker:
                 agg = self.engine.aggregation(self.cfg.loss_agg_mode, sub.response_mask, self.max_response_length)
                 per_micro, grad_norm = self.engine.train_step(
                     sub, self.cfg.micro_batch_size, self._loss_fn(agg, seen), {k: v[mini] for k, v in tensors.items()},
-                    temperature=self.temperature)
+                    temperature=self.temperature, **self._micro)
                 for k, v in reduce_micro_stats(per_micro).items():
                     stats[k].append(v)
                 stats["actor/grad_norm"].append(grad_norm)

@@ -92,6 +92,7 @@ class ValueModel(torch.nn.Module):
 class CriticWorker:
     def __init__(self, engine, cfg: CriticConfig):
         self.engine, self.cfg = engine, cfg
+        self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
@@ -102,7 +103,7 @@ class CriticWorker:
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """V(state before response token t), [B, R] (0 on padding)."""
-        return self.engine.forward(batch, self.cfg.micro_batch_size)["values"]
+        return self.engine.forward(batch, self.cfg.micro_batch_size, **self._micro)["values"]
 
     def update(self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
         """Epochs of one optimizer step over the whole batch (micro-batches accumulate gradients)."""
@@ -114,7 +115,8 @@ class CriticWorker:
         stats: dict[str, list[float]] = defaultdict(list)
         for _ in range(self.cfg.ppo_epochs):
             per_micro, grad_norm = self.engine.train_step(batch, self.cfg.micro_batch_size, loss_fn,
-                                                          {"old_values": old_values, "returns": returns})
+                                                          {"old_values": old_values, "returns": returns},
+                                                          **self._micro)
             for k, v in reduce_micro_stats(per_micro).items():
                 stats[k].append(v)
             stats["critic/grad_norm"].append(grad_norm)

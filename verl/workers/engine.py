@@ -7,6 +7,8 @@ the same calls, which is all the actor and critic workers use:
 
     engine.forward(batch, micro_batch_size, temperature=T)   # no grad: {"log_probs", "entropy"} or {"values"}, [B, R]
     engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # one optimizer step
+        # both also take padding_free=True (packed micro-batches) and max_tokens=N (micro-batches cut by a
+        # budget of real tokens instead of micro_batch_size rows): verl/workers/packing.py
     engine.aggregation(mode, mask, norm_len)                 # the step's global token / sequence counts
     engine.hybrid_engine(config), engine.local_params()      # how its weights reach the rollout engine
 """
@@ -20,9 +22,11 @@ from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
 from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
-from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
+from verl.workers.batch import MicroLossFn, RolloutBatch
+from verl.workers.packing import PackedBatch, check_varlen_attention, micro_batch_slices, pack
 
-__all__ = ["ModuleEngine", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs"]
+__all__ = ["ModuleEngine", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
+           "packed_head_outputs"]
 
 def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_size: int) -> Aggregation:
     """Aggregation over one optimizer step's tokens on all `group` ranks, so micro-batch losses add up (and DP
@@ -66,6 +70,28 @@ def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, at
     return {"log_probs": lp, "entropy": ent}
 
 
+def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
+                        temperature: float) -> dict[str, torch.Tensor]:
+    """`head_outputs` of a packed micro-batch (verl/workers/packing.py): one row of real tokens, no attention
+    mask (transformers keeps attention within the rows from the restarting position ids), only the positions
+    that predict response tokens through the head; scattered back to [b, R]."""
+    check_varlen_attention(module)
+    if head == "value":
+        values = module(packed.input_ids, None, packed.position_ids)
+        return {"values": packed.unpack(values[0, packed.src])}
+    hidden = module.base_model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                               use_cache=False).last_hidden_state[0, packed.src]
+    scale, cap = logit_head(getattr(module, "config", None))
+    lm_head = module.get_output_embeddings()
+    targets = packed.targets[None]
+    if cap is not None:
+        logits = lm_head(hidden[None]).float()
+        lp, ent = logprob_entropy(torch.tanh(logits / cap) * cap, targets, temperature / scale)
+    else:
+        lp, ent = lm_head_logprob_entropy(hidden[None], lm_head, targets, temperature / scale)
+    return {"log_probs": packed.unpack(lp[0]), "entropy": packed.unpack(ent[0])}
+
+
 def build_optimizer(module: torch.nn.Module, optim: OptimConfig, total_steps: int):
     """(AdamW over the trainable parameters, its LambdaLR following `optim.lr_factor`)."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -87,7 +113,9 @@ class ModuleEngine:
     optimizer: torch.optim.Optimizer | None = None
     scheduler = None
 
-    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None
+                 ) -> dict[str, torch.Tensor]:
+        """[b, R] outputs of one micro-batch: padded, or from its `packed` form when given."""
         raise NotImplementedError
 
     def _reduce_grads(self) -> None:
@@ -98,24 +126,32 @@ class ModuleEngine:
         """Called before each micro-batch's backward: engines that reduce in backward skip all but the last."""
 
     # -- forward --------------------------------------------------------------------------------------------
+    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int, padding_free: bool):
+        """(row slice, micro-batch, its packed form or None) per micro-batch (verl/workers/packing.py)."""
+        group = self.placement.dp if self.placement.distributed else None
+        for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, group):
+            mb = batch.select(sl)
+            yield sl, mb, pack(mb) if padding_free else None
+
     @torch.no_grad()
-    def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0
-                ) -> dict[str, torch.Tensor]:
+    def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,
+                padding_free: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] (0 on padding): log-probs and entropy, or values."""
-        parts = [self._forward(batch.select(sl), temperature) for sl in micro_slices(len(batch), micro_batch_size)]
+        parts = [self._forward(mb, temperature, packed)
+                 for _, mb, packed in self._micro_batches(batch, micro_batch_size, max_tokens, padding_free)]
         return {k: torch.cat([p[k] for p in parts]) * batch.response_mask for k in parts[0]}
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
-                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], float]:
+                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0, padding_free: bool = False,
+                   max_tokens: int = 0) -> tuple[list[dict], float]:
         """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step.
         Returns each micro-batch's statistics (floats) and the pre-clip gradient norm."""
         stats = []
-        slices = micro_slices(len(batch), micro_batch_size)
-        for i, sl in enumerate(slices):
-            self._gradient_sync(i == len(slices) - 1)
-            mb = batch.select(sl)
+        micro = list(self._micro_batches(batch, micro_batch_size, max_tokens, padding_free))
+        for i, (sl, mb, packed) in enumerate(micro):
+            self._gradient_sync(i == len(micro) - 1)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
-            loss, s = loss_fn(self._forward(mb, temperature), fields)
+            loss, s = loss_fn(self._forward(mb, temperature, packed), fields)
             loss.backward()
             stats.append({k: float(v) for k, v in s.items()})
         return stats, self.step()
@@ -183,7 +219,10 @@ class TorchEngine(ModuleEngine):
         self.optimizer, self.scheduler = build_optimizer(self.module, optim, total_steps)
         self.broadcast_parameters()
 
-    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None
+                 ) -> dict[str, torch.Tensor]:
+        if packed is not None:
+            return packed_head_outputs(self.module, self.head, packed, temperature)
         return head_outputs(self.module, self.head, mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses,
                             mb.prompt_length, temperature)
 
