@@ -133,13 +133,16 @@ class PPOTrainer:
         needs_dir = any(r.engine == "megatron" for r in roles.values()) or cfg.rollout.engine in ("vllm", "sglang")
         init_dir = self._init_dir() if needs_dir else None
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens)
+        actor_cfg = cfg.actor
+        if cfg.rollout.decoder == "train":  # the samples' log-probs come from the padded training forward
+            actor_cfg = dataclasses.replace(actor_cfg, padding_free=False)
         if places["actor"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
-            self.actor = ActorWorker(self._engine("actor", init_dir), cfg.actor,
+            self.actor = ActorWorker(self._engine("actor", init_dir), actor_cfg,
                                      rollout_correction=cfg.algorithm.rollout_correction, **kw)
         if cfg.needs_ref and places["ref"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
-            self.ref = ActorWorker(self._engine("ref", init_dir), cfg.actor, **kw)
+            self.ref = ActorWorker(self._engine("ref", init_dir), actor_cfg, **kw)
         if cfg.needs_critic and places["critic"] is not None:
             self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic)
         if places["rollout"] is not None:
