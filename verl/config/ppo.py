@@ -552,6 +552,12 @@ class TrainerConfig:
     """Write curves.png (reward, KL, entropy) at the end."""
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (process-group timeout): a rank that hangs fails the job after this long."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN
+    or inf, on any rank: the one that reaches this count fails the run, naming the step, the rank and the first
+    non-finite quantity (1: fail at the first). A skipped step changes nothing (weights, optimizer state and LR
+    schedule stay; the gradients are zeroed) on every rank alike, and counts in actor/nonfinite_steps or
+    critic/nonfinite_steps. A finite step resets the count."""
     placement: Literal["colocated", "split"] = "colocated"
     """Where roles run by default. colocated: every role on every rank (they share memory; the rollout engine
     generates with the actor's weights in place). split: the actor, its rollout engine and the reference on the
@@ -564,6 +570,8 @@ class TrainerConfig:
         for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
+        require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", self.max_nonfinite_steps,
+                "must be >= 1 (1 fails the run at the first skipped step)")
 
 
 @dataclass(kw_only=True, slots=True)

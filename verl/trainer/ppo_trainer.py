@@ -133,15 +133,17 @@ class PPOTrainer:
         needs_dir = any(r.engine == "megatron" for r in roles.values()) or cfg.rollout.engine in ("vllm", "sglang")
         init_dir = self._init_dir() if needs_dir else None
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens)
+        limit = cfg.trainer.max_nonfinite_steps
         if places["actor"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
             self.actor = ActorWorker(self._engine("actor", init_dir), cfg.actor,
-                                     rollout_correction=cfg.algorithm.rollout_correction, **kw)
+                                     rollout_correction=cfg.algorithm.rollout_correction, max_nonfinite_steps=limit,
+                                     **kw)
         if cfg.needs_ref and places["ref"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
             self.ref = ActorWorker(self._engine("ref", init_dir), cfg.actor, **kw)
         if cfg.needs_critic and places["critic"] is not None:
-            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic)
+            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit)
         if places["rollout"] is not None:
             rollout_cfg = cfg.rollout
             if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward sees

@@ -21,7 +21,8 @@ from verl.config.ppo import MegatronConfig
 from verl.distributed import Placement
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch
-from verl.workers.engine import count_aggregation
+from verl.utils.nonfinite import loss_problem
+from verl.workers.engine import OptimizerStep, count_aggregation
 
 __all__ = ["MegatronEngine"]
 
@@ -83,24 +84,27 @@ class MegatronEngine:
         return {"log_probs": out["log_probs"][:, P - 1:-1] * mask, "entropy": out["entropy"][:, P - 1:-1] * mask}
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
-                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], float]:
-        """Forward/backward of the micro-batches through megatron's schedule, then one optimizer step. Returns
-        each micro-batch's statistics (on every rank) and the gradient norm."""
+                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], OptimizerStep]:
+        """Forward/backward of the micro-batches through megatron's schedule, then one optimizer step, skipped on
+        every rank when the loss or the gradient norm is not finite on any (`apply_update`). Returns each
+        micro-batch's statistics (on every rank) and what the step did."""
         from verl.models import make_micro_batches
         from verl.models.optimizer import accumulate_grads, apply_update
         mbs = make_micro_batches(batch.input_ids, batch.attention_mask, _micro_size(len(batch), micro_batch_size),
                                  response_mask=batch.response_mask, **extra)
         n, P = len(mbs), batch.prompt_length
+        losses = []
 
         def megatron_loss(output, mb):
             loss, stats = loss_fn(self._response_outputs(output, mb, P, temperature), mb)
+            losses.append(loss.detach().clone())
             # megatron's schedule divides each micro-batch loss by their number; the aggregation already makes
             # the micro-batch losses sum to the step's loss
             return loss * n, {k: v.detach().clone() for k, v in stats.items()}
         outs = accumulate_grads(self.model, mbs, megatron_loss)
-        update = apply_update(self.model, self.opt, [])
+        update = apply_update(self.model, self.opt, [], loss_problem=loss_problem(losses))
         per_micro = [{k: float(v) for k, v in o.items()} for o in outs]
-        return self._last_stage_objects(per_micro), update["grad_norm"]
+        return self._last_stage_objects(per_micro), OptimizerStep(update["grad_norm"], update["nonfinite"])
 
     def _last_stage_objects(self, obj):
         p = self.placement
