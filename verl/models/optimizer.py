@@ -103,8 +103,7 @@ def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict], *, loss_p
         if loss_problem is not None:
             local = (LOSS, loss_problem)
         elif not math.isfinite(grad_norm):
-            found = first_nonfinite_grad((f"{n} (megatron name)", getattr(p, "main_grad", p.grad))
-                                         for n, p in model.gpt.named_parameters())
+            found = first_nonfinite_grad((n, getattr(p, "main_grad", p.grad)) for n, p in model.gpt.named_parameters())
             local = (GRAD, found) if found else (NORM, f"the gradient norm is {grad_norm}")
         problem = agree_nonfinite(local, model.pg.global_rank, [model.pg.mp, model.pg.dp])
     ok = not overflow and problem is None
