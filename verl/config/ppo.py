@@ -198,7 +198,8 @@ class ActorConfig:
     mini_batch_size: int = 16
     """Prompts per optimizer step over all ranks (each brings rollout.n responses)."""
     micro_batch_size: int = 32
-    """Responses per forward/backward on one rank (gradient accumulation unit)."""
+    """Responses per forward/backward on one rank (gradient accumulation unit); more than a rank's share of a
+    mini-batch is clamped to that share (said once at start), so one config runs on any number of processes."""
     policy_loss: str = "vanilla"
     """Registered policy loss (verl.algos: vanilla / ppo, gspo, reinforce, cispo, sapo, gpg, dppo_tv, dppo_kl,
     clip_cov, kl_cov, geo_mean / gmpo, dro, or your own)."""
@@ -285,7 +286,7 @@ class CriticConfig:
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     micro_batch_size: int = 32
-    """Responses per forward/backward on one rank."""
+    """Responses per forward/backward on one rank; more than a rank's share of the batch is clamped to it."""
     cliprange_value: float = 0.5
     """Clip of the new values around the old ones in the value loss."""
     warmup_steps: int = 0
@@ -667,9 +668,11 @@ class PPOConfig:
             raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {actor_ranks} ranks")
         return actor_ranks // (m.tp * m.pp)
 
-    def validate_world(self, world_size: int) -> None:
+    def validate_world(self, world_size: int) -> list[str]:
         """Placement, layout and batch-size divisibility across `world_size` ranks and micro-batches; raised
-        before any step."""
+        before any step. A micro-batch larger than a rank's share of the batch it splits is clamped to that
+        share (the engines never form a larger one), so a config written for one process runs on several;
+        returns one line per such clamp, for the log."""
         roles = self.roles(world_size)
         d, a, n = self.data, self.actor, self.rollout.n
         tp_g, gen_ranks = self.rollout.tp, len(roles["rollout"].ranks)
@@ -698,20 +701,38 @@ class PPOConfig:
         if a.mini_batch_size % world_size:
             raise VerlConfigError(f"actor.mini_batch_size={a.mini_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
+        notes: list[str] = []
         per_rank = a.mini_batch_size // world_size * n
-        if per_rank % a.micro_batch_size:
+        micro = _clamp_micro("actor.micro_batch_size", a.micro_batch_size, per_rank, world_size, notes)
+        if per_rank % micro:
             raise VerlConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the "
                                   f"{per_rank} responses of a mini-batch on one rank "
                                   f"(actor.mini_batch_size / world_size * rollout.n)")
         if self.needs_critic:
-            critic = roles["critic"]
-            dp = (len(critic.ranks) if critic.engine != "megatron"
-                  else len(critic.ranks) // (a.megatron.tp * a.megatron.pp))
-            if (d.train_batch_size * n) % dp or (d.train_batch_size * n // dp) % self.critic.micro_batch_size:
-                raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
-                                      f"responses each of the critic's {dp} data-parallel ranks gets "
-                                      f"(data.train_batch_size x rollout.n / {dp} = "
-                                      f"{d.train_batch_size * n / dp:g})")
+            self._validate_critic_batch(roles["critic"], notes)
+        return notes
+
+    def _validate_critic_batch(self, critic: "Role", notes: list[str]) -> None:
+        m, total = self.actor.megatron, self.data.train_batch_size * self.rollout.n
+        dp = len(critic.ranks) if critic.engine != "megatron" else len(critic.ranks) // (m.tp * m.pp)
+        if total % dp:
+            raise VerlConfigError(f"the {total} responses of a step (data.train_batch_size x rollout.n) do not split "
+                                  f"over the critic's {dp} data-parallel ranks; use a train_batch_size whose "
+                                  f"responses do")
+        micro = _clamp_micro("critic.micro_batch_size", self.critic.micro_batch_size, total // dp, dp, notes)
+        if (total // dp) % micro:
+            raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
+                                  f"responses each of the critic's {dp} data-parallel ranks gets "
+                                  f"(data.train_batch_size x rollout.n / {dp} = {total // dp})")
+
+
+def _clamp_micro(key: str, micro: int, share: int, ranks: int, notes: list[str]) -> int:
+    """`micro` or, when it exceeds the `share` of responses one rank splits into micro-batches, `share` (noted)."""
+    if micro <= share:
+        return micro
+    notes.append(f"{key}={micro} is more than the {share} responses each of {ranks} data-parallel ranks gets; "
+                 f"micro-batches of {share} are used (set {key}={share} or less to silence this)")
+    return share
 
 
 # ---- placement per role ------------------------------------------------------------------------------------

@@ -78,7 +78,10 @@ class PPOTrainer:
                  tokenizer=None):
         """`actor_model` (with `tokenizer`): a Hugging Face causal LM object to train instead of `model.*`, e.g.
         one loaded with `device_map=...`, whose `hf_device_map` must agree with the actor's ranks."""
-        cfg.validate_world(placement.world_size)  # before anything touches the disk
+        notes = cfg.validate_world(placement.world_size)  # before anything touches the disk
+        if placement.is_main:
+            for note in notes:
+                print(f"verl: {note}", flush=True)
         require_engine(cfg.rollout.engine)
         self.cfg, self.placement = cfg, placement
         self.roles = cfg.roles(placement.world_size)
