@@ -10,8 +10,8 @@ DP all-reduce or reduce-scatter, SP layer-norm and tied-embedding grad sync in `
 
 from __future__ import annotations
 
-import math
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from verl.config.ppo import OptimConfig
 from verl.errors import VerlConfigError
 from verl.models.forward import LossFn, forward_backward
 from verl.models.gpt import MegatronGPT
-from verl.utils.nonfinite import GRAD, LOSS, NORM, agree_nonfinite, first_nonfinite_grad
+from verl.utils.nonfinite import agree_nonfinite, local_problem
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,12 +82,12 @@ def accumulate_grads(model: MegatronGPT, micro_batches, loss_fn: LossFn) -> list
     return forward_backward(model, micro_batches, loss_fn, forward_only=False)
 
 
-def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict], *, loss_problem: str | None = None) -> dict:
+def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict], *, losses: Sequence[torch.Tensor] = ()) -> dict:
     """Clips, steps the optimizer, advances the LR schedule; returns mean metrics + grad_norm, lr, update_applied
     and nonfinite.
 
-    A step whose gradient norm, or whose loss on some rank (`loss_problem`: this rank's first non-finite
-    micro-batch loss, described), is not finite is skipped on every rank of the model (they agree over its
+    A step whose gradient norm, or whose loss on some rank (`losses`: this rank's micro-batch losses, on the last
+    pipeline stage), is not finite is skipped on every rank of the model (they agree over its
     model-parallel group, then its data-parallel group): the gradients are zeroed and neither the optimizer nor
     the schedule steps; `nonfinite` then names the first non-finite quantity and its rank (None when applied).
     An fp16 loss-scale overflow is megatron's own skip (its scaler backs off) and is not reported as one.
@@ -99,13 +99,9 @@ def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict], *, loss_p
     grad_norm, problem = float("nan"), None
     if not overflow:
         grad_norm = float(inner.get_grad_norm())
-        local = None
-        if loss_problem is not None:
-            local = (LOSS, loss_problem)
-        elif not math.isfinite(grad_norm):
-            found = first_nonfinite_grad((n, getattr(p, "main_grad", p.grad)) for n, p in model.gpt.named_parameters())
-            local = (GRAD, found) if found else (NORM, f"the gradient norm is {grad_norm}")
-        problem = agree_nonfinite(local, model.pg.global_rank, [model.pg.mp, model.pg.dp])
+        grads = ((n, getattr(p, "main_grad", p.grad)) for n, p in model.gpt.named_parameters())
+        problem = agree_nonfinite(local_problem(losses, grad_norm, grads), model.pg.global_rank,
+                                  [model.pg.mp, model.pg.dp])
     ok = not overflow and problem is None
     lr = inner.param_groups[0]["lr"]
     if ok:

@@ -13,6 +13,7 @@ rank reports the same first non-finite quantity:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from verl.distributed.collectives import agree_first
 from verl.errors import VerlRuntimeError
 
 __all__ = ["GRAD", "LOSS", "NORM", "OWN_GRAD", "NonfiniteGuard", "agree_nonfinite", "first_nonfinite_grad",
-           "loss_problem"]
+           "local_problem", "loss_problem"]
 
 LOSS, OWN_GRAD, GRAD, NORM = range(4)
 
@@ -50,6 +51,22 @@ def first_nonfinite_grad(named_grads: Iterable[tuple[str, torch.Tensor | None]])
         if not bool(finite.all()):
             return f"the gradient of {name!r} has {int((~finite).sum())} non-finite of {g.numel()} entries"
     return None
+
+
+def local_problem(losses: Sequence[torch.Tensor], grad_norm: float,
+                  named_grads: Iterable[tuple[str, torch.Tensor | None]], own: str | None = None) -> tuple[int, str] | None:
+    """This rank's (priority, text) for `agree_nonfinite`, or None when its step is finite: its micro-batch
+    `losses`, then `own` (its gradient before the reduction, where the engine saw it), then the gradients
+    (`named_grads`, only scanned when `grad_norm` is not finite)."""
+    bad_loss = loss_problem(losses)
+    if bad_loss is not None:
+        return LOSS, bad_loss
+    if own is not None:
+        return OWN_GRAD, own
+    if math.isfinite(grad_norm):
+        return None
+    found = first_nonfinite_grad(named_grads)
+    return (GRAD, found) if found else (NORM, f"the gradient norm is {grad_norm}")
 
 
 def agree_nonfinite(local: tuple[int, str] | None, rank: int, groups) -> str | None:

@@ -17,7 +17,6 @@ were, and `OptimizerStep.nonfinite` says what was not finite, where.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -28,7 +27,7 @@ from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
 from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
-from verl.utils.nonfinite import GRAD, LOSS, NORM, OWN_GRAD, agree_nonfinite, first_nonfinite_grad, loss_problem
+from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
 from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
 
 __all__ = ["ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs"]
@@ -42,6 +41,7 @@ class OptimizerStep(NamedTuple):
     nonfinite: str | None = None
     """None: the step was applied. Otherwise it was skipped on every rank, and this names the first non-finite
     quantity (a micro-batch's loss, a parameter's gradient, or the norm) and the rank that found it."""
+
 
 def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_size: int) -> Aggregation:
     """Aggregation over one optimizer step's tokens on all `group` ranks, so micro-batch losses add up (and DP
@@ -126,9 +126,9 @@ class ModuleEngine:
         return {k: torch.cat([p[k] for p in parts]) * batch.response_mask for k in parts[0]}
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
-                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], float]:
-        """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step.
-        Returns each micro-batch's statistics (floats) and the pre-clip gradient norm."""
+                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], OptimizerStep]:
+        """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step (`step`).
+        Returns each micro-batch's statistics (floats) and what the step did."""
         stats, losses = [], []
         slices = micro_slices(len(batch), micro_batch_size)
         for i, sl in enumerate(slices):
@@ -156,20 +156,12 @@ class ModuleEngine:
         schedule (every rank decides alike: a one-number all-reduce over the data-parallel group). The norm is
         over the whole model (FSDP2's DTensor gradients give it across their shards)."""
         assert self.optimizer is not None, "frozen engine has no optimizer"
-        bad_loss = loss_problem(losses)
         own = self._reduce_grads()
         named = [(n, p) for n, p in self.module.named_parameters() if p.grad is not None]
         grads = [p.grad for _, p in named]
         total = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.tensor(0.0)
         norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
-        local = None
-        if bad_loss is not None:
-            local = (LOSS, bad_loss)
-        elif own is not None:
-            local = (OWN_GRAD, own)
-        elif not math.isfinite(norm):
-            found = first_nonfinite_grad((n, p.grad) for n, p in named)
-            local = (GRAD, found) if found else (NORM, f"the gradient norm is {norm}")
+        local = local_problem(losses, norm, ((n, p.grad) for n, p in named), own)
         problem = agree_nonfinite(local, self.placement.global_rank, [self.placement.dp])
         if problem is None:
             if self.optim_cfg.grad_clip > 0:

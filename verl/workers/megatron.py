@@ -21,7 +21,6 @@ from verl.config.ppo import MegatronConfig
 from verl.distributed import Placement
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch
-from verl.utils.nonfinite import loss_problem
 from verl.workers.engine import OptimizerStep, count_aggregation
 
 __all__ = ["MegatronEngine"]
@@ -102,7 +101,7 @@ class MegatronEngine:
             # the micro-batch losses sum to the step's loss
             return loss * n, {k: v.detach().clone() for k, v in stats.items()}
         outs = accumulate_grads(self.model, mbs, megatron_loss)
-        update = apply_update(self.model, self.opt, [], loss_problem=loss_problem(losses))
+        update = apply_update(self.model, self.opt, [], losses=losses)
         per_micro = [{k: float(v) for k, v in o.items()} for o in outs]
         return self._last_stage_objects(per_micro), OptimizerStep(update["grad_norm"], update["nonfinite"])
 
