@@ -97,7 +97,8 @@ def check_actor_scenario(res: dict, kind: str, poison: int) -> None:
     assert res["nan_loss"]["actor/nonfinite_steps"] == 1.0
     assert "actor/pg_loss" not in res["nan_loss"]  # the skipped step's NaN statistics stay out of the metrics
     assert torch.equal(res["after_nan_loss"], res["start"]) and res["grads_left"] == []
-    assert res["first_nan_loss"] == f"optimizer step 1 (training step 1): the loss of micro-batch 0 is nan on rank {poison}"
+    assert res["first_nan_loss"] == \
+        f"optimizer step 1 (training step 1): the loss of micro-batch 0 is nan on rank {poison}"
     assert res["clean"]["actor/nonfinite_steps"] == 0.0 and math.isfinite(res["clean"]["actor/grad_norm"])
     assert not torch.equal(res["after_clean"], res["start"]) and res["streak_after_clean"] == 0
     assert torch.isfinite(res["after_clean"]).all()
@@ -138,8 +139,9 @@ def test_critic_nan_returns_skip_the_step():
     moved = params(value_model)
     assert not torch.equal(moved, start)
     critic.update(batch, values, bad, step=2)
-    with pytest.raises(VerlRuntimeError, match=r"critic: 2 optimizer steps in a row .* the first at optimizer step 3 "
-                                               r"\(training step 3\): the loss of micro-batch 0 is (nan|inf) on rank 0"):
+    with pytest.raises(VerlRuntimeError, match=r"critic: 2 optimizer steps in a row .* the first at optimizer step "
+                                               r"3 \(training step 3\): the loss of micro-batch 0 is (nan|inf) on "
+                                               r"rank 0"):
         critic.update(batch, values, bad, step=3)
     assert torch.equal(params(value_model), moved)
 

@@ -26,6 +26,9 @@ __all__ = ["GRAD", "LOSS", "NORM", "OWN_GRAD", "NonfiniteGuard", "agree_nonfinit
 
 LOSS, OWN_GRAD, GRAD, NORM = range(4)
 
+NamedGrads = Iterable[tuple[str, "torch.Tensor | None"]]
+"""(parameter name, its gradient or None) pairs."""
+
 
 def loss_problem(losses: Sequence[torch.Tensor]) -> str | None:
     """The first non-finite micro-batch loss among `losses` (scalars), described; None when all are finite.
@@ -40,7 +43,7 @@ def loss_problem(losses: Sequence[torch.Tensor]) -> str | None:
     return f"the loss of micro-batch {i} is {float(values[i])}"
 
 
-def first_nonfinite_grad(named_grads: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
+def first_nonfinite_grad(named_grads: NamedGrads) -> str | None:
     """The first gradient with a NaN or inf entry (for a DTensor, this rank's shard), described by the
     parameter's name; None when all are finite."""
     for name, g in named_grads:
@@ -53,8 +56,8 @@ def first_nonfinite_grad(named_grads: Iterable[tuple[str, torch.Tensor | None]])
     return None
 
 
-def local_problem(losses: Sequence[torch.Tensor], grad_norm: float,
-                  named_grads: Iterable[tuple[str, torch.Tensor | None]], own: str | None = None) -> tuple[int, str] | None:
+def local_problem(losses: Sequence[torch.Tensor], grad_norm: float, named_grads: NamedGrads,
+                  own: str | None = None) -> tuple[int, str] | None:
     """This rank's (priority, text) for `agree_nonfinite`, or None when its step is finite: its micro-batch
     `losses`, then `own` (its gradient before the reduction, where the engine saw it), then the gradients
     (`named_grads`, only scanned when `grad_norm` is not finite)."""

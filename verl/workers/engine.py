@@ -6,7 +6,7 @@ Every training engine (this one, `verl.workers.fsdp.FSDPEngine`, `verl.workers.m
 the same calls, which is all the actor and critic workers use:
 
     engine.forward(batch, micro_batch_size, temperature=T)   # no grad: {"log_probs", "entropy"} or {"values"}, [B, R]
-    engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # one optimizer step: (stats, OptimizerStep)
+    engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # (stats, OptimizerStep)
     engine.aggregation(mode, mask, norm_len)                 # the step's global token / sequence counts
     engine.hybrid_engine(config), engine.local_params()      # how its weights reach the rollout engine
 
