@@ -199,7 +199,8 @@ class ActorConfig:
     """Prompts per optimizer step over all ranks (each brings rollout.n responses)."""
     micro_batch_size: int = 32
     """Responses per forward/backward on one rank (gradient accumulation unit), unless
-    max_tokens_per_micro_batch is set."""
+    max_tokens_per_micro_batch is set; more than a rank's share of a mini-batch is clamped to that share (said
+    once at start), so one config runs on any number of processes."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of a micro-batch on one rank: consecutive responses fill it while their real (prompt +
     response) tokens fit, instead of micro_batch_size responses; every data-parallel rank then runs as many
@@ -296,7 +297,8 @@ class CriticConfig:
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     micro_batch_size: int = 32
-    """Responses per forward/backward on one rank, unless max_tokens_per_micro_batch is set."""
+    """Responses per forward/backward on one rank, unless max_tokens_per_micro_batch is set; more than a rank's
+    share of the batch is clamped to it."""
     max_tokens_per_micro_batch: int = 0
     """Token budget of a micro-batch on one rank (see actor.max_tokens_per_micro_batch); 0: count-based."""
     padding_free: bool = True
@@ -567,6 +569,12 @@ class TrainerConfig:
     """Write curves.png (reward, KL, entropy) at the end."""
     collective_timeout_s: float = 1800.0
     """Timeout of every collective (process-group timeout): a rank that hangs fails the job after this long."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN
+    or inf, on any rank: the one that reaches this count fails the run, naming the step, the rank and the first
+    non-finite quantity (1: fail at the first). A skipped step changes nothing (weights, optimizer state and LR
+    schedule stay; the gradients are zeroed) on every rank alike, and counts in actor/nonfinite_steps or
+    critic/nonfinite_steps. A finite step resets the count."""
     placement: Literal["colocated", "split"] = "colocated"
     """Where roles run by default. colocated: every role on every rank (they share memory; the rollout engine
     generates with the actor's weights in place). split: the actor, its rollout engine and the reference on the
@@ -579,6 +587,8 @@ class TrainerConfig:
         for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
+        require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", self.max_nonfinite_steps,
+                "must be >= 1 (1 fails the run at the first skipped step)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -681,9 +691,11 @@ class PPOConfig:
             raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {actor_ranks} ranks")
         return actor_ranks // (m.tp * m.pp)
 
-    def validate_world(self, world_size: int) -> None:
+    def validate_world(self, world_size: int) -> list[str]:
         """Placement, layout and batch-size divisibility across `world_size` ranks and micro-batches; raised
-        before any step."""
+        before any step. A micro-batch larger than a rank's share of the batch it splits is clamped to that
+        share (the engines never form a larger one), so a config written for one process runs on several;
+        returns one line per such clamp, for the log."""
         roles = self.roles(world_size)
         d, a, n = self.data, self.actor, self.rollout.n
         tp_g, gen_ranks = self.rollout.tp, len(roles["rollout"].ranks)
@@ -712,21 +724,38 @@ class PPOConfig:
         if a.mini_batch_size % world_size:
             raise VerlConfigError(f"actor.mini_batch_size={a.mini_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
+        notes: list[str] = []
         per_rank = a.mini_batch_size // world_size * n
-        if per_rank % a.micro_batch_size and not a.max_tokens_per_micro_batch:
+        micro = _clamp_micro("actor.micro_batch_size", a.micro_batch_size, per_rank, world_size, notes)
+        if per_rank % micro and not a.max_tokens_per_micro_batch:
             raise VerlConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the "
                                   f"{per_rank} responses of a mini-batch on one rank "
                                   f"(actor.mini_batch_size / world_size * rollout.n)")
         if self.needs_critic:
-            critic = roles["critic"]
-            dp = (len(critic.ranks) if critic.engine != "megatron"
-                  else len(critic.ranks) // (a.megatron.tp * a.megatron.pp))
-            if (d.train_batch_size * n) % dp or ((d.train_batch_size * n // dp) % self.critic.micro_batch_size
-                                                 and not self.critic.max_tokens_per_micro_batch):
-                raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
-                                      f"responses each of the critic's {dp} data-parallel ranks gets "
-                                      f"(data.train_batch_size x rollout.n / {dp} = "
-                                      f"{d.train_batch_size * n / dp:g})")
+            self._validate_critic_batch(roles["critic"], notes)
+        return notes
+
+    def _validate_critic_batch(self, critic: "Role", notes: list[str]) -> None:
+        m, total = self.actor.megatron, self.data.train_batch_size * self.rollout.n
+        dp = len(critic.ranks) if critic.engine != "megatron" else len(critic.ranks) // (m.tp * m.pp)
+        if total % dp:
+            raise VerlConfigError(f"the {total} responses of a step (data.train_batch_size x rollout.n) do not split "
+                                  f"over the critic's {dp} data-parallel ranks; use a train_batch_size whose "
+                                  f"responses do")
+        micro = _clamp_micro("critic.micro_batch_size", self.critic.micro_batch_size, total // dp, dp, notes)
+        if (total // dp) % micro and not self.critic.max_tokens_per_micro_batch:
+            raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
+                                  f"responses each of the critic's {dp} data-parallel ranks gets "
+                                  f"(data.train_batch_size x rollout.n / {dp} = {total // dp})")
+
+
+def _clamp_micro(key: str, micro: int, share: int, ranks: int, notes: list[str]) -> int:
+    """`micro` or, when it exceeds the `share` of responses one rank splits into micro-batches, `share` (noted)."""
+    if micro <= share:
+        return micro
+    notes.append(f"{key}={micro} is more than the {share} responses each of {ranks} data-parallel ranks gets; "
+                 f"micro-batches of {share} are used (set {key}={share} or less to silence this)")
+    return share
 
 
 # ---- placement per role ------------------------------------------------------------------------------------

@@ -78,7 +78,10 @@ class PPOTrainer:
                  tokenizer=None):
         """`actor_model` (with `tokenizer`): a Hugging Face causal LM object to train instead of `model.*`, e.g.
         one loaded with `device_map=...`, whose `hf_device_map` must agree with the actor's ranks."""
-        cfg.validate_world(placement.world_size)  # before anything touches the disk
+        notes = cfg.validate_world(placement.world_size)  # before anything touches the disk
+        if placement.is_main:
+            for note in notes:
+                print(f"verl: {note}", flush=True)
         require_engine(cfg.rollout.engine)
         self.cfg, self.placement = cfg, placement
         self.roles = cfg.roles(placement.world_size)
@@ -136,15 +139,17 @@ class PPOTrainer:
         actor_cfg = cfg.actor
         if cfg.rollout.decoder == "train":  # the samples' log-probs come from the padded training forward
             actor_cfg = dataclasses.replace(actor_cfg, padding_free=False)
+        limit = cfg.trainer.max_nonfinite_steps
         if places["actor"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
             self.actor = ActorWorker(self._engine("actor", init_dir), actor_cfg,
-                                     rollout_correction=cfg.algorithm.rollout_correction, **kw)
+                                     rollout_correction=cfg.algorithm.rollout_correction, max_nonfinite_steps=limit,
+                                     **kw)
         if cfg.needs_ref and places["ref"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
             self.ref = ActorWorker(self._engine("ref", init_dir), actor_cfg, **kw)
         if cfg.needs_critic and places["critic"] is not None:
-            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic)
+            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit)
         if places["rollout"] is not None:
             rollout_cfg = cfg.rollout
             if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward sees

@@ -6,14 +6,21 @@ Every training engine (this one, `verl.workers.fsdp.FSDPEngine`, `verl.workers.m
 the same calls, which is all the actor and critic workers use:
 
     engine.forward(batch, micro_batch_size, temperature=T)   # no grad: {"log_probs", "entropy"} or {"values"}, [B, R]
-    engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # one optimizer step
+    engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # (stats, OptimizerStep)
         # both also take padding_free=True (packed micro-batches) and max_tokens=N (micro-batches cut by a
         # budget of real tokens instead of micro_batch_size rows): verl/workers/packing.py
     engine.aggregation(mode, mask, norm_len)                 # the step's global token / sequence counts
     engine.hybrid_engine(config), engine.local_params()      # how its weights reach the rollout engine
+
+An optimizer step whose loss or gradient norm is not finite on any of the engine's ranks is skipped on all of
+them (verl.utils.nonfinite): the gradients are zeroed, the weights, optimizer state and LR schedule stay as they
+were, and `OptimizerStep.nonfinite` says what was not finite, where.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,11 +29,23 @@ from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
 from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
+from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.packing import PackedBatch, check_varlen_attention, micro_batch_slices, pack
 
-__all__ = ["ModuleEngine", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
+__all__ = ["ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
            "packed_head_outputs"]
+
+
+class OptimizerStep(NamedTuple):
+    """What one optimizer step of an engine did (the same on every rank of the engine)."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (NaN or inf when the step was skipped for it)."""
+    nonfinite: str | None = None
+    """None: the step was applied. Otherwise it was skipped on every rank, and this names the first non-finite
+    quantity (a micro-batch's loss, a parameter's gradient, or the norm) and the rank that found it."""
+
 
 def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_size: int) -> Aggregation:
     """Aggregation over one optimizer step's tokens on all `group` ranks, so micro-batch losses add up (and DP
@@ -118,8 +137,9 @@ class ModuleEngine:
         """[b, R] outputs of one micro-batch: padded, or from its `packed` form when given."""
         raise NotImplementedError
 
-    def _reduce_grads(self) -> None:
-        """Makes every rank's gradients the data-parallel mean (before clipping)."""
+    def _reduce_grads(self) -> str | None:
+        """Makes every rank's gradients the data-parallel mean (before clipping). Returns this rank's own first
+        non-finite gradient, described, where the engine sees it before the reduction spreads it (else None)."""
         raise NotImplementedError
 
     def _gradient_sync(self, last_micro_batch: bool) -> None:
@@ -143,18 +163,19 @@ class ModuleEngine:
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
                    extra: dict[str, torch.Tensor], *, temperature: float = 1.0, padding_free: bool = False,
-                   max_tokens: int = 0) -> tuple[list[dict], float]:
-        """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step.
-        Returns each micro-batch's statistics (floats) and the pre-clip gradient norm."""
-        stats = []
+                   max_tokens: int = 0) -> tuple[list[dict], OptimizerStep]:
+        """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step (`step`).
+        Returns each micro-batch's statistics (floats) and what the step did."""
+        stats, losses = [], []
         micro = list(self._micro_batches(batch, micro_batch_size, max_tokens, padding_free))
         for i, (sl, mb, packed) in enumerate(micro):
             self._gradient_sync(i == len(micro) - 1)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
             loss, s = loss_fn(self._forward(mb, temperature, packed), fields)
             loss.backward()
+            losses.append(loss.detach())
             stats.append({k: float(v) for k, v in s.items()})
-        return stats, self.step()
+        return stats, self.step(losses)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor a loss function filled (on the last pipeline stage): here every rank is the last stage."""
@@ -165,18 +186,27 @@ class ModuleEngine:
         return count_aggregation(mode, mask, norm_len, p.dp, p.dp_size if p.distributed else 1)
 
     # -- optimizer --------------------------------------------------------------------------------------------
-    def step(self) -> float:
-        """Averages gradients over the replicas, clips, steps the optimizer and schedule; returns the pre-clip
-        grad norm (over the whole model: FSDP2's DTensor gradients give the norm across their shards)."""
+    def step(self, losses: Sequence[torch.Tensor] = ()) -> OptimizerStep:
+        """Averages gradients over the replicas, then, unless this step's loss (`losses`: this rank's micro-batch
+        losses) or gradient norm is non-finite on some rank of the engine, clips and steps the optimizer and
+        schedule (every rank decides alike: a one-number all-reduce over the data-parallel group). The norm is
+        over the whole model (FSDP2's DTensor gradients give it across their shards)."""
         assert self.optimizer is not None, "frozen engine has no optimizer"
-        self._reduce_grads()
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False) if params else torch.tensor(0.0)
-        self.optimizer.step()
-        self.scheduler.step()
+        own = self._reduce_grads()
+        named = [(n, p) for n, p in self.module.named_parameters() if p.grad is not None]
+        grads = [p.grad for _, p in named]
+        total = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.tensor(0.0)
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        local = local_problem(losses, norm, ((n, p.grad) for n, p in named), own)
+        problem = agree_nonfinite(local, self.placement.global_rank, [self.placement.dp])
+        if problem is None:
+            if self.optim_cfg.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_([p for _, p in named], self.optim_cfg.grad_clip, total,
+                                                     foreach=False)
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return OptimizerStep(norm, problem)
 
     @property
     def lr(self) -> float:
@@ -233,17 +263,21 @@ class TorchEngine(ModuleEngine):
             for t in self.module.parameters():
                 dist.broadcast(t.data, src=p.global_of(0), group=p.dp)
 
-    def _reduce_grads(self) -> None:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+    def _reduce_grads(self) -> str | None:
+        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
+        grads = [g for _, g in named]
         if not self.placement.distributed or not grads:
-            return
+            return None
         flat = torch.cat([g.reshape(-1) for g in grads])
+        # the averaging would spread one rank's NaN to every rank: name the rank that produced it
+        own = None if bool(torch.isfinite(flat).all()) else first_nonfinite_grad(named)
         dist.all_reduce(flat, group=self.placement.dp)
         flat /= self.placement.dp_size
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        return own
 
     # -- memory (a role with cpu_offload: the dataflow runtime calls these around the role's nodes) -----------
     def offload(self) -> None:

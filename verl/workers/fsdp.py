@@ -129,7 +129,8 @@ class FSDPEngine(ModuleEngine):
         self.root.set_requires_gradient_sync(last_micro_batch)
 
     def _reduce_grads(self) -> None:
-        """Nothing left to do: FSDP reduce-scattered (and, under HSDP, all-reduced) the mean in backward."""
+        """Nothing left to do: FSDP reduce-scattered (and, under HSDP, all-reduced) the mean in backward, so
+        a rank's own non-finite gradient cannot be told from its peers' here (the loss still can)."""
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload is FSDP's own CPUOffloadPolicy (shards stay on the CPU, each unit is gathered to the

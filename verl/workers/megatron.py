@@ -22,7 +22,7 @@ from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch
-from verl.workers.engine import count_aggregation
+from verl.workers.engine import OptimizerStep, count_aggregation
 from verl.workers.packing import PackedBatch, block_causal_mask, micro_batch_slices, pack
 
 __all__ = ["MegatronEngine"]
@@ -165,22 +165,25 @@ class MegatronEngine:
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
                    extra: dict[str, torch.Tensor], *, temperature: float = 1.0, padding_free: bool = False,
-                   max_tokens: int = 0) -> tuple[list[dict], float]:
-        """Forward/backward of the micro-batches through megatron's schedule, then one optimizer step. Returns
-        each micro-batch's statistics (on every rank) and the gradient norm."""
+                   max_tokens: int = 0) -> tuple[list[dict], OptimizerStep]:
+        """Forward/backward of the micro-batches through megatron's schedule, then one optimizer step, skipped on
+        every rank when the loss or the gradient norm is not finite on any (`apply_update`). Returns each
+        micro-batch's statistics (on every rank) and what the step did."""
         from verl.models.optimizer import accumulate_grads, apply_update
         mbs = self._micro_batches(batch, micro_batch_size, extra, padding_free, max_tokens)
         n, P = len(mbs), batch.prompt_length
+        losses = []
 
         def megatron_loss(output, mb):
             loss, stats = loss_fn(self._response_outputs(output, mb, P, temperature), mb)
+            losses.append(loss.detach().clone())
             # megatron's schedule divides each micro-batch loss by their number; the aggregation already makes
             # the micro-batch losses sum to the step's loss
             return loss * n, {k: v.detach().clone() for k, v in stats.items()}
         outs = accumulate_grads(self.model, mbs, megatron_loss)
-        update = apply_update(self.model, self.opt, [])
+        update = apply_update(self.model, self.opt, [], losses=losses)
         per_micro = [{k: float(v) for k, v in o.items()} for o in outs]
-        return self._last_stage_objects(per_micro), update["grad_norm"]
+        return self._last_stage_objects(per_micro), OptimizerStep(update["grad_norm"], update["nonfinite"])
 
     def _last_stage_objects(self, obj):
         p = self.placement
