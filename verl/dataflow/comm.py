@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl.distributed.placement import comm_device
+from verl.distributed.placement import comm_device, new_group
 
 _GROUPS: dict[tuple, Any] = {}
 
@@ -32,7 +32,7 @@ def group_for(ranks: tuple[int, ...]) -> Any:
         return dist.group.WORLD
     key = (id(dist.group.WORLD), ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks))
+        _GROUPS[key] = new_group(list(ranks))
     return _GROUPS[key]
 
 
@@ -44,7 +44,7 @@ def control_group(ranks: tuple[int, ...]) -> Any:
         return group_for(ranks)
     key = (id(dist.group.WORLD), ranks, "gloo")
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
+        _GROUPS[key] = new_group(list(ranks), backend="gloo")
     return _GROUPS[key]
 
 
