@@ -12,9 +12,12 @@ nodes but keeps walking the plan, sending error markers where data was expected;
 its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's GPU streams are never
 synchronised for it) that nobody has failed; at the end of the run all ranks exchange their
 status, so every rank raises the same VerlRuntimeError instead of waiting for data that will never come.
-Every BaseException inside a node takes this path: `sys.exit()` (SystemExit) becomes VerlRuntimeError on every
-rank; a KeyboardInterrupt (Ctrl-C, SIGINT) is re-raised on the interrupted rank after the agreement and reaches
-the others as VerlRuntimeError.
+`sys.exit()` inside a node (SystemExit) takes this path too and becomes VerlRuntimeError on every rank. A
+KeyboardInterrupt (Ctrl-C, SIGINT) inside a node is the one exception: it leaves the run at once on the
+interrupted rank, because the agreement would wait for peers that may be busy inside their nodes for minutes,
+and a rank waiting in a gloo or NCCL collective cannot be interrupted a second time. Its peers learn of it
+when their next collective with it fails (the connection closes as the process exits; under torchrun the agent
+also stops them) and raise VerlRuntimeError saying so.
 
 Timeouts. Guarantees:
 - A node with ``timeout_s > 0`` that is still running after that long (on one rank; retries, onload and offload
@@ -165,7 +168,7 @@ class _Deadline:
         return self
 
     def _on_alarm(self, signum, frame) -> None:
-        raise NodeTimeout(self.elapsed())
+        raise NodeTimeout(f"still running after {self.elapsed():.1f} s")
 
     def _interrupt_thread(self) -> None:
         with self._lock:
@@ -436,8 +439,10 @@ class _Run:
             start = time.monotonic()
             try:
                 outs, _ = _call(step, args)
-            except BaseException as exc:  # noqa: BLE001 - every node failure (exit, interrupt too) is agreed on
+            except BaseException as exc:  # noqa: BLE001 - every node failure (sys.exit too) is agreed on
                 self.fail_here(step, exc, None, time.monotonic() - start)
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
                 return
             for s, v in zip(step.out_slots, outs):
                 vals[s] = v
@@ -452,6 +457,8 @@ class _Run:
             outs, retries = _call(step, args)
         except BaseException as exc:  # noqa: BLE001 - a failing hook fails its node like the node itself would
             self.fail_here(step, exc, event, time.perf_counter() - event.start_s)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             return
         for s, v in zip(step.out_slots, outs):
             vals[s] = v
@@ -568,7 +575,7 @@ class _Run:
         if f is None:
             return
         here = f.rank == self.plan.rank and f.exc is not None
-        if here and isinstance(f.exc, (VerlConfigError, KeyboardInterrupt)):
+        if here and isinstance(f.exc, VerlConfigError):
             raise f.exc
         msg = f"failed: {f.message}" if here else \
             f"failed on rank {f.rank}: {f.message} (rank {self.plan.rank} stopped its run)"
@@ -588,14 +595,15 @@ class _Run:
 
     def lost_peers(self, what: str, ranks: Sequence[int], exc: BaseException, waited: float) -> VerlRuntimeError:
         from verl.distributed.placement import collective_timeout
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        msg = (f"rank {self.plan.rank} lost contact with ranks {list(ranks)} while {what}, after {waited:.1f} s "
-               f"({type(exc).__name__}: {first}); a rank died, or stayed inside a node longer than the collective "
+        why = " ".join(str(exc).split())[:240]
+        msg = (f"lost contact with ranks {list(ranks)} while {what}, after {waited:.1f} s ({type(exc).__name__}: "
+               f"{why}); a rank died or was interrupted, or stayed inside a node longer than the collective "
                f"timeout ({collective_timeout().total_seconds():g} s, trainer.collective_timeout_s)")
         f = self.failure
-        if f is not None and f.exc is not None:
-            msg += f"; this rank had failed first in node '{f.node}': {f.message}"
+        if f is not None and f.exc is not None:  # this rank's own failure first: it is usually the cause
+            msg = f"failed: {' '.join(f.message.split())[:240]}; then {msg}"
             return VerlRuntimeError(msg, node=f.node, rank=self.plan.rank, cause=f.exc)
+        msg = f"rank {self.plan.rank} {msg}"
         return VerlRuntimeError(msg, rank=self.plan.rank, cause=exc)
 
 
