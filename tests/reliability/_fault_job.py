@@ -5,6 +5,7 @@ under torchrun or as plain processes and watch how every rank ends.
 
 Scenarios (what rank 1 does inside node 'step'; rank 0 runs the same node normally):
     spin        every rank loops in 'step' forever (the test sends signals)
+    spin1       rank 1 loops in 'step' forever; rank 0 waits for it in the runtime's agreement
     kill        rank 1 SIGKILLs itself while rank 0 waits for it in an all_reduce inside the node
     kill_after  rank 1 SIGKILLs itself; rank 0 has left the node and waits in the runtime's agreement
     hang        rank 1 sleeps 3 x TIMEOUT_S in the node (no node timeout); rank 0 waits in the agreement
@@ -42,6 +43,9 @@ def main(argv: list[str]) -> int:
             while True:
                 time.sleep(0.05)
         if rank == 1:
+            if scenario == "spin1":
+                while True:
+                    time.sleep(0.05)
             if scenario in ("kill", "kill_after"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if scenario == "hang":
