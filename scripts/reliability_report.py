@@ -38,7 +38,7 @@ BAD = ("silent", "unclear", "crash", "hang", "error")
 
 def declared(nodeid: str) -> str | None:
     """'clear' / 'behaves' from the test function's name; None for a test that is not a case."""
-    name = nodeid.split("::")[-1].split("[")[0]
+    name = nodeid.split("[")[0].split("::")[-1]  # parameter ids may contain "::" themselves
     for cat in ("clear", "behaves"):
         if name.startswith(f"test_{cat}_"):
             return cat

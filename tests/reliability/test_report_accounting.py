@@ -79,6 +79,7 @@ def test_every_category_is_recognised(tmp_path):
 
 
 @pytest.mark.parametrize("nodeid, want", [("t.py::test_clear_x[a-b]", "clear"), ("t.py::test_behaves_y", "behaves"),
-                                          ("t.py::test_case_count", None), ("t.py::TestK::test_clear_z", "clear")])
+                                          ("t.py::test_case_count", None), ("t.py::TestK::test_clear_z", "clear"),
+                                          ("t.py::test_x[a::test_clear_b]", None)])
 def test_declared_category_from_the_name(nodeid, want):
     assert report.declared(nodeid) == want
