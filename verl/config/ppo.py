@@ -567,8 +567,14 @@ class TrainerConfig:
     """Write TensorBoard event files next to metrics.jsonl."""
     plot: bool = True
     """Write curves.png (reward, KL, entropy) at the end."""
-    collective_timeout_s: float = 1800.0
-    """Timeout of every collective (process-group timeout): a rank that hangs fails the job after this long."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective of every process group the job creates: a rank waiting longer than this for
+    its peers (one died, or hangs) fails with an error instead of hanging."""
+    node_timeout_s: float = 0.0
+    """Longest a PPO dataflow node (generate, score, update_actor, ...) may run on a rank before it is stopped
+    and the step fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time
+    (0: no limit). A node blocked inside a collective is stopped when the collective returns, i.e. at the
+    latest after collective_timeout_s."""
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN
     or inf, on any rank: the one that reaches this count fails the run, naming the step, the rank and the first
@@ -586,7 +592,10 @@ class TrainerConfig:
     def check(self) -> None:
         for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
+        require(0 < self.collective_timeout_s < 1e9, "collective_timeout_s", self.collective_timeout_s,
+                "must be a finite number of seconds > 0")
+        require(0 <= self.node_timeout_s < 1e9, "node_timeout_s", self.node_timeout_s,
+                "must be a finite number of seconds >= 0 (0: no limit)")
         require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", self.max_nonfinite_steps,
                 "must be >= 1 (1 fails the run at the first skipped step)")
 

@@ -170,6 +170,8 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
         role = roles[ROLE_OF.get(node.name, "actor")]
         out[node.name] = {"device_map": list(role.ranks), "engine": role.engine, "cpu_offload": role.cpu_offload,
                           **settings.get(node.name, {})}
+        if cfg.trainer.node_timeout_s > 0:
+            out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from verl.config.ppo import FSDPConfig, OptimConfig
-from verl.distributed import Placement
+from verl.distributed import Placement, new_group
 from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch
 from verl.workers.engine import ModuleEngine, build_optimizer, head_outputs, packed_head_outputs
@@ -51,8 +51,8 @@ def build_mesh(placement: Placement, cfg: FSDPConfig):
     mesh = torch.tensor(ranks).view(replicas, size)
     row, col = divmod(ranks.index(dist.get_rank()), size)
     # only the members of each sub-group create it, so a role over a subset of the world never waits on the rest
-    shard = dist.new_group(mesh[row].tolist(), use_local_synchronization=True)
-    replicate = dist.new_group(mesh[:, col].tolist(), use_local_synchronization=True)
+    shard = new_group(mesh[row].tolist(), use_local_synchronization=True)
+    replicate = new_group(mesh[:, col].tolist(), use_local_synchronization=True)
     return DeviceMesh.from_group([replicate, shard], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard"))
 
 
