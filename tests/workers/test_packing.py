@@ -214,11 +214,11 @@ def _megatron_grads(monkeypatch, box: dict) -> None:
     import verl.models.optimizer as opt
     apply = opt.apply_update
 
-    def record(model, optimizer, outs):
+    def record(model, optimizer, outs, **kw):
         box.setdefault(model.options.value_head, {}).update(
             {n: p.main_grad.clone() for n, p in model.gpt.named_parameters()
              if getattr(p, "main_grad", None) is not None})
-        return apply(model, optimizer, outs)
+        return apply(model, optimizer, outs, **kw)
     monkeypatch.setattr(opt, "apply_update", record)
 
 

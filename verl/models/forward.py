@@ -114,10 +114,11 @@ def _forward_step(model: MegatronGPT, loss_fn: LossFn):
             _check_right_padded(mb["attention_mask"])
             mb["mask_4d"] = None   # right padding under a causal mask leaves every real token's context intact
         # a packed micro-batch (verl/workers/packing.py) is one row of several sequences, each at most max_seqlen
-        s = mb.get("max_seqlen", s)
-        if arch.sliding_window is not None and s > arch.sliding_window:
-            raise VerlConfigError(f"sequence length {s} exceeds the model's sliding_window={arch.sliding_window}; "
-                                  f"the megatron local attention is full attention, so use sequences <= the window")
+        longest = mb.get("max_seqlen", s)
+        if arch.sliding_window is not None and longest > arch.sliding_window:
+            raise VerlConfigError(f"sequence length {longest} exceeds the model's sliding_window="
+                                  f"{arch.sliding_window}; the megatron local attention is full attention, so use "
+                                  f"sequences <= the window")
         ids, pos, mask_4d = _pad_inputs(mb, sp_padded_length(model, s))
         out = module(ids, pos, attention_mask=mask_4d)
         return out, partial(_loss_adapter, loss_fn, model, mb)
