@@ -94,8 +94,8 @@ def resolve_model_path(path: str, *, cache_dir: Path | None = None, progress: bo
         key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
         return _converted(p, cache / f"{p.stem.lower()}-{key}", progress)
     if not p.is_dir():
-        raise VerlConfigError(f"model.path={path!r} does not exist{nearest(path, SHIPPED, 'shipped models')}; "
-                              f"{_SUPPORTED}")
+        raise VerlConfigError(f"model.path={path!r} does not exist, so it is not a Hugging Face model directory"
+                              f"{nearest(path, SHIPPED, 'shipped models')}; {_SUPPORTED}")
     if not (p / "config.json").is_file():
         raise VerlConfigError(f"model.path={path!r} is a directory without config.json, so not a Hugging Face "
                               f"model directory; {_SUPPORTED}")
@@ -145,9 +145,10 @@ def convert_gguf(gguf: Path, out: Path, *, progress: bool = True) -> Path:
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
     except Exception as e:  # noqa: BLE001 - chained; the file is what the user can act on
         if "architecture" in str(e) and "not supported" in str(e):
+            archs = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # metadata sections
             raise VerlConfigError(f"{gguf}: {e} GGUF conversion supports the architectures "
-                                  f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}") from e
-        raise VerlConfigError(f"could not load {gguf} ({type(e).__name__}: {e}); the file is likely damaged: "
+                                  f"{', '.join(archs)}") from e
+        raise VerlConfigError(f"could not load {gguf} ({type(e).__name__}: {_first_line(e)}); the file is likely damaged: "
                               f"reinstall or re-download it") from e
     finally:
         if not progress:
@@ -192,12 +193,18 @@ def load_pretrained(path: str | Path, dtype: str = "float32"):
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError/safetensors errors
         model_type = _model_type(path)
         raise VerlConfigError(f"could not load the model in {path} (model_type {model_type!r}; "
-                              f"{type(e).__name__}: {e}); verl trains Hugging Face causal LMs "
+                              f"{type(e).__name__}: {_first_line(e)}); verl trains Hugging Face causal LMs "
                               f"(AutoModelForCausalLM; docs/MODELS.md lists the tested families) saved with "
                               f"their tokenizer") from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's first line (transformers appends paragraphs of upgrade advice; the full text stays chained)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _model_type(path: Path) -> str | None:
