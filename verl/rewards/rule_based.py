@@ -8,9 +8,9 @@ solution ending in ``#### 42``.
 ``arithmetic`` / ``counting``: exact match of the first number in the response (the tasks of
 `verl.data.tasks` answer with a single number).
 
-``gsm_symbolic`` (the task of the same name): reasoning-gym's own scorer on the response's final answer (its
-last ``<answer>...</answer>``, else its last number). ``answer_format``: 1.0 for a response ending in one
-``<answer>NUMBER</answer>``, the optional format term beside it.
+``gsm_symbolic`` (the task of the same name): reasoning-gym's own scorer on the response's final answer,
+extracted as for ``gsm8k``. ``gsm8k_format``: 1.0 for a response whose last line is ``#### NUMBER``, the
+optional format term beside it.
 """
 
 from __future__ import annotations
@@ -62,26 +62,16 @@ def counting_reward(response: str, ground_truth: str, prompt: str = "") -> float
     return _first_number_match(response, ground_truth)
 
 
-_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-
-
-def tagged_answer(response: str) -> str | None:
-    """The content of the response's last <answer>...</answer>; without one, its last number; None if neither.
-    Thousands separators are dropped ("1,288" is 1288, not 1)."""
-    tagged = _ANSWER_TAG.findall(response)
-    if tagged:
-        return tagged[-1].replace(",", "")
-    numbers = _NUMBER.findall(response)
-    return numbers[-1].replace(",", "") if numbers else None
-
 
 _GSM_SCORER = None
+_FINAL_LINE = re.compile(r"####\s*\$?-?\d[\d,]*(?:\.\d+)?\.?")
 
 
 @register_reward("gsm_symbolic")
 def gsm_symbolic_reward(response: str, ground_truth: str, prompt="") -> float:
-    """reasoning-gym's gsm_symbolic scorer on the response's answer (`tagged_answer`): 1.0 when it equals the
-    ground truth as a number, 0.01 for another number, 0.0 for none (the scorer's own values)."""
+    """reasoning-gym's gsm_symbolic scorer on the response's final answer (`extract_gsm8k_answer`: after the last
+    '####', else the last number): 1.0 when it equals the ground truth as a number, 0.01 for another number,
+    0.0 for none (the scorer's own values)."""
     global _GSM_SCORER
     if _GSM_SCORER is None:
         try:
@@ -90,13 +80,12 @@ def gsm_symbolic_reward(response: str, ground_truth: str, prompt="") -> float:
             raise VerlConfigError("reward gsm_symbolic scores with the reasoning-gym wheel, which is not installed: "
                                   "pip install reasoning-gym") from None
         _GSM_SCORER = reasoning_gym.create_dataset("gsm_symbolic", size=1, seed=0)  # only its score_answer is used
-    return float(_GSM_SCORER.score_answer(tagged_answer(response), {"answer": ground_truth}))
+    return float(_GSM_SCORER.score_answer(extract_gsm8k_answer(response), {"answer": ground_truth}))
 
 
-@register_reward("answer_format")
-def answer_format_reward(response: str, ground_truth: str = "", prompt="") -> float:
-    """1.0 when the response ends with exactly one <answer>NUMBER</answer> (what the gsm_symbolic task's system
-    prompt asks for), else 0.0. Add it to the answer reward with a small weight in reward.sources."""
-    tagged = _ANSWER_TAG.findall(response)
-    ends = response.rstrip().endswith("</answer>")
-    return 1.0 if len(tagged) == 1 and ends and _NUMBER.fullmatch(tagged[0].replace("$", "")) else 0.0
+@register_reward("gsm8k_format")
+def gsm8k_format_reward(response: str, ground_truth: str = "", prompt="") -> float:
+    """1.0 when the response's last line is '#### NUMBER' and no other line has '####' (what the gsm_symbolic
+    task's system prompt asks for), else 0.0. Add it to the answer reward with a small weight in reward.sources."""
+    lines = response.strip().splitlines()
+    return 1.0 if lines and _FINAL_LINE.fullmatch(lines[-1].strip()) and response.count("####") == 1 else 0.0
