@@ -23,7 +23,8 @@ def test_shipped_model_converts_to_the_ggufs_weights_and_tokenizer(smollm2_dir):
     assert json.loads((smollm2_dir / "verl_converted.json").read_text())["model_type"] == "llama"
     reader = gguf.GGUFReader(str(shipped_gguf("smollm2-135m-instruct")))
     by_name = {t.name: t for t in reader.tensors}
-    pairs = {"token_embd.weight": "model.embed_tokens.weight", "blk.3.ffn_down.weight": "model.layers.3.mlp.down_proj.weight",
+    pairs = {"token_embd.weight": "model.embed_tokens.weight",
+             "blk.3.ffn_down.weight": "model.layers.3.mlp.down_proj.weight",
              "blk.7.attn_v.weight": "model.layers.7.self_attn.v_proj.weight",
              "blk.0.attn_norm.weight": "model.layers.0.input_layernorm.weight"}
     with safe_open(str(smollm2_dir / "model.safetensors"), framework="pt") as f:
@@ -34,7 +35,8 @@ def test_shipped_model_converts_to_the_ggufs_weights_and_tokenizer(smollm2_dir):
             got = f.get_tensor(hf_name)
             assert got.dtype == torch.float32 and torch.equal(got, want.reshape(got.shape)), hf_name
     model, tok = load_pretrained(smollm2_dir)
-    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
     assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                                                add_generation_prompt=True)
