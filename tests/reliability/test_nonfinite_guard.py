@@ -116,11 +116,11 @@ def check_actor_scenario(res: dict, kind: str, poison: int) -> None:
            f"{poison}" in msg
 
 
-def test_nan_loss_and_gradient_skip_the_step_in_process():
+def test_behaves_nan_loss_and_gradient_skip_the_step_in_process():
     check_actor_scenario(actor_scenario(Placement(), "torch", poison=0), "torch", poison=0)
 
 
-def test_critic_nan_returns_skip_the_step():
+def test_behaves_critic_nan_returns_skip_the_step():
     from verl.testing.tiny import tiny_model
     from verl.workers import CriticWorker, TorchEngine, ValueModel
     value_model = ValueModel.from_causal_lm(tiny_model(SHAPE, seed=3))
@@ -153,7 +153,7 @@ def _two_ranks(rank, world_size):
 
 
 @pytest.mark.multiprocess
-def test_nan_on_one_rank_skips_the_step_on_both():
+def test_behaves_nan_on_one_rank_skips_the_step_on_both():
     """Rank 1's NaN (loss, or one gradient before the averaging) skips the step on rank 0 too: both keep their
     weights, stay identical, count the step, and fail together naming rank 1."""
     r0, r1 = run_distributed(_two_ranks, 2, timeout=300)
@@ -167,7 +167,7 @@ def test_nan_on_one_rank_skips_the_step_on_both():
     assert torch.equal(r0["torch"]["after_nan_grad"], r1["torch"]["after_nan_grad"])
 
 
-def test_trainer_fails_after_max_nonfinite_steps(tmp_path, monkeypatch):
+def test_clear_trainer_fails_after_max_nonfinite_steps(tmp_path, monkeypatch):
     """A whole run whose policy loss is NaN: steps are skipped and logged, then the run fails naming them."""
     import verl.workers.actor as actor_module
     from verl.trainer.main_ppo import main
