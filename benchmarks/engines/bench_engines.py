@@ -44,20 +44,11 @@ def _prompts(n: int) -> list[str]:
     return [" ".join(words[(7 * i) % 50:(7 * i) % 50 + 3 + i % 9]) for i in range(n)]
 
 
-def _peak_memory_mb() -> float:
-    import torch
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def run_worker(engine: str, model_dir: str, size: dict, repeats: int, out_path: str) -> None:
     """One engine in this process: generate greedy and seeded samples, time them, write them as JSON."""
     import torch
+
+    from verl.utils.metrics import peak_memory_mb
     torch.set_num_threads(1)
     from verl.rollout import RolloutConfig, SamplingParams, build_rollout, engine_available
     ok, why = engine_available(engine)
@@ -80,7 +71,7 @@ def run_worker(engine: str, model_dir: str, size: dict, repeats: int, out_path: 
     sampled = eng.generate(prompts, seeded)
     tokens = sum(len(o.token_ids) for o in outs)
     json.dump({"engine": engine, "startup_s": startup, "generate_s": sum(times) / len(times), "tokens": tokens,
-               "tokens_per_s": tokens * len(times) / sum(times), "peak_memory_mb": _peak_memory_mb(),
+               "tokens_per_s": tokens * len(times) / sum(times), "peak_memory_mb": peak_memory_mb(),
                "greedy": [o.token_ids for o in outs], "sampled": [o.token_ids for o in sampled],
                "greedy_logprobs": [o.logprobs for o in outs]}, open(out_path, "w"))
 

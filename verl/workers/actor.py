@@ -31,6 +31,16 @@ def reduce_micro_stats(per_micro: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(m[k] for m in per_micro) / (1 if k in ADDITIVE else len(per_micro)) for k in keys}
 
 
+def record_step(stats: dict[str, list[float]], role: str, per_micro: list[dict[str, float]], result, guard,
+                step: int) -> None:
+    """Adds one optimizer step's statistics and grad norm to `stats`, unless the non-finite guard skipped the
+    step (its statistics would be NaN; the guard counts it instead)."""
+    if guard.record(result.nonfinite, step):
+        for k, v in reduce_micro_stats(per_micro).items():
+            stats[k].append(v)
+        stats[f"{role}/grad_norm"].append(result.grad_norm)
+
+
 class ActorWorker:
     """The trained policy (or, on a frozen engine, the reference)."""
 
@@ -107,10 +117,7 @@ class ActorWorker:
                 per_micro, result = self.engine.train_step(
                     sub, self.cfg.micro_batch_size, self._loss_fn(agg, seen), {k: v[mini] for k, v in tensors.items()},
                     temperature=self.temperature, **self._micro)
-                if self.guard.record(result.nonfinite, step):
-                    for k, v in reduce_micro_stats(per_micro).items():
-                        stats[k].append(v)
-                    stats["actor/grad_norm"].append(result.grad_norm)
+                record_step(stats, "actor", per_micro, result, self.guard, step)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["actor/nonfinite_steps"] = float(self.guard.skipped - skipped)
         out["actor/lr"] = self.engine.lr

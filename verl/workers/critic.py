@@ -20,7 +20,7 @@ from verl.algos import critic_loss
 from verl.config.ppo import CriticConfig
 from verl.errors import VerlConfigError
 from verl.utils.nonfinite import NonfiniteGuard
-from verl.workers.actor import reduce_micro_stats
+from verl.workers.actor import record_step
 from verl.workers.batch import RolloutBatch
 
 __all__ = ["VALUE_HEAD_FILE", "CriticWorker", "ValueModel"]
@@ -122,10 +122,7 @@ class CriticWorker:
             per_micro, result = self.engine.train_step(batch, self.cfg.micro_batch_size, loss_fn,
                                                        {"old_values": old_values, "returns": returns},
                                                        **self._micro)
-            if self.guard.record(result.nonfinite, step):
-                for k, v in reduce_micro_stats(per_micro).items():
-                    stats[k].append(v)
-                stats["critic/grad_norm"].append(result.grad_norm)
+            record_step(stats, "critic", per_micro, result, self.guard, step)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["critic/nonfinite_steps"] = float(self.guard.skipped - skipped)
         return out
