@@ -21,6 +21,7 @@
 
 #include "verl/cpu_math.h"
 #include "verl/logprob.h"
+#include "verl/rl_head.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
 // One build serves any x86-64 CPU; the loader picks the AVX2+FMA clone where the CPU has it.
@@ -274,6 +275,7 @@ TORCH_LIBRARY_IMPL(verl, CPU, m) {
   m.impl("linear_logprob_entropy", &logprob::linear_logprob_entropy<K>);
   m.impl("linear_logprob_entropy_shard", &logprob::linear_logprob_entropy_shard<K>);
   m.impl("linear_logprob_entropy_backward", &logprob::linear_logprob_entropy_backward<K>);
+  m.impl("linear_rl_loss", &rl_head::linear_rl_loss<K>);
 }
 
 }  // namespace verl

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "verl/logprob.h"
+#include "verl/rl_head.h"
 
 namespace verl {
 namespace {
@@ -196,6 +197,7 @@ TORCH_LIBRARY_IMPL(verl, CUDA, m) {
   m.impl("linear_logprob_entropy", &logprob::linear_logprob_entropy<K>);
   m.impl("linear_logprob_entropy_shard", &logprob::linear_logprob_entropy_shard<K>);
   m.impl("linear_logprob_entropy_backward", &logprob::linear_logprob_entropy_backward<K>);
+  m.impl("linear_rl_loss", &rl_head::linear_rl_loss<K>);
 }
 
 }  // namespace verl
