@@ -224,6 +224,11 @@ class ActorConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm", "token-sum"] = "token-mean"
     """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
+    fused_loss_head: bool = False
+    """Compute the update's loss straight from the hidden states and the LM head weight with one fused op
+    (verl.ops.linear_rl_loss: 3 GEMMs, gradients in its forward pass, no [tokens, vocab] logits). Applies on the
+    torch and fsdp engines to the vanilla / gspo / reinforce losses with a built-in KL kind; anything else (other
+    losses, a logit soft-cap, an LM head bias, megatron) takes the unfused path."""
 
     def loss_params(self):
         """The params dataclass of `policy_loss` filled from `policy_loss_params` (typed, with its own check()),

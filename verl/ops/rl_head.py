@@ -82,9 +82,9 @@ def _bt_input(t: torch.Tensor | None, mask: torch.Tensor, op: str, name: str) ->
 
 def check_linear_rl_loss(hidden, weight, labels, mask, advantages, old_logprob, ref_logprob, temperature, loss_type,
                          clip_low, clip_high, clip_c, kl_kind, kl_coef, entropy_coeff, chunk_n,
-                         op: str = "linear_rl_loss") -> float:
+                         op: str = "linear_rl_loss", vocab_size: int | None = None) -> float:
     """What the linear_rl_loss kernel checks (csrc/include/verl/rl_head.h), run on both backends; hidden [B*T, H].
-    Returns the temperature as a float."""
+    vocab_size: the whole vocabulary when `weight` is a shard. Returns the temperature as a float."""
     check_name(loss_type, HEAD_LOSSES, "fused loss head policy loss")
     check_name(kl_kind, KL_KINDS, "KL kind")
     check_arg(int(chunk_n) >= 0, op, f"`chunk_n` must be >= 0 (0 = about 128 MiB of logits per chunk), got {chunk_n}")
@@ -115,11 +115,12 @@ def check_linear_rl_loss(hidden, weight, labels, mask, advantages, old_logprob, 
     check_arg(clip_c > 1.0, op, f"`clip_c` (dual-clip constant) must be > 1, got {clip_c}; pass inf to turn dual "
                                 f"clip off")
     if not torch.compiler.is_compiling() and labels.numel():
-        bad = (mask != 0) & ((labels < 0) | (labels >= weight.shape[0]))
+        vocab = weight.shape[0] if vocab_size is None else vocab_size
+        bad = (mask != 0) & ((labels < 0) | (labels >= vocab))
         if bool(bad.any()):
             b, i = (int(v) for v in bad.nonzero()[0])
             raise ValueError(f"{op}: `labels`[{b}, {i}] = {int(labels[b, i])} is a valid (mask != 0) token outside "
-                             f"the vocabulary [0, {weight.shape[0]})")
+                             f"the vocabulary [0, {vocab})")
     return t
 
 
@@ -288,8 +289,10 @@ def vocab_parallel_linear_rl_loss(hidden: torch.Tensor, weight_shard: torch.Tens
     op = "vocab_parallel_linear_rl_loss"
     h = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() >= 1 else hidden
     ch = clip_low if clip_high is None else clip_high
+    _, vocab = _group_layout(group, weight_shard.shape[0])
     t = check_linear_rl_loss(h, weight_shard, labels, mask, advantages, old_logprob, ref_logprob, temperature,
-                             loss_type, clip_low, ch, clip_c, kl_kind, kl_coef, entropy_coeff, chunk_n, op=op)
+                             loss_type, clip_low, ch, clip_c, kl_kind, kl_coef, entropy_coeff, chunk_n, op=op,
+                             vocab_size=vocab)
     T = max(mask.shape[1], 1)
     seqs = max(1, (int(chunk_n) or max(64, (1 << 25) // weight_shard.shape[0])) // T)
     kw = dict(loss_type=loss_type, clip_low=clip_low, clip_high=ch, clip_c=clip_c, kl_kind=kl_kind, kl_coef=kl_coef,

@@ -13,6 +13,8 @@ the same calls, which is all the actor and critic workers use:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -47,8 +49,10 @@ def logit_head(config) -> tuple[float, float | None]:
 
 def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, responses: torch.Tensor, prompt_length: int,
-                 temperature: float) -> dict[str, torch.Tensor]:
-    """Response-position outputs [b, R] of a causal LM ("lm": log-probs and entropy) or a `ValueModel` ("value")."""
+                 temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
+    """Response-position outputs [b, R] of a causal LM ("lm": log-probs and entropy) or a `ValueModel` ("value").
+    `loss_head(hidden [b, R, H], weight [V, H], responses, temperature)`: a fused loss head (actor.fused_loss_head)
+    run in place of the LM head when the head can be fused (no bias, no logit soft-cap); its dict is returned."""
     P = prompt_length
     if head == "value":
         values = module(input_ids, attention_mask, position_ids)
@@ -58,6 +62,8 @@ def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, at
     # only the R positions that predict response tokens go through the (fused) LM head
     scale, cap = logit_head(getattr(module, "config", None))
     lm_head = module.get_output_embeddings()
+    if loss_head is not None and cap is None and getattr(lm_head, "bias", None) is None:
+        return loss_head(hidden[:, P - 1:-1], lm_head.weight, responses, temperature / scale)
     if cap is not None:
         logits = lm_head(hidden[:, P - 1:-1]).float()
         lp, ent = logprob_entropy(torch.tanh(logits / cap) * cap, responses, temperature / scale)
@@ -86,8 +92,10 @@ class ModuleEngine:
     optim_cfg: OptimConfig | None
     optimizer: torch.optim.Optimizer | None = None
     scheduler = None
+    supports_fused_head = True
+    """train_step runs a loss function's `fused_head` (actor.fused_loss_head) in place of the LM head."""
 
-    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def _reduce_grads(self) -> None:
@@ -115,7 +123,12 @@ class ModuleEngine:
             self._gradient_sync(i == len(slices) - 1)
             mb = batch.select(sl)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
-            loss, s = loss_fn(self._forward(mb, temperature), fields)
+            head = getattr(loss_fn, "fused_head", None)
+            if head is not None:  # the fused loss head replaces the LM head (see verl/workers/actor.py)
+                out = self._forward(mb, temperature, loss_head=functools.partial(head, fields=fields))
+            else:
+                out = self._forward(mb, temperature)
+            loss, s = loss_fn(out, fields)
             loss.backward()
             stats.append({k: float(v) for k, v in s.items()})
         return stats, self.step()
@@ -183,9 +196,9 @@ class TorchEngine(ModuleEngine):
         self.optimizer, self.scheduler = build_optimizer(self.module, optim, total_steps)
         self.broadcast_parameters()
 
-    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
         return head_outputs(self.module, self.head, mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses,
-                            mb.prompt_length, temperature)
+                            mb.prompt_length, temperature, loss_head)
 
     def broadcast_parameters(self) -> None:
         """Makes every rank of the engine start from its first rank's weights."""

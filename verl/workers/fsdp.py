@@ -76,9 +76,10 @@ class _Root(torch.nn.Module):
         super().__init__()
         self.model, self.head = model, head
 
-    def forward(self, input_ids, attention_mask, position_ids, responses, prompt_length: int, temperature: float):
+    def forward(self, input_ids, attention_mask, position_ids, responses, prompt_length: int, temperature: float,
+                loss_head=None):
         out = head_outputs(self.model, self.head, input_ids, attention_mask, position_ids, responses, prompt_length,
-                           temperature)
+                           temperature, loss_head)
         # FSDP hooks backward onto the root's outputs; a slice (the values) would lose the hook to an in-place op
         return {k: v.clone() if v._base is not None else v for k, v in out.items()}
 
@@ -116,9 +117,9 @@ class FSDPEngine(ModuleEngine):
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=ranks[0], group=group)
 
-    def _forward(self, mb: RolloutBatch, temperature: float) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
         return self.root(mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses, mb.prompt_length,
-                         temperature)
+                         temperature, loss_head)
 
     def _gradient_sync(self, last_micro_batch: bool) -> None:
         # earlier micro-batches accumulate unsharded local gradients; the last one reduce-scatters their sum once

@@ -159,6 +159,7 @@ inline ChunkOut chunk_terms(const Tensor& lp, const Tensor& ent, const Tokens& t
 // unless one sequence alone is longer.
 inline std::vector<int64_t> chunk_bounds(int64_t nv, int64_t chunk_n, bool whole_rows, const Tensor& count) {
   std::vector<int64_t> cuts{0};
+  if (nv == 0) return cuts;  // no chunk at all
   if (!whole_rows) {
     for (int64_t a = chunk_n; a < nv; a += chunk_n) cuts.push_back(a);
   } else {
