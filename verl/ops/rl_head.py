@@ -220,12 +220,14 @@ def _global_agg(a: Aggregation, mask: torch.Tensor) -> Aggregation:
 
 def _token_grads(lp, ent, rows, mask, adv, old, ref, kw):
     """(loss, stats sums [8] float64, d loss / d lp, d loss / d ent) of a chunk of whole sequences [b, T]."""
-    lp = lp.detach().requires_grad_()
-    ent = ent.detach().requires_grad_()
-    pick = (lambda x: None if x is None else x[rows])  # noqa: E731
+    # in float64, as the kernel's per-token terms (csrc/include/verl/rl_head.h)
+    lp = lp.detach().double().requires_grad_()
+    ent = ent.detach().double().requires_grad_()
+    pick = (lambda x: None if x is None else x[rows].double())  # noqa: E731
     m = mask[rows]
-    loss, stats = _parts(lp, ent, m, adv[rows], pick(old), pick(ref), **kw, ref_ops=False)
-    glp, gh = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
+    with torch.enable_grad():  # autograd.Function.forward runs without it
+        loss, stats = _parts(lp, ent, m, pick(adv), pick(old), pick(ref), **kw, ref_ops=False)
+        glp, gh = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
     n = float((m != 0).sum())
     sums = stats.double() * torch.tensor([1.0] * 3 + [n] * 5, dtype=torch.float64, device=stats.device)
     return loss.detach().double(), sums, glp, (torch.zeros_like(ent) if gh is None else gh)
@@ -237,7 +239,8 @@ class _VocabParallelRlLoss(torch.autograd.Function):
         start, vocab = _group_layout(group, weight.shape[0])
         B, T = mask.shape
         fused = use_fused("logprob_entropy_shard", hidden, weight)
-        lp_all, ent_all = mask.new_zeros(B, T, dtype=torch.float32), mask.new_zeros(B, T, dtype=torch.float32)
+        dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        lp_all, ent_all = (torch.zeros(B, T, dtype=dt, device=hidden.device) for _ in range(2))
         loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
         sums = torch.zeros(8, dtype=torch.float64, device=hidden.device)
         gh_all, gw = torch.zeros_like(hidden), torch.zeros_like(weight)
@@ -253,7 +256,7 @@ class _VocabParallelRlLoss(torch.autograd.Function):
             lp, ent, lse = _combine(*st, torch.ones_like(y, dtype=torch.bool), group)
             lp_bt, ent_bt = torch.zeros_like(lp_all[rows]), torch.zeros_like(ent_all[rows])
             local = flat - b0 * T
-            lp_bt.view(-1)[local], ent_bt.view(-1)[local] = lp.float(), ent.float()
+            lp_bt.view(-1)[local], ent_bt.view(-1)[local] = lp.to(dt), ent.to(dt)
             lp_all[rows], ent_all[rows] = lp_bt, ent_bt
             l_c, s_c, glp, gent = _token_grads(lp_bt, ent_bt, rows, mask, adv, old, ref, kw)
             loss += l_c
@@ -268,7 +271,7 @@ class _VocabParallelRlLoss(torch.autograd.Function):
         stats = torch.cat([sums[:3], sums[3:] / max(n, 1.0)]).float()
         ctx.save_for_backward(gh_all, gw)
         ctx.mark_non_differentiable(stats, lp_all, ent_all)
-        return loss.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32), stats, lp_all, ent_all
+        return loss.to(dt), stats, lp_all, ent_all
 
     @staticmethod
     def backward(ctx, grad, *_unused):
