@@ -390,3 +390,16 @@ def test_vocab_parallel_on_two_gloo_ranks_matches_the_single_rank_op():
             _close(gh, 2 * want[4], 1e-10)
             _close(gw, 2 * want[5][rank * vs:(rank + 1) * vs], 1e-10)
     assert math.isfinite(float(results[0]["vanilla"][0].loss))
+
+
+def test_backward_scales_in_place_and_a_second_backward_is_refused():
+    """The backward scales the saved gradients in their own memory (no second [V, H] at the peak), so the graph
+    cannot be backwarded twice; autograd says so instead of returning wrong gradients."""
+    h, w, y, mask, adv, old, ref = sample_problem(2, 3, 4, 11, seed=10, dtype=torch.float32)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = O.linear_rl_loss(hh, ww, y, mask, adv, old_logprob=old, ref_logprob=ref)
+    (2.0 * out.loss).backward(retain_graph=True)
+    want = reference64(h, w, y, mask, adv, old, ref, 1.0, "vanilla", 0.2, 0.2, 3.0, "k3", 0.0, 0.0, "token-mean")
+    _close(hh.grad, 2 * want[4], 2e-5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()

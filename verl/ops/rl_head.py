@@ -87,7 +87,7 @@ def check_linear_rl_loss(hidden, weight, labels, mask, advantages, old_logprob, 
     vocab_size: the whole vocabulary when `weight` is a shard. Returns the temperature as a float."""
     check_name(loss_type, HEAD_LOSSES, "fused loss head policy loss")
     check_name(kl_kind, KL_KINDS, "KL kind")
-    check_arg(int(chunk_n) >= 0, op, f"`chunk_n` must be >= 0 (0 = about 128 MiB of logits per chunk), got {chunk_n}")
+    check_arg(int(chunk_n) >= 0, op, f"`chunk_n` must be >= 0 (0 = about 64 MiB of logits per chunk, at least 256 rows), got {chunk_n}")
     t = _check_temperature(temperature, op)
     check_arg(abs(float(kl_coef)) < float("inf"), op, f"`kl_coef` must be finite, got {kl_coef}")
     check_arg(abs(float(entropy_coeff)) < float("inf"), op, f"`entropy_coeff` must be finite, got {entropy_coeff}")
@@ -185,7 +185,7 @@ def linear_rl_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                    agg: Aggregation | str | None = None, chunk_n: int = 0) -> HeadLossOutput:
     """The actor's loss from hidden [B, T, H] (or [B*T, H]) and the LM head weight [V, H] (same dtype); labels,
     mask, advantages, old_logprob, ref_logprob [B, T]. See the module docstring. chunk_n: valid tokens per chunk
-    (0: about 128 MiB of logits). Gradients flow to hidden and weight only."""
+    (0: about 64 MiB of logits, at least 256 rows). Gradients flow to hidden and weight only."""
     op = "linear_rl_loss"
     h = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() >= 1 else hidden
     ch = clip_low if clip_high is None else clip_high
@@ -276,7 +276,7 @@ class _VocabParallelRlLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_unused):
         gh, gw = ctx.saved_tensors
-        return (grad.to(gh.dtype) * gh, grad.to(gw.dtype) * gw) + (None,) * 9
+        return (_scale_in_place(grad, gh), _scale_in_place(grad, gw)) + (None,) * 9
 
 
 def vocab_parallel_linear_rl_loss(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
@@ -297,7 +297,7 @@ def vocab_parallel_linear_rl_loss(hidden: torch.Tensor, weight_shard: torch.Tens
                              loss_type, clip_low, ch, clip_c, kl_kind, kl_coef, entropy_coeff, chunk_n, op=op,
                              vocab_size=vocab)
     T = max(mask.shape[1], 1)
-    seqs = max(1, (int(chunk_n) or max(64, (1 << 25) // weight_shard.shape[0])) // T)
+    seqs = max(1, (int(chunk_n) or max(256, (1 << 24) // weight_shard.shape[0])) // T)
     kw = dict(loss_type=loss_type, clip_low=clip_low, clip_high=ch, clip_c=clip_c, kl_kind=kl_kind, kl_coef=kl_coef,
               entropy_coeff=entropy_coeff, agg=_global_agg(_agg(agg), mask))
     det = (lambda x: None if x is None else x.detach())  # noqa: E731
@@ -336,10 +336,20 @@ def _backward(ctx, grad, *_unused):
     gh, gw = ctx.saved_tensors
     out = [None] * len(ctx.needs_input_grad)
     if ctx.needs_input_grad[0]:
-        out[0] = torch.ops.verl.loss_grad_scale(grad, gh)
+        out[0] = _scale_in_place(grad, gh)
     if ctx.needs_input_grad[1]:
-        out[1] = torch.ops.verl.loss_grad_scale(grad, gw)
+        out[1] = _scale_in_place(grad, gw)
     return tuple(out)
+
+
+def _scale_in_place(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """The saved d loss / d input times grad_output, in the saved tensor's own memory: a scaled copy would hold a
+    second [V, H] grad_weight at the peak. The graph's saved gradients are then spent, so backwarding it a second
+    time (retain_graph=True) is refused by autograd's in-place check rather than giving wrong numbers. Traced
+    (torch.compile / AOT autograd: tensor subclasses) it is the out-of-place op, which the compiler may fuse."""
+    if type(saved) is not torch.Tensor:
+        return torch.ops.verl.loss_grad_scale(grad, saved)
+    return saved.mul_(grad.reshape(()).to(saved.dtype))
 
 
 def _register() -> None:
