@@ -106,7 +106,7 @@ TORCH_LIBRARY(verl, m) {
   // are [B, T]. stats: float32 [8] = (pg_loss, kl_loss, entropy_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl,
   // entropy, kl). logprob / entropy [B, T] (0 where mask is 0). With `with_grad`, grad_hidden [B*T, H] and
   // grad_weight [V, H] are d loss / d input at grad_output = 1, computed in this forward pass (3 GEMMs in all);
-  // the backward is loss_grad_scale of each. chunk_n: valid tokens per chunk (0 = about 64 MiB of logits, >= 256 rows).
+  // the backward is loss_grad_scale of each. chunk_n: valid tokens per chunk (0 = the backend's default).
   m.def("linear_rl_loss(Tensor hidden, Tensor weight, Tensor labels, Tensor mask, Tensor advantages, "
         "Tensor? old_logprob, Tensor? ref_logprob, float temperature, str loss_type, float clip_low, "
         "float clip_high, float clip_c, str kl_kind, float kl_coef, float entropy_coeff, str mode, "

@@ -87,7 +87,7 @@ def check_linear_rl_loss(hidden, weight, labels, mask, advantages, old_logprob, 
     vocab_size: the whole vocabulary when `weight` is a shard. Returns the temperature as a float."""
     check_name(loss_type, HEAD_LOSSES, "fused loss head policy loss")
     check_name(kl_kind, KL_KINDS, "KL kind")
-    check_arg(int(chunk_n) >= 0, op, f"`chunk_n` must be >= 0 (0 = about 64 MiB of logits per chunk, at least 256 rows), got {chunk_n}")
+    check_arg(int(chunk_n) >= 0, op, f"`chunk_n` must be >= 0 (0 = the backend's default chunk), got {chunk_n}")
     t = _check_temperature(temperature, op)
     check_arg(abs(float(kl_coef)) < float("inf"), op, f"`kl_coef` must be finite, got {kl_coef}")
     check_arg(abs(float(entropy_coeff)) < float("inf"), op, f"`entropy_coeff` must be finite, got {entropy_coeff}")
@@ -185,7 +185,8 @@ def linear_rl_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                    agg: Aggregation | str | None = None, chunk_n: int = 0) -> HeadLossOutput:
     """The actor's loss from hidden [B, T, H] (or [B*T, H]) and the LM head weight [V, H] (same dtype); labels,
     mask, advantages, old_logprob, ref_logprob [B, T]. See the module docstring. chunk_n: valid tokens per chunk
-    (0: about 64 MiB of logits, at least 256 rows). Gradients flow to hidden and weight only."""
+    (0: the backend's default, 64 MiB of float32 logits and >= 256 rows on CPU, 2^28 logits and >= 1024 rows on CUDA).
+    Gradients flow to hidden and weight only."""
     op = "linear_rl_loss"
     h = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() >= 1 else hidden
     ch = clip_low if clip_high is None else clip_high

@@ -53,10 +53,8 @@ enum Stat : int64_t {
   kPgLoss = 0, kKlLoss, kEntropyLoss, kClipfrac, kClipfracLower, kPpoKl, kEntropy, kKl, kStats
 };
 
-// Logits rows per chunk when chunk_n = 0: about 2^24 elements (64 MiB of float32 logits), but at least 256 rows:
-// every chunk reads and writes all of grad_W (8 V H bytes in float32) against 6 rows V H flops of GEMMs, so with
-// fewer rows the grad_W traffic stops being small next to the GEMMs on a CPU (~3% at 256 rows).
-inline int64_t auto_chunk_rows(int64_t v) { return std::clamp<int64_t>((int64_t{1} << 24) / v, 256, 4096); }
+// Logits rows per chunk when chunk_n = 0 are the backend's choice, K::rl_head_chunk_rows(V) (memory against GEMM
+// efficiency: every chunk reads and writes all of grad_W, 8 V H bytes in float32, against 6 rows V H flops).
 
 struct Params {
   rl::PgParams pg;
@@ -333,7 +331,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
                     std::optional<double> global_seqs, int64_t dp_size, std::optional<double> norm_len,
                     int64_t chunk_n, bool with_grad) {
   const char* op = "linear_rl_loss";
-  TORCH_CHECK(chunk_n >= 0, op, ": `chunk_n` must be >= 0 (0 = about 64 MiB of logits per chunk, at least 256 rows), got ", chunk_n);
+  TORCH_CHECK(chunk_n >= 0, op, ": `chunk_n` must be >= 0 (0 = the backend's default chunk), got ", chunk_n);
   TORCH_CHECK(mask.dim() == 2, op, ": `mask` must be 2-D [B, T] (sequences x response tokens), got shape ",
               mask.sizes());
   const rl::AggParams agg = rl::make_agg(mode, global_tokens, global_seqs, dp_size, norm_len, mask.size(1), op);
@@ -342,7 +340,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
                         clip_low, clip_high, clip_c, kl_kind, kl_coef, entropy_coeff, agg, op);
   const logprob::Linear& L = s.in.L;
   const int64_t nv = s.idx.size(0);
-  const std::vector<int64_t> cuts = chunk_bounds(nv, chunk_n > 0 ? chunk_n : auto_chunk_rows(L.v),
+  const std::vector<int64_t> cuts = chunk_bounds(nv, chunk_n > 0 ? chunk_n : K::rl_head_chunk_rows(L.v),
                                                  s.p.pg.type == rl::Pg::Gspo, s.tok.count);
   int64_t max_rows = 0;
   for (size_t i = 0; i + 1 < cuts.size(); ++i) max_rows = std::max(max_rows, cuts[i + 1] - cuts[i]);
