@@ -134,3 +134,48 @@ def _fsdp_body(rank, world):
 
 def test_fsdp_engine_fused_head_matches_unfused_on_two_ranks():
     assert run_distributed(_fsdp_body, world_size=2, timeout=240) == [True, True]
+
+
+def test_megatron_engine_fused_head_matches_unfused(tmp_path, monkeypatch):
+    """TP=1 megatron (gloo, one process): the output layer hands back hidden states to the vocab-parallel head."""
+    import torch.distributed as dist
+
+    from verl.config import MegatronConfig, TinyModelConfig
+    from verl.data import task_corpus
+    from verl.distributed import destroy_process_groups, init_placement
+    from verl.rollout import RolloutConfig, build_rollout
+    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    from verl.workers import ActorWorker, RolloutWorker
+    from verl.workers.megatron import MegatronEngine
+    import verl.ops.rl_head as rl_head
+    calls = []
+    real = rl_head.vocab_parallel_linear_rl_loss
+    monkeypatch.setattr(rl_head, "vocab_parallel_linear_rl_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    placement = init_placement("cpu", megatron=True)
+    try:
+        tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
+        shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+        model = tiny_model(shape, tokenizer=tok, tie_word_embeddings=True, seed=3)
+        path = save_tiny(model, tok, tmp_path / "hf")
+        cfg_r = RolloutConfig(engine="hf", n=4, max_new_tokens=5)
+        batch = RolloutWorker(build_rollout(cfg_r, model=model, tokenizer=tok), cfg_r,
+                              max_prompt_length=16).generate(ROWS[:2], seed=0)
+        g = torch.Generator().manual_seed(2)
+        adv = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+        ref = torch.randn(batch.response_mask.shape, generator=g) * 0.3
+        out = {}
+        for fused in (True, False):
+            cfg = _cfg(fused, micro_batch_size=4)
+            actor = ActorWorker(MegatronEngine(path, placement, MegatronConfig(), optim=cfg.optim, total_steps=3),
+                                cfg, **KW)
+            lp, _ = actor.compute_log_probs(batch)
+            out[fused] = actor.update(batch, lp + 0.2 * ref, adv, lp + ref)
+            assert type(actor.engine.model.gpt.output_layer).__name__ != "_HiddenOutput"  # restored
+        a, b = out[True], out[False]
+        assert len(calls) == 2  # the fused run's two micro-batches went through the vocab-parallel head
+        assert a.keys() == b.keys() and "actor/kl_loss" in a
+        for k in a:
+            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (k, a[k], b[k])
+    finally:
+        destroy_process_groups()
+        dist.destroy_process_group()

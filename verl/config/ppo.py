@@ -226,9 +226,9 @@ class ActorConfig:
     """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
     fused_loss_head: bool = False
     """Compute the update's loss straight from the hidden states and the LM head weight with one fused op
-    (verl.ops.linear_rl_loss: 3 GEMMs, gradients in its forward pass, no [tokens, vocab] logits). Applies on the
-    torch and fsdp engines to the vanilla / gspo / reinforce losses with a built-in KL kind; anything else (other
-    losses, a logit soft-cap, an LM head bias, megatron) takes the unfused path."""
+    (verl.ops.linear_rl_loss, vocab-parallel on megatron: 3 GEMMs, gradients in its forward pass, no [tokens,
+    vocab] logits). Applies on every engine to the vanilla / gspo / reinforce losses with a built-in KL kind;
+    anything else (other losses, a logit soft-cap, an LM head bias) takes the unfused path."""
 
     def loss_params(self):
         """The params dataclass of `policy_loss` filled from `policy_loss_params` (typed, with its own check()),

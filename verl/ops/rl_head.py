@@ -236,8 +236,8 @@ def _token_grads(lp, ent, rows, mask, adv, old, ref, kw):
 
 class _VocabParallelRlLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, mask, adv, old, ref, t, group, kw, seqs_per_chunk):
-        start, vocab = _group_layout(group, weight.shape[0])
+    def forward(ctx, hidden, weight, labels, mask, adv, old, ref, t, group, kw, seqs_per_chunk, layout):
+        start, vocab, reduce_grad_hidden = layout
         B, T = mask.shape
         fused = use_fused("logprob_entropy_shard", hidden, weight)
         dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -267,7 +267,8 @@ class _VocabParallelRlLoss(torch.autograd.Function):
                  if fused else _shard_backward_ref(glp, gent, logits, y, lse, ent, t, start, -100))
             gh_all[flat] = (g @ weight).to(hidden.dtype)  # GEMM 2
             gw += (g.t() @ h_c).to(weight.dtype)  # GEMM 3
-        dist.all_reduce(gh_all, op=dist.ReduceOp.SUM, group=group)
+        if reduce_grad_hidden:
+            dist.all_reduce(gh_all, op=dist.ReduceOp.SUM, group=group)
         n = float((mask != 0).sum())
         stats = torch.cat([sums[:3], sums[3:] / max(n, 1.0)]).float()
         ctx.save_for_backward(gh_all, gw)
@@ -277,7 +278,7 @@ class _VocabParallelRlLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_unused):
         gh, gw = ctx.saved_tensors
-        return (_scale_in_place(grad, gh), _scale_in_place(grad, gw)) + (None,) * 9
+        return (_scale_in_place(grad, gh), _scale_in_place(grad, gw)) + (None,) * 10
 
 
 def vocab_parallel_linear_rl_loss(hidden: torch.Tensor, weight_shard: torch.Tensor, labels: torch.Tensor,
@@ -286,14 +287,21 @@ def vocab_parallel_linear_rl_loss(hidden: torch.Tensor, weight_shard: torch.Tens
                                   temperature: float = 1.0, loss_type: str = "vanilla", clip_low: float = 0.2,
                                   clip_high: float | None = None, clip_c: float = 3.0, kl_kind: str = "low_var_kl",
                                   kl_coef: float = 0.0, entropy_coeff: float = 0.0,
-                                  agg: Aggregation | str | None = None, chunk_n: int = 0) -> HeadLossOutput:
+                                  agg: Aggregation | str | None = None, chunk_n: int = 0,
+                                  vocab_start: int | None = None, vocab_size: int | None = None,
+                                  reduce_grad_hidden: bool = True) -> HeadLossOutput:
     """`linear_rl_loss` with the LM head split by vocabulary over `group` (Megatron's layout: rank r holds rows
     [r * V/tp, (r + 1) * V/tp)). hidden [B, T, H] or [B*T, H], the same on every rank; labels are global ids.
-    Returns the same loss and statistics on every rank. chunk_n: tokens per chunk, rounded to whole sequences."""
+    Returns the same loss and statistics on every rank. chunk_n: tokens per chunk, rounded to whole sequences.
+    vocab_start / vocab_size: this shard's first row and the whole vocabulary, when the shard is not the plain
+    split (Megatron's padded vocabulary: pass only the real rows). grad_hidden is summed over `group` unless
+    reduce_grad_hidden=False (the caller's region already sums it, as Megatron's output layer input does)."""
     op = "vocab_parallel_linear_rl_loss"
     h = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() >= 1 else hidden
     ch = clip_low if clip_high is None else clip_high
-    _, vocab = _group_layout(group, weight_shard.shape[0])
+    start, vocab = _group_layout(group, weight_shard.shape[0])
+    start = start if vocab_start is None else int(vocab_start)
+    vocab = vocab if vocab_size is None else int(vocab_size)
     t = check_linear_rl_loss(h, weight_shard, labels, mask, advantages, old_logprob, ref_logprob, temperature,
                              loss_type, clip_low, ch, clip_c, kl_kind, kl_coef, entropy_coeff, chunk_n, op=op,
                              vocab_size=vocab)
@@ -302,8 +310,9 @@ def vocab_parallel_linear_rl_loss(hidden: torch.Tensor, weight_shard: torch.Tens
     kw = dict(loss_type=loss_type, clip_low=clip_low, clip_high=ch, clip_c=clip_c, kl_kind=kl_kind, kl_coef=kl_coef,
               entropy_coeff=entropy_coeff, agg=_global_agg(_agg(agg), mask))
     det = (lambda x: None if x is None else x.detach())  # noqa: E731
+    layout = (start, vocab, reduce_grad_hidden)
     loss, stats, lp, ent = _VocabParallelRlLoss.apply(h, weight_shard, labels, mask, advantages.detach(),
-                                                      det(old_logprob), det(ref_logprob), t, group, kw, seqs)
+                                                      det(old_logprob), det(ref_logprob), t, group, kw, seqs, layout)
     return _output(loss, stats, lp, ent)
 
 

@@ -93,18 +93,25 @@ class ActorWorker:
     def _fused_head(self, agg, kinds: tuple[str, str]):
         """head(hidden [b, R, H], weight [V, H], labels [b, R], temperature, fields) -> flat dict: "loss", "log_probs"
         and actor_loss's statistics; what the engine runs in place of its LM head."""
-        from verl.ops.rl_head import linear_rl_loss
+        from verl.ops.rl_head import linear_rl_loss, vocab_parallel_linear_rl_loss
         cfg, (loss_type, kl_kind) = self.cfg, kinds
         kl_coef = cfg.kl_loss_coef if cfg.use_kl_loss else 0.0
 
-        def head(hidden, weight, labels, temperature, fields):
+        def head(hidden, weight, labels, temperature, fields, tp=None):
+            """tp: (group, vocab_start, vocab_size) when `weight` is this rank's vocabulary shard (megatron)."""
             adv, w = fields["advantages"], fields.get("rollout_is_weights")
             ref = fields.get("ref_log_probs")
-            out = linear_rl_loss(hidden, weight, labels, fields["response_mask"], adv if w is None else adv * w,
-                                 old_logprob=fields.get("old_log_probs"), ref_logprob=ref, temperature=temperature,
-                                 loss_type=loss_type, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
-                                 clip_c=cfg.clip_ratio_c, kl_kind=kl_kind, kl_coef=kl_coef,
-                                 entropy_coeff=cfg.entropy_coeff, agg=agg)
+            kw = dict(old_logprob=fields.get("old_log_probs"), ref_logprob=ref, temperature=temperature,
+                      loss_type=loss_type, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
+                      clip_c=cfg.clip_ratio_c, kl_kind=kl_kind, kl_coef=kl_coef, entropy_coeff=cfg.entropy_coeff,
+                      agg=agg)
+            args = (hidden, weight, labels, fields["response_mask"], adv if w is None else adv * w)
+            if tp is None:
+                out = linear_rl_loss(*args, **kw)
+            else:
+                group, start, vocab = tp
+                out = vocab_parallel_linear_rl_loss(*args, group, vocab_start=start, vocab_size=vocab,
+                                                    reduce_grad_hidden=False, **kw)
             res = {"loss": out.loss, "log_probs": out.log_probs, "actor/pg_loss": out.pg_loss,
                    "actor/pg_clipfrac": out.pg_clipfrac, "actor/pg_clipfrac_lower": out.pg_clipfrac_lower,
                    "actor/ppo_kl": out.ppo_kl, "actor/entropy": out.entropy_mean}
