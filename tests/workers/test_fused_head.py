@@ -136,46 +136,79 @@ def test_fsdp_engine_fused_head_matches_unfused_on_two_ranks():
     assert run_distributed(_fsdp_body, world_size=2, timeout=240) == [True, True]
 
 
-def test_megatron_engine_fused_head_matches_unfused(tmp_path, monkeypatch):
-    """TP=1 megatron (gloo, one process): the output layer hands back hidden states to the vocab-parallel head."""
-    import torch.distributed as dist
+def _megatron_case(path, placement, batch, adv, ref, mcfg) -> dict:
+    """Update stats of the fused and the unfused actor on fresh megatron engines."""
+    from verl.workers import ActorWorker
+    from verl.workers.megatron import MegatronEngine
+    out = {}
+    for fused in (True, False):
+        cfg = _cfg(fused, micro_batch_size=4)
+        actor = ActorWorker(MegatronEngine(path, placement, mcfg, optim=cfg.optim, total_steps=3), cfg, **KW)
+        lp, _ = actor.compute_log_probs(batch)
+        out[fused] = actor.update(batch, lp + 0.2 * ref, adv, lp + ref)
+        assert type(actor.engine.model.gpt.output_layer).__name__ != "_HiddenOutput"  # restored
+    return out
 
-    from verl.config import MegatronConfig, TinyModelConfig
+
+def _megatron_problem(tmp_dir, save: bool):
+    from verl.config import TinyModelConfig
     from verl.data import task_corpus
-    from verl.distributed import destroy_process_groups, init_placement
     from verl.rollout import RolloutConfig, build_rollout
     from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
-    from verl.workers import ActorWorker, RolloutWorker
-    from verl.workers.megatron import MegatronEngine
+    from verl.workers import RolloutWorker
+    tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
+    shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = tiny_model(shape, tokenizer=tok, tie_word_embeddings=True, seed=3)
+    if save:
+        save_tiny(model, tok, tmp_dir)
+    cfg_r = RolloutConfig(engine="hf", n=4, max_new_tokens=5)
+    batch = RolloutWorker(build_rollout(cfg_r, model=model, tokenizer=tok), cfg_r,
+                          max_prompt_length=16).generate(ROWS[:2], seed=0)
+    g = torch.Generator().manual_seed(2)
+    adv = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    ref = torch.randn(batch.response_mask.shape, generator=g) * 0.3
+    return batch, adv, ref
+
+
+def _assert_same_stats(a, b, tol=1e-4):
+    assert a.keys() == b.keys() and "actor/kl_loss" in a
+    for k in a:
+        assert abs(a[k] - b[k]) <= tol * max(1.0, abs(b[k])), (k, a[k], b[k])
+
+
+def test_megatron_engine_fused_head_matches_unfused(tmp_path, monkeypatch):
+    """TP=1 megatron (gloo, one process; the vocabulary is padded 96 -> 128 rows, which the head leaves out): the
+    output layer hands back hidden states to the vocab-parallel head."""
+    import torch.distributed as dist
+
     import verl.ops.rl_head as rl_head
+    from verl.config import MegatronConfig
+    from verl.distributed import destroy_process_groups, init_placement
     calls = []
     real = rl_head.vocab_parallel_linear_rl_loss
     monkeypatch.setattr(rl_head, "vocab_parallel_linear_rl_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
     placement = init_placement("cpu", megatron=True)
     try:
-        tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
-        shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-        model = tiny_model(shape, tokenizer=tok, tie_word_embeddings=True, seed=3)
-        path = save_tiny(model, tok, tmp_path / "hf")
-        cfg_r = RolloutConfig(engine="hf", n=4, max_new_tokens=5)
-        batch = RolloutWorker(build_rollout(cfg_r, model=model, tokenizer=tok), cfg_r,
-                              max_prompt_length=16).generate(ROWS[:2], seed=0)
-        g = torch.Generator().manual_seed(2)
-        adv = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
-        ref = torch.randn(batch.response_mask.shape, generator=g) * 0.3
-        out = {}
-        for fused in (True, False):
-            cfg = _cfg(fused, micro_batch_size=4)
-            actor = ActorWorker(MegatronEngine(path, placement, MegatronConfig(), optim=cfg.optim, total_steps=3),
-                                cfg, **KW)
-            lp, _ = actor.compute_log_probs(batch)
-            out[fused] = actor.update(batch, lp + 0.2 * ref, adv, lp + ref)
-            assert type(actor.engine.model.gpt.output_layer).__name__ != "_HiddenOutput"  # restored
-        a, b = out[True], out[False]
+        batch, adv, ref = _megatron_problem(tmp_path / "hf", save=True)
+        out = _megatron_case(tmp_path / "hf", placement, batch, adv, ref, MegatronConfig())
         assert len(calls) == 2  # the fused run's two micro-batches went through the vocab-parallel head
-        assert a.keys() == b.keys() and "actor/kl_loss" in a
-        for k in a:
-            assert abs(a[k] - b[k]) <= 1e-4 * max(1.0, abs(b[k])), (k, a[k], b[k])
+        _assert_same_stats(out[True], out[False])
     finally:
         destroy_process_groups()
         dist.destroy_process_group()
+
+
+def _megatron_tp2_body(rank, world, path):
+    from verl.config import MegatronConfig
+    from verl.distributed import init_placement
+    placement = init_placement("cpu", tp=2, megatron=True)
+    batch, adv, ref = _megatron_problem(path, save=False)
+    return _megatron_case(path, placement, batch, adv, ref, MegatronConfig(tp=2))
+
+
+def test_megatron_tp2_fused_head_matches_unfused(tmp_path):
+    """TP=2 on 2 gloo ranks: each rank's vocabulary shard, the all-reduced softmax statistics, and d loss / d
+    hidden summed over TP by the output layer's own region (copy_to_tensor_model_parallel_region's backward)."""
+    _megatron_problem(tmp_path / "hf", save=True)
+    for out in run_distributed(_megatron_tp2_body, world_size=2, args=(str(tmp_path / "hf"),), timeout=300):
+        _assert_same_stats(out[True], out[False])
