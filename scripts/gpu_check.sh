@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for a lent GPU machine (H200, the torch already installed there, e.g. 2.11
 # cu130 on Python 3.12, no network), sized to finish in under 8 minutes:
-#   1. build verl._C with CUDA (sm_90) in place, against the installed torch       (budget 240 s)
-#   2. every `cuda`-marked test                                                   (budget 90 s)
+#   1. build verl._C with CUDA (sm_90) in place, against the installed torch       (budget 210 s)
+#   2. every `cuda`-marked test                                                   (budget 120 s)
 #   3. kernel benchmarks: achieved HBM bandwidth / 4.8 TB/s, and the fused RL loss
 #      head vs eager / torch.compile at N=16384, V=151936, bfloat16               (budget 90 s)
-#   4. one PPO step of the default job on megatron-core over NCCL                 (budget 90 s)
+#   4. one PPO step of the default job on megatron-core over NCCL                 (budget 60 s)
 # Results (JSON, PNG, logs, summary.json) go to $OUT, or benchmarks/results/gpu/ when OUT is unset. A failing
 # step is recorded and the next one still runs; the exit status is non-zero when any step failed.
 #
@@ -70,7 +70,7 @@ if [ "$dry" = 1 ]; then
   [[ ${status[bench_gpu_dry]} == rc=0* ]] || fail=1
   check "$py" -c "from verl.config import PPOConfig, load_config; load_config(PPOConfig, None, [a for a in '''${ppo_step[*]}'''.split() if '=' in a and not a.startswith('--')])"
   if megatron_ready; then log "  megatron-core: importable or wheel in ${wheels:-?}"; else log "  megatron-core: neither importable nor a wheel in \$VERL_WHEELS/shared/wheels/wheels: step 4 would be skipped"; fi
-  log "plan: build (240s) + cuda tests (90s) + benchmarks (90s) + megatron PPO step (90s) <= 8 min"
+  log "plan: build (210s) + cuda tests (120s) + benchmarks (90s) + megatron PPO step (60s) <= 8 min"
   log "  step 1: VERL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $py setup.py build_ext --inplace"
   log "  step 2: $py -m pytest -q -m cuda tests"
   log "  step 3: $py benchmarks/kernels/bench_gpu.py --out $out"
@@ -86,11 +86,11 @@ if ! command -v ninja >/dev/null && ! "$py" -c "import ninja" 2>/dev/null; then 
   [ -n "$wheels" ] && "$py" -m pip install -q --no-index --find-links "$wheels" ninja >/dev/null 2>&1
   command -v ninja >/dev/null || "$py" -c "import ninja" 2>/dev/null || log "no ninja and no ninja wheel: step 1 will fail"
 fi
-run build 240 "$py" setup.py -q build_ext --inplace --build-temp build/gpu/temp
-run cuda_tests 90 "$py" -m pytest -q -p no:cacheprovider -m cuda tests --junitxml="$out/cuda_tests.xml"
+run build 210 "$py" setup.py -q build_ext --inplace --build-temp build/gpu/temp
+run cuda_tests 120 "$py" -m pytest -q -p no:cacheprovider -m cuda tests --junitxml="$out/cuda_tests.xml"
 run bench_gpu 90 "$py" benchmarks/kernels/bench_gpu.py --out "$out"
 if megatron_ready; then
-  run megatron_ppo_step 90 "${ppo_step[@]}"
+  run megatron_ppo_step 60 "${ppo_step[@]}"
 else
   status[megatron_ppo_step]="skipped: megatron-core does not import and no wheel in \$VERL_WHEELS, shared/wheels or wheels/"
   log "step megatron_ppo_step ${status[megatron_ppo_step]}"
