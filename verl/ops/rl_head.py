@@ -273,6 +273,7 @@ class _VocabParallelRlLoss(torch.autograd.Function):
         stats = torch.cat([sums[:3], sums[3:] / max(n, 1.0)]).float()
         ctx.save_for_backward(gh_all, gw)
         ctx.mark_non_differentiable(stats, lp_all, ent_all)
+        ctx.set_materialize_grads(False)
         return loss.to(dt), stats, lp_all, ent_all
 
     @staticmethod
@@ -335,6 +336,8 @@ def _fake_linear_rl_loss(hidden, weight, labels, mask, advantages, old_logprob, 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(output[4], output[5])
     ctx.mark_non_differentiable(*output[1:])
+    # Without this autograd hands backward a zero tensor for every other output: a [V, H] one for grad_weight.
+    ctx.set_materialize_grads(False)
     ctx.with_grad = inputs[-1]
 
 

@@ -237,16 +237,20 @@ constexpr int64_t kNoIgnore = std::numeric_limits<int64_t>::min();
 // Gradient buffers of the valid tokens. 16-bit weights accumulate grad_W in float32 (summing a bfloat16 product
 // per chunk would lose the small ones), through a [chunk_v, H] product buffer.
 struct GradAcc {
-  Tensor h;    // [Nv, H], hidden's dtype (each row is one GEMM over the whole vocabulary: no accumulation)
+  Tensor h;    // [N, H], hidden's dtype (each row is one GEMM over the whole vocabulary: no accumulation); zeros
+               // on masked tokens
+  Tensor rows;  // [max chunk rows, H] when some tokens are masked: a chunk's rows, scattered into h afterwards
   Tensor w;    // [V, H], weight's dtype for float32 / float64, else float32
   Tensor tmp;  // 16-bit only: [min(V, 4096), H] product buffer
   bool wide = true;
 };
 
-inline GradAcc new_grads(const logprob::Linear& L, int64_t nv) {
+inline GradAcc new_grads(const logprob::Linear& L, int64_t nv, int64_t max_rows) {
   GradAcc g;
   g.wide = L.w.scalar_type() == at::kFloat || L.w.scalar_type() == at::kDouble;
-  g.h = at::empty({nv, L.hdim}, L.h.options());
+  const bool all_valid = nv == L.n;
+  g.h = all_valid ? at::empty({L.n, L.hdim}, L.h.options()) : at::zeros({L.n, L.hdim}, L.h.options());
+  if (!all_valid) g.rows = at::empty({max_rows, L.hdim}, L.h.options());
   g.w = nv == 0 ? at::zeros({L.v, L.hdim}, L.w.options().dtype(g.wide ? L.w.scalar_type() : at::kFloat))
                 : at::empty({L.v, L.hdim}, L.w.options().dtype(g.wide ? L.w.scalar_type() : at::kFloat));
   if (!g.wide) g.tmp = at::empty({std::min<int64_t>(L.v, 4096), L.hdim}, L.w.options());
@@ -255,9 +259,17 @@ inline GradAcc new_grads(const logprob::Linear& L, int64_t nv) {
 
 // GEMMs 2 and 3 of one chunk, G = d loss / d logits [rows, V]: grad_h rows = G W, grad_W (+)= G^T h_c. The
 // first chunk overwrites grad_W (beta = 0), so no pass is spent zeroing it.
-inline void chunk_gemms(const Tensor& G, const Tensor& hc, const Tensor& w, GradAcc& g, int64_t t0, bool first) {
-  Tensor gh_rows = g.h.narrow(0, t0, hc.size(0));
-  at::mm_out(gh_rows, G, w);
+inline void chunk_gemms(const Tensor& G, const Tensor& hc, const Tensor& w, GradAcc& g, const Tensor& idx, int64_t t0,
+                        bool first) {
+  const int64_t rows = hc.size(0);
+  if (!g.rows.defined()) {
+    Tensor gh_rows = g.h.narrow(0, t0, rows);
+    at::mm_out(gh_rows, G, w);
+  } else {  // straight to the tokens' rows: no [Nv, H] copy to scatter at the end
+    Tensor tmp = g.rows.narrow(0, 0, rows);
+    at::mm_out(tmp, G, w);
+    g.h.index_copy_(0, idx.narrow(0, t0, rows), tmp);
+  }
   if (g.wide) {
     if (first) at::mm_out(g.w, G.t(), hc);
     else g.w.addmm_(G.t(), hc);
@@ -346,7 +358,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
   for (size_t i = 0; i + 1 < cuts.size(); ++i) max_rows = std::max(max_rows, cuts[i + 1] - cuts[i]);
   const auto dopt = L.h.options().dtype(at::kDouble);
   Tensor sums = at::zeros({kStats}, dopt), lp_v = at::empty({nv}, dopt), ent_v = at::empty({nv}, dopt);
-  GradAcc g = with_grad ? new_grads(L, nv) : GradAcc{};
+  GradAcc g = with_grad ? new_grads(L, nv, max_rows) : GradAcc{};
   const Tensor scratch = at::empty({max_rows * L.v}, L.h.options());
   for (size_t i = 0; i + 1 < cuts.size(); ++i) {
     const int64_t t0 = cuts[i], rows = cuts[i + 1] - cuts[i];
@@ -365,7 +377,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
     if (!with_grad) continue;
     K::grad_chunk(z, z, lc, 0, 0, kNoIgnore, s.p.inv_t, lse, ent, (-co.glp).contiguous(), co.gh.contiguous(),
                   co.glp.contiguous());
-    chunk_gemms(z, hc, L.w, g, t0, i == 0);
+    chunk_gemms(z, hc, L.w, g, s.idx, t0, i == 0);
   }
   const at::ScalarType dt = logprob::out_dtype(L.h.scalar_type());
   Tensor stats = sums.clone();
@@ -377,8 +389,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
   if (!with_grad) {
     return {loss, stats.to(at::kFloat), lp_out, ent_out, at::empty({0}, L.h.options()), at::empty({0}, L.w.options())};
   }
-  return {loss, stats.to(at::kFloat), lp_out, ent_out, scatter_tokens(g.h, s.idx, n, s.all_valid),
-          g.wide ? g.w : g.w.to(L.w.scalar_type())};
+  return {loss, stats.to(at::kFloat), lp_out, ent_out, g.h, g.wide ? g.w : g.w.to(L.w.scalar_type())};
 }
 
 }  // namespace rl_head
