@@ -349,6 +349,9 @@ def _measure_loss_size(n, h, v, args) -> dict:
     row["ratios"] = {"time_fused_vs_eager": f["fwd_bwd_median_s"] / e["fwd_bwd_median_s"],
                      "peak_mem_fused_vs_eager": f["fwd_bwd_peak_mib"] / e["fwd_bwd_peak_mib"],
                      "time_fused_vs_compiled": f["fwd_bwd_median_s"] / c["fwd_bwd_median_s"],
+                     # both hold the same grad_hidden + grad_weight outputs; the rest is each variant's own
+                     "peak_mem_fused_vs_eager_excl_grads": (f["fwd_bwd_peak_mib"] - f["grad_outputs_mib"])
+                     / (e["fwd_bwd_peak_mib"] - e["grad_outputs_mib"]),
                      "loss_logprob_sum_abs_diff_vs_eager": abs(f["fwd_bwd_logprob_sum"] - e["fwd_bwd_logprob_sum"])}
     for var, r in row["variants"].items():
         print(f"  N={n} H={h} V={v} {var:14s} fwd+bwd median {r['fwd_bwd_median_s']:7.2f}s "
