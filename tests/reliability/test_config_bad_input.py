@@ -68,7 +68,7 @@ CASES += [
 
 
 @pytest.mark.parametrize("overrides,key", CASES, ids=[" ".join(o) for o, _ in CASES])
-def test_bad_override_is_a_config_error_naming_the_key(overrides, key):
+def test_clear_bad_override_is_a_config_error_naming_the_key(overrides, key):
     with pytest.raises(VerlConfigError) as info:
         load_config(PPOConfig, None, overrides)
     assert key in str(info.value), str(info.value)
@@ -89,7 +89,7 @@ YAML_CASES = {
 
 
 @pytest.mark.parametrize("name", list(YAML_CASES))
-def test_bad_yaml_is_a_config_error_naming_the_key(tmp_path, name):
+def test_clear_bad_yaml_is_a_config_error_naming_the_key(tmp_path, name):
     text, key = YAML_CASES[name]
     path = tmp_path / "job.yaml"
     path.write_text(text)
@@ -98,21 +98,21 @@ def test_bad_yaml_is_a_config_error_naming_the_key(tmp_path, name):
     assert key in str(info.value), str(info.value)
 
 
-def test_duplicate_key_message_gives_both_lines(tmp_path):
+def test_clear_duplicate_key_message_gives_both_lines(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("rollout:\n  n: 4\n  temperature: 1.0\n  n: 8\n")
     with pytest.raises(VerlConfigError, match=r"'n' is written twice .*lines 2 and 4"):
         load_config(PPOConfig, path)
 
 
-def test_scalar_section_suggests_the_key_meant():
+def test_clear_scalar_section_suggests_the_key_meant():
     with pytest.raises(VerlConfigError, match=r"did you mean 'algorithm\.adv_estimator=grpo'"):
         load_config(PPOConfig, None, ["algorithm=grpo"])
     with pytest.raises(VerlConfigError, match=r"did you mean 'model\.path=gpt2'"):
         load_config(PPOConfig, None, ["model=gpt2"])
 
 
-def test_good_edges_still_load():
+def test_behaves_good_edges_still_load():
     """Values at the edge of each range, and the infinities that mean 'off', are accepted."""
     cfg = load_config(PPOConfig, None, [
         "actor.clip_ratio_low=0", "actor.clip_ratio_c=inf", "critic.cliprange_value=.inf", "actor.optim.grad_clip=0",
@@ -121,14 +121,14 @@ def test_good_edges_still_load():
     assert cfg.actor.clip_ratio_c == float("inf") and cfg.critic.cliprange_value == float("inf")
 
 
-def test_blank_section_means_defaults(tmp_path):
+def test_behaves_blank_section_means_defaults(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("actor:\nrollout:\n  n: 4\n")
     cfg = load_config(PPOConfig, path)
     assert cfg.actor.optim.lr == PPOConfig().actor.optim.lr and cfg.rollout.n == 4
 
 
-def test_adaptive_kl_controller_refuses_zeros_when_built_directly():
+def test_clear_adaptive_kl_controller_refuses_zeros_when_built_directly():
     from verl.trainer.kl_control import AdaptiveKLController
     with pytest.raises(VerlConfigError, match="target_kl"):
         AdaptiveKLController(0.1, 0.0, 100)

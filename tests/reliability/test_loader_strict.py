@@ -39,13 +39,13 @@ def _edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-def test_clean_checkpoint_has_no_unused_tensors(tmp_path):
+def test_behaves_clean_checkpoint_has_no_unused_tensors(tmp_path):
     path = _saved(tmp_path)
     model = _fake_model(path)
     assert unused_tensors(_names(path), model.arch) == []
 
 
-def test_bias_weights_under_a_config_without_bias_are_refused(tmp_path):
+def test_clear_bias_weights_under_a_config_without_bias_are_refused(tmp_path):
     """The silent-wrong-logits case: attention_bias weights whose config.json says no bias."""
     path = _saved(tmp_path, attention_bias=True)
     _edit_config(path, attention_bias=False)
@@ -53,20 +53,20 @@ def test_bias_weights_under_a_config_without_bias_are_refused(tmp_path):
         load_hf_checkpoint(_fake_model(path), path)
 
 
-def test_extra_layer_is_refused(tmp_path):
+def test_clear_extra_layer_is_refused(tmp_path):
     path = _saved(tmp_path, num_layers=3)
     _edit_config(path, num_hidden_layers=2)
     with pytest.raises(VerlConfigError, match=r"model\.layers\.2\."):
         load_hf_checkpoint(_fake_model(path), path)
 
 
-def test_unused_tensors_are_listed_without_strict(tmp_path):
+def test_behaves_unused_tensors_are_listed_without_strict(tmp_path):
     path = _saved(tmp_path)
     names = _names(path) + ["model.layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.rotary_emb.inv_freq"]
     assert unused_tensors(names, _fake_model(path).arch) == ["model.layers.0.self_attn.o_proj.bias"]
 
 
-def test_tied_head_and_critic_from_causal_lm_are_not_unused(tmp_path):
+def test_behaves_tied_head_and_critic_from_causal_lm_are_not_unused(tmp_path):
     tied = _saved(tmp_path, tie_word_embeddings=True)
     arch = _fake_model(tied).arch
     assert unused_tensors(_names(tied) + ["lm_head.weight"], arch) == []
@@ -76,7 +76,7 @@ def test_tied_head_and_critic_from_causal_lm_are_not_unused(tmp_path):
     assert unused_tensors(_names(lm) + ["score.weight"], _fake_model(lm).arch) == ["score.weight"]
 
 
-def test_extra_tensor_in_a_saved_file_is_named(tmp_path):
+def test_clear_extra_tensor_in_a_saved_file_is_named(tmp_path):
     path = _saved(tmp_path)
     from safetensors.torch import load_file
     tensors = load_file(str(path / "model.safetensors"))
@@ -101,7 +101,7 @@ UNSUPPORTED = {
 
 
 @pytest.mark.parametrize("name", list(UNSUPPORTED))
-def test_unimplemented_llama_features_are_named(tmp_path, name):
+def test_clear_unimplemented_llama_features_are_named(tmp_path, name):
     kw, word = UNSUPPORTED[name]
     tiny_config(family="llama", **kw).save_pretrained(tmp_path)
     with pytest.raises(VerlConfigError, match=word):
@@ -111,13 +111,13 @@ def test_unimplemented_llama_features_are_named(tmp_path, name):
 @pytest.mark.parametrize("family,kw", [("mistral", dict(sliding_window=16)),
                                        ("qwen2", dict(use_sliding_window=True, sliding_window=16,
                                                       max_window_layers=0))])
-def test_sliding_window_shorter_than_the_context_is_refused(tmp_path, family, kw):
+def test_clear_sliding_window_shorter_than_the_context_is_refused(tmp_path, family, kw):
     tiny_config(family=family, **kw).save_pretrained(tmp_path)
     with pytest.raises(VerlConfigError, match=r"sliding_window=16 is shorter than max_position_embeddings"):
         arch_from_hf(AutoConfig.from_pretrained(str(tmp_path)))
 
 
-def test_window_as_long_as_the_context_loads(tmp_path):
+def test_behaves_window_as_long_as_the_context_loads(tmp_path):
     tiny_config(family="mistral").save_pretrained(tmp_path)
     arch = arch_from_hf(AutoConfig.from_pretrained(str(tmp_path)))
     assert arch.sliding_window == arch.max_position_embeddings

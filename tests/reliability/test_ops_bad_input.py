@@ -193,7 +193,7 @@ def _error(call) -> BaseException:
 
 @needs_ext
 @pytest.mark.parametrize("case", list(CASES))
-def test_both_backends_refuse_alike_and_name_the_argument(case):
+def test_clear_both_backends_refuse_alike_and_name_the_argument(case):
     wrapper, raw, exc_type, arg = CASES[case]
     errors = {}
     for mode in ("fused", "reference"):
@@ -208,7 +208,7 @@ def test_both_backends_refuse_alike_and_name_the_argument(case):
     assert isinstance(kernel, RuntimeError) and f"`{arg}`" in str(kernel), repr(kernel)
 
 
-def test_reference_refuses_without_the_extension(monkeypatch):
+def test_clear_reference_refuses_without_the_extension(monkeypatch):
     """As if verl._C were missing: the fallback still refuses every bad input of the table the same way."""
     from verl.ops import _backend
     monkeypatch.setattr(_backend, "_KERNELS", {})
@@ -256,7 +256,7 @@ MASKED_CALLS = {
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 @pytest.mark.parametrize("name", list(MASKED_CALLS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_nan_inf_at_padding_never_reaches_the_result(backend, name, dtype):
+def test_behaves_nan_inf_at_padding_never_reaches_the_result(backend, name, dtype):
     if backend == "fused" and not _extension.available():
         pytest.skip("verl._C is not built")
     clean, bad, m = _poisoned(dtype)

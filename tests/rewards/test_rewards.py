@@ -52,3 +52,34 @@ def test_score_batch_errors():
     assert torch.equal(out, torch.tensor([1.0, 0.0]))
     with pytest.raises(VerlConfigError, match="did you mean 'gsm8k'"):
         get_reward("gsm8kk")
+
+
+def test_gsm_symbolic_and_gsm8k_format_rewards():
+    pytest.importorskip("reasoning_gym")
+    score, fmt = get_reward("gsm_symbolic"), get_reward("gsm8k_format")
+    cases = {  # response -> (gsm_symbolic: reasoning-gym's scorer, gsm8k_format)
+        "3 + 4 = 7, so 7 * 41 = 287, plus 1 is 288.\n#### 288": (1.0, 1.0),
+        "The total is 288.": (1.0, 0.0),                  # no '####': the last number is the answer
+        "#### 1,288": (0.01, 1.0),                        # a wrong number: the scorer's 0.01
+        "#### 288\nand then more text": (1.0, 0.0),
+        "#### 2\nno wait\n#### 288": (1.0, 0.0),          # the last '####' counts; two of them: bad format
+        "I do not know.": (0.0, 0.0),
+        "#### two hundred": (0.0, 0.0),
+    }
+    for response, (want_score, want_format) in cases.items():
+        assert score(response, "288", []) == want_score, response
+        assert fmt(response, "288", []) == want_format, response
+    assert score("#### $1,288.", "1288", []) == 1.0
+
+
+def test_a_raising_reward_names_the_sample_and_its_text_head():
+    long_response = "step " * 200
+    def picky(response, gt, prompt):
+        if response is long_response:
+            raise ValueError("cannot parse")
+        return 0.0
+    with pytest.raises(VerlRuntimeError, match=r"node 'reward'.*reward 'picky' raised ValueError: cannot parse on "
+                                               r"sample 2 \(response 'step step .*\.\.\. \(1000 chars\), ground "
+                                               r"truth '3'\)") as e:
+        score_batch(picky, ["a", "b", long_response], ["1", "2", "3"], ["", "", ""], name="picky")
+    assert isinstance(e.value.__cause__, ValueError) and len(str(e.value)) < 400

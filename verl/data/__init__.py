@@ -1,6 +1,7 @@
 """Prompt datasets (parquet / JSONL), synthetic verifiable tasks and the resumable batch order."""
 
-from verl.data.dataset import BatchSampler, PromptDataset, load_prompt_dataset, write_jsonl
-from verl.data.tasks import TASKS, make_task, task_corpus
+from verl.data.dataset import BatchSampler, PromptDataset, fit_prompt_lengths, load_prompt_dataset, write_jsonl
+from verl.data.tasks import TASKS, make_task, prompt_text, task_corpus
 
-__all__ = ["BatchSampler", "PromptDataset", "load_prompt_dataset", "write_jsonl", "TASKS", "make_task", "task_corpus"]
+__all__ = ["BatchSampler", "PromptDataset", "fit_prompt_lengths", "load_prompt_dataset", "write_jsonl", "TASKS",
+           "make_task", "prompt_text", "task_corpus"]

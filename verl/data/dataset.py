@@ -4,12 +4,15 @@
     sampler = BatchSampler(len(ds), batch_size=16, seed=1)
     rows = [ds[i] for i in sampler.next_batch()]      # {"prompt": ..., "answer": ...}
     state = sampler.state_dict()                       # saved in checkpoints (data position)
+
+A prompt is text, or chat messages ([{"role": ..., "content": ...}], e.g. a parquet column of structs) that the
+model's chat template renders when the rollout encodes it (`verl.rollout.Tokenizer.encode_prompt`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,15 +23,15 @@ from verl.errors import VerlConfigError
 
 @dataclass(frozen=True, slots=True)
 class PromptDataset:
-    """Prompts and their ground truths, indexable; rows are {"prompt": str, "answer": str}."""
+    """Prompts and their ground truths, indexable; rows are {"prompt": str | list[dict], "answer": str}."""
 
-    prompts: list[str]
+    prompts: list
     answers: list[str]
 
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def __getitem__(self, i: int) -> dict[str, str]:
+    def __getitem__(self, i: int) -> dict:
         return {"prompt": self.prompts[i], "answer": self.answers[i]}
 
     @classmethod
@@ -43,14 +46,51 @@ class PromptDataset:
         prompts, answers = [], []
         for i, r in enumerate(records):
             p, a = r.get(prompt_key), r.get(answer_key)
-            if not isinstance(p, str) or not p:
-                raise VerlConfigError(f"dataset {source} row {i}: column {prompt_key!r} must be a non-empty string, "
-                                      f"got {p!r}")
+            if not (isinstance(p, str) and p) and not _is_chat(p):
+                raise VerlConfigError(f"dataset {source} row {i}: column {prompt_key!r} must be a non-empty string "
+                                      f"or a list of chat messages {{'role': str, 'content': str}}, got {p!r:.120}")
             if a is None:
                 raise VerlConfigError(f"dataset {source} row {i}: ground truth {answer_key!r} is missing")
             prompts.append(p)
             answers.append(str(a))
         return cls(prompts, answers)
+
+
+def _is_chat(prompt) -> bool:
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in prompt))
+
+
+def fit_prompt_lengths(dataset: PromptDataset, encode: Callable[[object], list[int]], max_length: int,
+                       overlong: str = "error", source: str = "the dataset") -> PromptDataset:
+    """Checks every prompt's token count (`encode`: the rollout's own prompt encoding, chat template included)
+    against `max_length` (data.max_prompt_length). overlong="error" raises naming the first row too long;
+    "filter" drops such rows, says how many on stderr, and fails only when none is left."""
+    lengths = [len(encode(p)) for p in dataset.prompts]
+    keep = [i for i, n in enumerate(lengths) if n <= max_length]
+    if len(keep) == len(lengths):
+        return dataset
+    first = next(i for i, n in enumerate(lengths) if n > max_length)
+    head = _prompt_head(dataset.prompts[first])
+    if overlong == "error":
+        raise VerlConfigError(f"{source} row {first} ({head!r}) is {lengths[first]} tokens after the tokenizer's "
+                              f"chat template / special tokens, longer than data.max_prompt_length={max_length} "
+                              f"({len(lengths) - len(keep)} rows are); raise data.max_prompt_length, shorten the "
+                              f"prompts, or set data.overlong_prompts=filter to drop them")
+    if not keep:
+        raise VerlConfigError(f"every prompt of {source} is longer than data.max_prompt_length={max_length} (the "
+                              f"shortest is {min(lengths)} tokens); raise data.max_prompt_length")
+    import sys
+    print(f"[verl] data.overlong_prompts=filter: dropped {len(lengths) - len(keep)} of {len(lengths)} prompts "
+          f"longer than data.max_prompt_length={max_length} tokens (first: row {first}, {lengths[first]} "
+          f"tokens)", file=sys.stderr, flush=True)
+    return PromptDataset([dataset.prompts[i] for i in keep], [dataset.answers[i] for i in keep])
+
+
+def _prompt_head(prompt, width: int = 60) -> str:
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last message: the question
+    return text[:width] + ("..." if len(text) > width else "")
 
 
 def _read_file(path: Path) -> list[dict]:

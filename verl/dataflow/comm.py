@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl.distributed.placement import comm_device
+from verl.distributed.placement import comm_device, new_group
 
 _GROUPS: dict[tuple, Any] = {}
 
@@ -32,19 +32,20 @@ def group_for(ranks: tuple[int, ...]) -> Any:
         return dist.group.WORLD
     key = (id(dist.group.WORLD), ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks))
+        _GROUPS[key] = new_group(list(ranks))
     return _GROUPS[key]
 
 
 def control_group(ranks: tuple[int, ...]) -> Any:
     """A gloo (CPU) group over ``ranks`` for the runtime's small control messages: error agreement, shard
     sizes, end-of-run status. On NCCL jobs this keeps those messages off the GPU streams, so agreeing that no
-    rank failed never waits for the GPU work a node queued. Collective like `group_for`."""
-    if dist.get_backend() == "gloo":
-        return group_for(ranks)
+    rank failed never waits for the GPU work a node queued. It is never the group a node is given (even on
+    gloo jobs): a rank that failed mid-node joins the agreement while its peers may still sit in a collective
+    of that node, and on a shared group the two would be matched with each other. Collective like
+    `group_for`."""
     key = (id(dist.group.WORLD), ranks, "gloo")
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks), backend="gloo")
+        _GROUPS[key] = new_group(list(ranks), backend="gloo")
     return _GROUPS[key]
 
 

@@ -12,6 +12,7 @@ process per device, as torchrun launches). No device map means every rank.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -47,6 +48,10 @@ class NodeConfig:
     replicated_outputs: tuple[str, ...] = ()
     """Outputs every rank of the node holds whole (metrics, a scalar): when another rank set needs them they are
     copied from the node's first rank instead of being split/gathered as data-parallel shards."""
+    timeout_s: float = 0.0
+    """Longest the node may run on a rank, retries included (0: no limit). Past it the node is interrupted and
+    the run fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time (see
+    `verl.dataflow.runtime` for what can and cannot be interrupted)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Overrides of the node's settings (its defaulted parameters)."""
 
@@ -117,19 +122,27 @@ def make_config(node_name: str, raw: Any, settings: Mapping[str, Any]) -> NodeCo
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise VerlConfigError(f"node '{node_name}': retries must be an int >= 0, got {retries!r}")
     backoff = kwargs.get("retry_backoff_s", 0.05)
-    if not isinstance(backoff, (int, float)) or backoff < 0:
-        raise VerlConfigError(f"node '{node_name}': retry_backoff_s must be a number >= 0, got {backoff!r}")
+    if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not 0 <= backoff < math.inf:
+        raise VerlConfigError(f"node '{node_name}': retry_backoff_s must be a finite number >= 0, got {backoff!r}")
+    cpu_offload = kwargs.get("cpu_offload", False)
+    if not isinstance(cpu_offload, bool):  # bool("false") is True: a string here would silently offload
+        raise VerlConfigError(f"node '{node_name}': cpu_offload must be true or false, got {cpu_offload!r}")
     retry_on = kwargs.get("retry_on", ())
     retry_on = (retry_on,) if isinstance(retry_on, type) else tuple(retry_on)
     if not all(isinstance(t, type) and issubclass(t, BaseException) for t in retry_on):
         raise VerlConfigError(f"node '{node_name}': retry_on must list exception types, got {retry_on!r}")
+    timeout = kwargs.get("timeout_s", 0.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout < 0:
+        raise VerlConfigError(f"node '{node_name}': timeout_s must be a finite number of seconds >= 0 (0: no "
+                              f"limit), got {timeout!r}")
     parsed = parse_device_map(node_name, kwargs.get("device_map"))
     replicated = kwargs.get("replicated_outputs", ())
     replicated = (replicated,) if isinstance(replicated, str) else tuple(replicated)
     return NodeConfig(device_map=parsed[0] if parsed else None, device_types=parsed[1] if parsed else None,
-                      engine=engine, cpu_offload=bool(kwargs.get("cpu_offload", False)), retries=retries,
+                      engine=engine, cpu_offload=cpu_offload, retries=retries,
                       retry_backoff_s=float(backoff), retry_on=retry_on, replicated_outputs=replicated,
-                      settings=merged)
+                      timeout_s=float(timeout), settings=merged)
 
 
 def _set_setting(node_name, key, value, settings, merged):

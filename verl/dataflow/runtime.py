@@ -12,11 +12,44 @@ nodes but keeps walking the plan, sending error markers where data was expected;
 its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's GPU streams are never
 synchronised for it) that nobody has failed; at the end of the run all ranks exchange their
 status, so every rank raises the same VerlRuntimeError instead of waiting for data that will never come.
+`sys.exit()` inside a node (SystemExit) takes this path too and becomes VerlRuntimeError on every rank. A
+KeyboardInterrupt (Ctrl-C, SIGINT) inside a node is the one exception: it leaves the run at once on the
+interrupted rank, because the agreement would wait for peers that may be busy inside their nodes for minutes,
+and a rank waiting in a gloo or NCCL collective cannot be interrupted a second time. Its peers learn of it
+when their next collective with it fails (the connection closes as the process exits; under torchrun the agent
+also stops them) and raise VerlRuntimeError saying so.
+
+Timeouts. Guarantees:
+- A node with ``timeout_s > 0`` that is still running after that long (on one rank; retries, onload and offload
+  included) is interrupted and the run fails on every rank with VerlRuntimeError naming the node, the rank, the
+  limit and the elapsed time. In the main thread the interrupt is SIGALRM (an interval timer, restored after
+  the node), whose handler raises inside the node: it stops pure-Python loops at their next bytecode and wakes
+  the blocking calls Python retries after a signal (sleep, lock and queue waits, socket reads, subprocess
+  waits). The timer re-fires every second, so a node that swallows the interrupt (``except BaseException``)
+  is interrupted again. In another thread the interrupt is an asynchronous exception set on that thread,
+  delivered at its next bytecode.
+- Every process group has the job's collective timeout (`verl.distributed.collective_timeout`,
+  ``trainer.collective_timeout_s``). A rank whose peer died or hangs outside the agreement points leaves its
+  collective after at most that long; a collective of the runtime itself (an agreement, a transfer, the final
+  status exchange) that fails or times out raises VerlRuntimeError at once, naming the ranks it waited for,
+  what it was doing and this rank's own failure if it had one.
+Limits:
+- Python cannot unwind a thread blocked inside native code: a node stuck in a collective, a CUDA
+  synchronisation or a C extension is interrupted only when that call returns; collectives return at the
+  latest after the collective timeout, an endless native call never. Peers then still end: they wait for such a
+  rank at most one collective timeout at their next agreement point.
+- A failure reaches the other ranks at their next agreement point, i.e. after their current node returns:
+  with node timeouts set, a run ends at most one node timeout plus one collective timeout after a failure.
+- SIGALRM belongs to the runtime while a timed node runs in the main thread; a node that arms its own
+  ITIMER_REAL runs without the timer (the thread path is used instead).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -99,6 +132,74 @@ class _Failure:
     rank: int
     message: str
     exc: BaseException | None = None
+    also: str = ""
+
+
+# ---- node timeouts -----------------------------------------------------------------------------------------
+class NodeTimeout(BaseException):
+    """Raised inside a node that ran past its ``timeout_s``. A BaseException, like KeyboardInterrupt, so that a
+    node's own ``except Exception`` and the retry loop do not swallow it."""
+
+
+class _Deadline:
+    """Interrupts the code inside ``with`` after ``timeout_s`` seconds (see the module docstring)."""
+
+    __slots__ = ("timeout_s", "start", "_old", "_timer", "_lock", "_done", "_tid")
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._old: Any = None
+        self._timer: threading.Timer | None = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def __enter__(self) -> "_Deadline":
+        self.start = time.monotonic()
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer") \
+                and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0):
+            self._old = signal.signal(signal.SIGALRM, self._on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout_s, 1.0)
+        else:
+            self._lock, self._done, self._tid = threading.Lock(), False, threading.get_ident()
+            self._timer = threading.Timer(self.timeout_s, self._interrupt_thread)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def _on_alarm(self, signum, frame) -> None:
+        raise NodeTimeout(f"still running after {self.elapsed():.1f} s")
+
+    def _interrupt_thread(self) -> None:
+        with self._lock:
+            if not self._done:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), ctypes.py_object(NodeTimeout))
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is None:
+            signal.setitimer(signal.ITIMER_REAL, 0.0)
+            signal.signal(signal.SIGALRM, self._old if self._old is not None else signal.SIG_DFL)
+            return
+        self._timer.cancel()
+        with self._lock:
+            self._done = True
+            # An interrupt set just as the node returned has not been delivered yet: withdraw it.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
+
+
+def _describe(exc: BaseException, cfg: Any, elapsed: float) -> str:
+    """The failure message of a node that raised ``exc`` after ``elapsed`` seconds."""
+    if isinstance(exc, _OutputError):
+        return str(exc)
+    if isinstance(exc, NodeTimeout):
+        return (f"exceeded its timeout_s={cfg.timeout_s:g} (stopped after {elapsed:.1f} s); raise the node's "
+                f"timeout_s or find what it waits for")
+    if isinstance(exc, KeyboardInterrupt):
+        return f"interrupted (KeyboardInterrupt: Ctrl-C or SIGINT) after {elapsed:.1f} s"
+    if isinstance(exc, SystemExit):
+        return (f"called sys.exit({exc.code!r}) (SystemExit); a node must raise an exception, not exit the "
+                f"process: the other ranks would wait for it")
+    return f"{type(exc).__name__}: {exc}"
 
 
 # ---- plan --------------------------------------------------------------------------------------------------
@@ -267,6 +368,14 @@ def _offload(objs: list) -> None:
 def _call(step: _Step, args: list) -> tuple[tuple, int]:
     """Runs the node (with offload and retries); returns its outputs in declared order and the retry count."""
     cfg = step.entry.config
+    if cfg.timeout_s > 0:
+        with _Deadline(cfg.timeout_s):
+            return _call_once(step, args)
+    return _call_once(step, args)
+
+
+def _call_once(step: _Step, args: list) -> tuple[tuple, int]:
+    cfg = step.entry.config
     ctx = step.ctx
     kwargs = dict(zip(step.arg_names, args)) if step.arg_names is not None else None
     moved = []
@@ -327,10 +436,13 @@ class _Run:
     def run_step(self, step: _Step, vals: list) -> None:
         args = [vals[s] for s in step.arg_slots]
         if not (self.starts or self.ends):
+            start = time.monotonic()
             try:
                 outs, _ = _call(step, args)
-            except Exception as exc:  # noqa: BLE001 - every node failure becomes a VerlRuntimeError
-                self.fail_here(step, exc, None)
+            except BaseException as exc:  # noqa: BLE001 - every node failure (sys.exit too) is agreed on
+                self.fail_here(step, exc, None, time.monotonic() - start)
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
                 return
             for s, v in zip(step.out_slots, outs):
                 vals[s] = v
@@ -343,8 +455,10 @@ class _Run:
             for h in self.starts:
                 h(event)
             outs, retries = _call(step, args)
-        except Exception as exc:  # noqa: BLE001 - a failing hook fails its node like the node itself would
-            self.fail_here(step, exc, event)
+        except BaseException as exc:  # noqa: BLE001 - a failing hook fails its node like the node itself would
+            self.fail_here(step, exc, event, time.perf_counter() - event.start_s)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             return
         for s, v in zip(step.out_slots, outs):
             vals[s] = v
@@ -357,9 +471,8 @@ class _Run:
         except Exception as exc:  # noqa: BLE001
             self.failure = _Failure(e.name, self.plan.rank, f"on_node_end hook: {type(exc).__name__}: {exc}", exc)
 
-    def fail_here(self, step: _Step, exc: BaseException, event: NodeEvent | None) -> None:
-        what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _OutputError) else str(exc)
-        self.failure = _Failure(step.entry.name, self.plan.rank, what, exc)
+    def fail_here(self, step: _Step, exc: BaseException, event: NodeEvent | None, elapsed: float) -> None:
+        self.failure = _Failure(step.entry.name, self.plan.rank, _describe(exc, step.entry.config, elapsed), exc)
         if event is not None:
             event.error = exc
             event.duration_s = time.perf_counter() - event.start_s
@@ -446,6 +559,10 @@ class _Run:
             first = min(origins, key=lambda s: s[1])
             if first[1] != f.rank:  # another rank failed first: report that one, everywhere alike
                 self.failure = _Failure(first[0], first[1], first[2], None)
+        if len(origins) > 1:  # the lowest rank is reported; the others may hold the root cause (a timeout)
+            chosen = self.failure.rank
+            self.failure.also = "; ".join(f"rank {r} in node '{n}': {m}" for n, r, m, _ in sorted(
+                origins, key=lambda s: s[1]) if r != chosen)
         events = None
         if self.recorder is not None:
             gathered: list[Any] | None = [None] * self.plan.world_size if self.plan.rank == 0 else None
@@ -462,8 +579,32 @@ class _Run:
             raise f.exc
         msg = f"failed: {f.message}" if here else \
             f"failed on rank {f.rank}: {f.message} (rank {self.plan.rank} stopped its run)"
+        if f.also:
+            msg += f"; also failed: {f.also}"
         err = VerlRuntimeError(msg, node=f.node, rank=f.rank, cause=f.exc)
         raise err from f.exc
+
+    def collective(self, what: str, ranks: Sequence[int], fn: Any, *args: Any) -> Any:
+        """Runs one of the runtime's own collectives; a failure or timeout there (a peer died, or hangs outside
+        the agreement points) ends this rank's run at once with an error naming what it waited for."""
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the backend's error (timeout, closed connection) is chained
+            raise self.lost_peers(what, ranks, exc, time.monotonic() - start) from exc
+
+    def lost_peers(self, what: str, ranks: Sequence[int], exc: BaseException, waited: float) -> VerlRuntimeError:
+        from verl.distributed.placement import collective_timeout
+        why = " ".join(str(exc).split())[:240]
+        msg = (f"lost contact with ranks {list(ranks)} while {what}, after {waited:.1f} s ({type(exc).__name__}: "
+               f"{why}); a rank died or was interrupted, or stayed inside a node longer than the collective "
+               f"timeout ({collective_timeout().total_seconds():g} s, trainer.collective_timeout_s)")
+        f = self.failure
+        if f is not None and f.exc is not None:  # this rank's own failure first: it is usually the cause
+            msg = f"failed: {' '.join(f.message.split())[:240]}; then {msg}"
+            return VerlRuntimeError(msg, node=f.node, rank=self.plan.rank, cause=f.exc)
+        msg = f"rank {self.plan.rank} {msg}"
+        return VerlRuntimeError(msg, rank=self.plan.rank, cause=exc)
 
 
 def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None, hooks: Sequence[Any] = (),
@@ -495,12 +636,16 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
         run.failure = _Failure("<inputs>", plan.rank, str(exc), exc)
     for step in plan.steps:
         for t in step.transfers:
-            run.transfer(t, vals)
+            if plan.rank in t.src_ranks or plan.rank in t.dst_ranks:
+                run.collective(f"moving '{t.key}' from '{t.producer}' to '{step.entry.name}'",
+                               sorted(set(t.src_ranks) | set(t.dst_ranks)), run.transfer, t, vals)
         if run.check_each and step.runs_here and step.group_size > 1:
-            run.agree(step)
+            run.collective(f"agreeing that no rank failed before node '{step.entry.name}'", step.ctx.ranks,
+                           run.agree, step)
         if step.runs_here and run.failure is None:
             run.run_step(step, vals)
-    events = run.finish_distributed()
+    events = run.collective("exchanging the run's status at its end", range(plan.world_size),
+                            run.finish_distributed)
     if recorder is not None and plan.rank == 0:
         write_trace(trace, events, {"dataflow": list(df.order), "world_size": plan.world_size})
     run.raise_failure()

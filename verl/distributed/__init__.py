@@ -2,8 +2,9 @@
 passed explicitly below, and the few small collectives the trainer runs over it."""
 
 from verl.distributed.collectives import barrier, mean_over, reduce_metrics
-from verl.distributed.placement import (Placement, comm_device, destroy_process_groups, init_placement,
-                                        init_process_groups, pick_device)
+from verl.distributed.placement import (DEFAULT_TIMEOUT_S, Placement, collective_timeout, comm_device,
+                                        destroy_process_groups, init_placement, init_process_groups, new_group,
+                                        pick_device)
 
-__all__ = ["Placement", "barrier", "comm_device", "destroy_process_groups", "init_placement",
-           "init_process_groups", "mean_over", "pick_device", "reduce_metrics"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Placement", "barrier", "collective_timeout", "comm_device", "destroy_process_groups",
+           "init_placement", "init_process_groups", "mean_over", "new_group", "pick_device", "reduce_metrics"]

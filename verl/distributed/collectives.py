@@ -54,3 +54,26 @@ def mean_over(group, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=comm_device())
     dist.all_reduce(t, group=group)
     return float(t) / dist.get_world_size(group)
+
+
+def agree_first(local: tuple | None, groups) -> tuple | None:
+    """The smallest of the ranks' `local` values (picklable, mutually ordered tuples; None: nothing to report)
+    over every rank the `groups` reach together, the same on all of them; None when no rank has one.
+
+    The groups are agreed over one after another, so a megatron model-parallel group followed by its
+    data-parallel group covers the whole TP × PP × DP world (every rank of the second group already holds its
+    first group's minimum). Each group costs one one-element all-reduce; values are exchanged only when some
+    rank of the group has one, which is the rare case this is made for (a step that went wrong). A group that
+    is None or has one rank is skipped."""
+    best = local
+    for group in groups:
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        flag = torch.tensor([0.0 if best is None else 1.0], device=comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if float(flag) == 0.0:
+            continue
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, best, group=group)
+        best = min(v for v in everyone if v is not None)
+    return best

@@ -8,6 +8,13 @@
 (megatron-core's rank order tp-dp-pp: rank = t + TP·(d + DP·p)). This module is the only place that reads
 megatron-core's global `parallel_state`; everything below receives the placement. `Placement.layout(...)`
 describes a layout by its sizes alone (no process, no groups), which is what the reshard planner reads.
+
+Timeouts: one collective timeout per job (`trainer.collective_timeout_s`, set by `init_placement`) bounds every
+process group the job creates: the default group, megatron-core's groups, and the ones made later with
+`new_group` (the dataflow's per-node and control groups, FSDP meshes, engine groups). torch's own
+``dist.new_group`` does not inherit the default group's timeout (it falls back to 30 minutes), so verl code
+creates groups through `new_group` here. A collective that waits longer than the timeout raises on the waiting
+rank instead of hanging.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError
 
-__all__ = ["Placement", "init_placement", "init_process_groups", "destroy_process_groups", "pick_device"]
+__all__ = ["Placement", "init_placement", "init_process_groups", "destroy_process_groups", "pick_device",
+           "collective_timeout", "new_group", "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_TIMEOUT_S = 600.0
+_timeout_s: float | None = None  # set by init_placement; None: read the default group's, else the default
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,6 +153,32 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_timeout(timeout_s: float) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e9:
+        raise VerlConfigError(f"collective timeout must be a finite number of seconds > 0, got {timeout_s!r}; "
+                              f"set trainer.collective_timeout_s (default {DEFAULT_TIMEOUT_S:.0f})")
+    return float(timeout_s)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The job's collective timeout: the one `init_placement` was given; else (a process group created by other
+    code, e.g. a test harness) the default group's own; else DEFAULT_TIMEOUT_S."""
+    if _timeout_s is not None:
+        return datetime.timedelta(seconds=_timeout_s)
+    if dist.is_available() and dist.is_initialized():
+        try:  # private but stable since torch 2.0; only a fallback for groups verl did not create
+            return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+    return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def new_group(ranks: list[int], **kwargs) -> dist.ProcessGroup:
+    """``dist.new_group`` with the job's collective timeout (unless the caller passes ``timeout``)."""
+    kwargs.setdefault("timeout", collective_timeout())
+    return dist.new_group(ranks, **kwargs)
+
+
 def _join_world(device: torch.device, timeout_s: float) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
@@ -160,7 +195,10 @@ def init_placement(device_choice: str = "auto", *, tp: int = 1, pp: int = 1, seq
     A lone process needs no process group, unless megatron-core is used (`megatron=True`, or tp/pp > 1) or
     something else needs one (`process_group=True`: vLLM / SGLang, which would otherwise make their own): it
     then gets a one-rank gloo group, and with megatron its parallel state is initialised (TP × PP, the rest DP).
+    `timeout_s` bounds every collective of the job (see the module docstring).
     """
+    global _timeout_s
+    _timeout_s = _check_timeout(timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_choice, local_rank)
     _join_world(device, timeout_s)
@@ -207,7 +245,8 @@ def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = F
     else:
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)  # one GPU per process; megatron allocates on the current device
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     distributed_timeout_minutes=collective_timeout().total_seconds() / 60)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     if device is None:
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")

@@ -8,6 +8,11 @@ Token alignment: position t of `log_probs` / `entropy` scores the NEXT token, i.
 ``log_probs[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1])``; the last position, and positions whose
 next token is padding, are 0 and excluded from `token_mask`.
 
+With sequence parallelism megatron splits every activation's sequence into TP equal parts, so each micro-batch
+is right-padded inside the forward step to a multiple of TP (`sp_padded_length`): the extra tokens are masked keys
+whose positions continue the row's, they come after every real token (which causal attention never lets see
+them), and the output is cut back to the real length before the loss sees it, so results are unchanged.
+
 Losses are pluggable: a `LossFn` gets the last stage's output for one micro-batch — vocab-parallel logits
 ``[b, s, V_pad/tp]`` (or values ``[b, s]`` for a value-head model) — plus the micro-batch dict, and returns
 ``(loss, metrics)``; megatron averages the loss over micro-batches (and DDP over data-parallel replicas).
@@ -76,6 +81,27 @@ def make_micro_batches(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return out
 
 
+def sp_padded_length(model: MegatronGPT, s: int) -> int:
+    """The sequence length the model runs `s` tokens at: the next multiple of TP under sequence parallelism."""
+    tp = model.pg.tp_size
+    return -(-s // tp) * tp if model.pg.sequence_parallel and tp > 1 else s
+
+
+def _pad_inputs(mb: dict, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input_ids, position_ids, mask_4d) right-padded to `length` columns: pad id 0, positions counting on from
+    each row's last, the new columns masked as keys. Real queries are causal and precede them, so their results
+    do not change; without padding in the batch (mask_4d None) causality alone keeps them out."""
+    ids, pos, mask = mb["input_ids"], mb["position_ids"], mb["attention_mask"]
+    extra = length - ids.shape[1]
+    if extra == 0:
+        return ids, pos, mb["mask_4d"]
+    steps = torch.arange(1, extra + 1, device=pos.device, dtype=pos.dtype)
+    ids = torch.nn.functional.pad(ids, (0, extra), value=0)
+    pos = torch.cat([pos, pos[:, -1:] + steps], dim=1)
+    mask_4d = None if mb["mask_4d"] is None else attention_mask_4d(torch.nn.functional.pad(mask, (0, extra)))
+    return ids, pos, mask_4d
+
+
 def _forward_step(model: MegatronGPT, loss_fn: LossFn):
     arch = model.arch
 
@@ -87,10 +113,14 @@ def _forward_step(model: MegatronGPT, loss_fn: LossFn):
         if model.spec == "te" and mb["mask_4d"] is not None:
             _check_right_padded(mb["attention_mask"])
             mb["mask_4d"] = None   # right padding under a causal mask leaves every real token's context intact
-        if arch.sliding_window is not None and s > arch.sliding_window:
-            raise VerlConfigError(f"sequence length {s} exceeds the model's sliding_window={arch.sliding_window}; "
-                                  f"the megatron local attention is full attention, so use sequences <= the window")
-        out = module(mb["input_ids"], mb["position_ids"], attention_mask=mb["mask_4d"])
+        # a packed micro-batch (verl/workers/packing.py) is one row of several sequences, each at most max_seqlen
+        longest = mb.get("max_seqlen", s)
+        if arch.sliding_window is not None and longest > arch.sliding_window:
+            raise VerlConfigError(f"sequence length {longest} exceeds the model's sliding_window="
+                                  f"{arch.sliding_window}; the megatron local attention is full attention, so use "
+                                  f"sequences <= the window")
+        ids, pos, mask_4d = _pad_inputs(mb, sp_padded_length(model, s))
+        out = module(ids, pos, attention_mask=mask_4d)
         return out, partial(_loss_adapter, loss_fn, model, mb)
     return step
 
@@ -107,7 +137,7 @@ def _check_right_padded(mask: torch.Tensor) -> None:
 def _loss_adapter(loss_fn: LossFn, model: MegatronGPT, mb: dict, output: torch.Tensor):
     if model.options.value_head:
         output = output.squeeze(-1)
-    return loss_fn(output, mb)
+    return loss_fn(output[:, :mb["input_ids"].shape[1]], mb)  # without the sequence-parallel padding
 
 
 def forward_backward(model: MegatronGPT, micro_batches: Sequence[dict], loss_fn: LossFn, *,
@@ -118,7 +148,7 @@ def forward_backward(model: MegatronGPT, micro_batches: Sequence[dict], loss_fn:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     if not micro_batches:
         raise VerlConfigError("forward_backward needs at least one micro-batch")
-    seq = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    seq = sp_padded_length(model, max(mb["input_ids"].shape[1] for mb in micro_batches))
     mbs = micro_batches[0]["input_ids"].shape[0]
     fb = get_forward_backward_func()
     ctx = torch.no_grad() if forward_only else torch.enable_grad()

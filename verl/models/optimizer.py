@@ -11,6 +11,7 @@ DP all-reduce or reduce-scatter, SP layer-norm and tied-embedding grad sync in `
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from verl.config.ppo import OptimConfig
 from verl.errors import VerlConfigError
 from verl.models.forward import LossFn, forward_backward
 from verl.models.gpt import MegatronGPT
+from verl.utils.nonfinite import agree_nonfinite, local_problem
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,20 +82,50 @@ def accumulate_grads(model: MegatronGPT, micro_batches, loss_fn: LossFn) -> list
     return forward_backward(model, micro_batches, loss_fn, forward_only=False)
 
 
-def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict]) -> dict:
-    """Clips, steps the optimizer, advances the LR schedule; returns mean metrics + grad_norm, lr, update_applied.
+def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict], *, losses: Sequence[torch.Tensor] = ()) -> dict:
+    """Clips, steps the optimizer, advances the LR schedule; returns mean metrics + grad_norm, lr, update_applied
+    and nonfinite.
 
+    A step whose gradient norm, or whose loss on some rank (`losses`: this rank's micro-batch losses, on the last
+    pipeline stage), is not finite is skipped on every rank of the model (they agree over its
+    model-parallel group, then its data-parallel group): the gradients are zeroed and neither the optimizer nor
+    the schedule steps; `nonfinite` then names the first non-finite quantity and its rank (None when applied).
+    An fp16 loss-scale overflow is megatron's own skip (its scaler backs off) and is not reported as one.
     Metrics are averaged over micro-batches on the last stage and broadcast over PP, so every rank gets them.
     """
-    ok, grad_norm, _ = opt.optimizer.step()
-    lr = opt.optimizer.param_groups[0]["lr"]
+    inner = opt.optimizer
+    # megatron's optimizer.step() in its parts, so that the decision to step can wait for every rank's verdict
+    overflow = inner.prepare_grads()
+    grad_norm, problem = float("nan"), None
+    if not overflow:
+        grad_norm = float(inner.get_grad_norm())
+        grads = ((n, getattr(p, "main_grad", p.grad)) for n, p in model.gpt.named_parameters())
+        problem = agree_nonfinite(local_problem(losses, grad_norm, grads), model.pg.global_rank,
+                                  [model.pg.mp, model.pg.dp])
+    ok = not overflow and problem is None
+    lr = inner.param_groups[0]["lr"]
     if ok:
+        if opt.config.grad_clip > 0:
+            _clip_grads(inner, grad_norm, opt.config.grad_clip)
+        inner.step_with_ready_grads()
         opt.scheduler.step(increment=1)
-    opt.optimizer.zero_grad()
+    else:
+        model.module.zero_grad_buffer()
+    inner.zero_grad()
     metrics = _mean_metrics(model, outs)
-    metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=float(lr),
-                   update_applied=bool(ok))
+    metrics.update(grad_norm=grad_norm, lr=float(lr), update_applied=ok, nonfinite=problem)
     return metrics
+
+
+def _clip_grads(inner, grad_norm: float, clip: float) -> None:
+    """Scales every sub-optimizer's main gradients by clip / grad_norm when that is below 1 (as megatron's own
+    step does with the norm it computed)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    for sub in getattr(inner, "chained_optimizers", [inner]):
+        params = [] if getattr(sub, "is_stub_optimizer", False) else sub.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=grad_norm,
+                                         use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 def train_step(model: MegatronGPT, opt: Optimizer, micro_batches, loss_fn: LossFn) -> dict:

@@ -63,8 +63,9 @@ class RolloutConfig:
     architectures fall back to model); model: the model's own forward with its KV cache; train: the training
     forward itself over the whole [batch, prompt + response] buffer at every step (no KV cache, batches of
     max_batch_size rows, which the trainer sets to actor.micro_batch_size), so the samples come from exactly
-    the distribution the trainer computes and the rollout/train log-prob mismatch is 0 bit for bit; it costs a
-    full forward per generated token."""
+    the distribution the trainer computes and the rollout/train log-prob mismatch is 0 bit for bit (the actor
+    then trains on that padded layout too: actor.padding_free is turned off); it costs a full forward per
+    generated token."""
     kv_cache: bool = True
     """torch, decoder=model: reuse keys/values across steps; false recomputes the whole sequence (models
     without a cache)."""

@@ -244,6 +244,8 @@ def _tp_group(tp: int):
     """(group, its global ranks, this rank's index in it) for a TP > 1 engine under torchrun; (None, [0], 0) when
     this process owns a whole engine."""
     import torch.distributed as dist
+
+    from verl.distributed.placement import new_group
     if tp == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None, [0], 0
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -252,7 +254,7 @@ def _tp_group(tp: int):
     mine = None
     for start in range(0, world, tp):      # new_group is collective: every rank creates every group
         ranks = list(range(start, start + tp))
-        g = dist.new_group(ranks, backend="gloo")
+        g = new_group(ranks, backend="gloo")
         if rank in ranks:
             mine = (g, ranks, rank - start)
     return mine

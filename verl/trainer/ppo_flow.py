@@ -123,16 +123,16 @@ def group_advantage(batch, token_rewards, algo_cfg):
                                                  norm_by_std=algo_cfg.norm_adv_by_std_in_grpo).advantages
 
 
-@DataflowNode(input_keys=["batch", "critic", "values", "returns"], output_keys=["critic_metrics"])
-def update_critic(batch, critic, values, returns):
-    return critic.update(batch, values, returns)
+@DataflowNode(input_keys=["batch", "critic", "values", "returns", "step"], output_keys=["critic_metrics"])
+def update_critic(batch, critic, values, returns, step):
+    return critic.update(batch, values, returns, step=step)
 
 
 @DataflowNode(input_keys=["batch", "actor", "old_log_probs", "advantages", "ref_log_probs", "step"],
               output_keys=["actor_metrics"])
 def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, step, critic_warmup=0):
     """The critic trains alone for its first `critic_warmup` steps."""
-    return actor.update(batch, old_log_probs, advantages, ref_log_probs) if step >= critic_warmup else {}
+    return actor.update(batch, old_log_probs, advantages, ref_log_probs, step=step) if step >= critic_warmup else {}
 
 
 @DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_metrics"])
@@ -170,6 +170,8 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
         role = roles[ROLE_OF.get(node.name, "actor")]
         out[node.name] = {"device_map": list(role.ranks), "engine": role.engine, "cpu_offload": role.cpu_offload,
                           **settings.get(node.name, {})}
+        if cfg.trainer.node_timeout_s > 0:
+            out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
     return out
 
 

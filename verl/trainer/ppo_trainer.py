@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
-from verl.data import BatchSampler, PromptDataset, load_prompt_dataset, make_task, task_corpus
+from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_prompt_dataset, make_task, prompt_text,
+                       task_corpus)
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
-from verl.rollout import build_rollout, require_engine
+from verl.rollout import Tokenizer, build_rollout, require_engine
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
@@ -38,21 +39,14 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
 
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
-    """(model, tokenizer): a Hugging Face directory, or the tiny local Llama with a BPE trained on the data."""
+    """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
+    the tiny local Llama with a BPE trained on the data."""
     from verl.testing.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise VerlConfigError(f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no "
-                                  f"config.json there); fix the path, or unset model.path for the tiny local model")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.model.dtype))
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return model, tokenizer
+        from verl.models.pretrained import load_pretrained, resolve_model_path
+        return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
-              else [p + a for p, a in zip(dataset.prompts, dataset.answers)])
+              else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
     return tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed), tokenizer
 
@@ -78,7 +72,10 @@ class PPOTrainer:
                  tokenizer=None):
         """`actor_model` (with `tokenizer`): a Hugging Face causal LM object to train instead of `model.*`, e.g.
         one loaded with `device_map=...`, whose `hf_device_map` must agree with the actor's ranks."""
-        cfg.validate_world(placement.world_size)  # before anything touches the disk
+        notes = cfg.validate_world(placement.world_size)  # before anything touches the disk
+        if placement.is_main:
+            for note in notes:
+                print(f"verl: {note}", flush=True)
         require_engine(cfg.rollout.engine)
         self.cfg, self.placement = cfg, placement
         self.roles = cfg.roles(placement.world_size)
@@ -95,6 +92,9 @@ class PPOTrainer:
         else:
             self.policy, self.tokenizer = load_policy(cfg, self.dataset)
         check_generation_layout(cfg, self.policy.config)
+        self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
+                                          cfg.data.max_prompt_length, cfg.data.overlong_prompts,
+                                          source=", ".join(cfg.data.train_files) or f"task {cfg.data.task}")
         # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
@@ -133,15 +133,20 @@ class PPOTrainer:
         needs_dir = any(r.engine == "megatron" for r in roles.values()) or cfg.rollout.engine in ("vllm", "sglang")
         init_dir = self._init_dir() if needs_dir else None
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens)
+        actor_cfg = cfg.actor
+        if cfg.rollout.decoder == "train":  # the samples' log-probs come from the padded training forward
+            actor_cfg = dataclasses.replace(actor_cfg, padding_free=False)
+        limit = cfg.trainer.max_nonfinite_steps
         if places["actor"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
-            self.actor = ActorWorker(self._engine("actor", init_dir), cfg.actor,
-                                     rollout_correction=cfg.algorithm.rollout_correction, **kw)
+            self.actor = ActorWorker(self._engine("actor", init_dir), actor_cfg,
+                                     rollout_correction=cfg.algorithm.rollout_correction, max_nonfinite_steps=limit,
+                                     **kw)
         if cfg.needs_ref and places["ref"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
-            self.ref = ActorWorker(self._engine("ref", init_dir), cfg.actor, **kw)
+            self.ref = ActorWorker(self._engine("ref", init_dir), actor_cfg, **kw)
         if cfg.needs_critic and places["critic"] is not None:
-            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic)
+            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit)
         if places["rollout"] is not None:
             rollout_cfg = cfg.rollout
             if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward sees

@@ -27,6 +27,7 @@ from verl.algos import policy_losses
 from verl.algos.kl import fused_kl_kind
 from verl.config.ppo import ActorConfig, RolloutCorrectionConfig
 from verl.errors import VerlConfigError
+from verl.utils.nonfinite import NonfiniteGuard
 from verl.workers.batch import RolloutBatch, micro_slices
 
 __all__ = ["ActorWorker", "reduce_micro_stats"]
@@ -42,11 +43,14 @@ class ActorWorker:
     """The trained policy (or, on a frozen engine, the reference)."""
 
     def __init__(self, engine, cfg: ActorConfig, *, temperature: float, responses_per_mini: int,
-                 max_response_length: int, rollout_correction: RolloutCorrectionConfig | None = None):
+                 max_response_length: int, rollout_correction: RolloutCorrectionConfig | None = None,
+                 max_nonfinite_steps: int = 3):
         self.engine, self.cfg, self.temperature = engine, cfg, temperature
+        self.guard = NonfiniteGuard("actor", max_nonfinite_steps)
         self.responses_per_mini, self.max_response_length = responses_per_mini, max_response_length
         self.correction = rollout_correction or RolloutCorrectionConfig()
         self.loss_params = cfg.loss_params()
+        self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
@@ -57,7 +61,7 @@ class ActorWorker:
 
     def compute_log_probs(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropy) [B, R] of the batch's responses under this worker's model (0 on padding)."""
-        out = self.engine.forward(batch, self.cfg.micro_batch_size, temperature=self.temperature)
+        out = self.engine.forward(batch, self.cfg.micro_batch_size, temperature=self.temperature, **self._micro)
         return out["log_probs"], out["entropy"]
 
     def _loss_fn(self, agg, seen: torch.Tensor | None):
@@ -136,9 +140,11 @@ class ActorWorker:
         return dataclasses.replace(batch, response_mask=mask), corr.weights, corr.metrics
 
     def update(self, batch: RolloutBatch, old_log_probs: torch.Tensor | None, advantages: torch.Tensor,
-               ref_log_probs: torch.Tensor | None) -> dict[str, float]:
+               ref_log_probs: torch.Tensor | None, step: int | None = None) -> dict[str, float]:
         """PPO epochs over mini-batches (one optimizer step each) of micro-batches (gradient accumulation).
-        `old_log_probs=None` means on-policy (see the module docstring)."""
+        `old_log_probs=None` means on-policy (see the module docstring). A step the engine skipped for a
+        non-finite loss or gradient norm counts in actor/nonfinite_steps and leaves its statistics out of the
+        means; `step` (the training step) only names it in the error `trainer.max_nonfinite_steps` raises."""
         weights, corr_metrics = None, {}
         if self.correction.enabled:
             batch, weights, corr_metrics = self._correct(batch, old_log_probs)
@@ -149,17 +155,20 @@ class ActorWorker:
         if old_log_probs is None and batch.rollout_log_probs is not None:
             seen = torch.zeros_like(batch.rollout_log_probs)
         stats: dict[str, list[float]] = defaultdict(list)
+        skipped = self.guard.skipped
         for _ in range(self.cfg.ppo_epochs):
             for mini in micro_slices(len(batch), self.responses_per_mini):
                 sub = batch.select(mini)
                 agg = self.engine.aggregation(self.cfg.loss_agg_mode, sub.response_mask, self.max_response_length)
-                per_micro, grad_norm = self.engine.train_step(
+                per_micro, result = self.engine.train_step(
                     sub, self.cfg.micro_batch_size, self._loss_fn(agg, seen), {k: v[mini] for k, v in tensors.items()},
-                    temperature=self.temperature)
-                for k, v in reduce_micro_stats(per_micro).items():
-                    stats[k].append(v)
-                stats["actor/grad_norm"].append(grad_norm)
+                    temperature=self.temperature, **self._micro)
+                if self.guard.record(result.nonfinite, step):
+                    for k, v in reduce_micro_stats(per_micro).items():
+                        stats[k].append(v)
+                    stats["actor/grad_norm"].append(result.grad_norm)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["actor/nonfinite_steps"] = float(self.guard.skipped - skipped)
         out["actor/lr"] = self.engine.lr
         out.update(corr_metrics)
         if seen is not None:

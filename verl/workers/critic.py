@@ -19,6 +19,7 @@ import torch
 from verl.algos import critic_loss
 from verl.config.ppo import CriticConfig
 from verl.errors import VerlConfigError
+from verl.utils.nonfinite import NonfiniteGuard
 from verl.workers.actor import reduce_micro_stats
 from verl.workers.batch import RolloutBatch
 
@@ -90,8 +91,10 @@ class ValueModel(torch.nn.Module):
 
 
 class CriticWorker:
-    def __init__(self, engine, cfg: CriticConfig):
+    def __init__(self, engine, cfg: CriticConfig, *, max_nonfinite_steps: int = 3):
         self.engine, self.cfg = engine, cfg
+        self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
+        self.guard = NonfiniteGuard("critic", max_nonfinite_steps)
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
@@ -102,20 +105,27 @@ class CriticWorker:
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """V(state before response token t), [B, R] (0 on padding)."""
-        return self.engine.forward(batch, self.cfg.micro_batch_size)["values"]
+        return self.engine.forward(batch, self.cfg.micro_batch_size, **self._micro)["values"]
 
-    def update(self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
-        """Epochs of one optimizer step over the whole batch (micro-batches accumulate gradients)."""
+    def update(self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor,
+               step: int | None = None) -> dict[str, float]:
+        """Epochs of one optimizer step over the whole batch (micro-batches accumulate gradients). Skipped steps
+        (non-finite loss or gradient norm) count in critic/nonfinite_steps, as in `ActorWorker.update`."""
         agg = self.engine.aggregation("token-mean", batch.response_mask, batch.response_mask.shape[1])
 
         def loss_fn(out, f):
             return critic_loss(out["values"], f["response_mask"], f["old_values"], f["returns"],
                                cliprange=self.cfg.cliprange_value, agg=agg)
         stats: dict[str, list[float]] = defaultdict(list)
+        skipped = self.guard.skipped
         for _ in range(self.cfg.ppo_epochs):
-            per_micro, grad_norm = self.engine.train_step(batch, self.cfg.micro_batch_size, loss_fn,
-                                                          {"old_values": old_values, "returns": returns})
-            for k, v in reduce_micro_stats(per_micro).items():
-                stats[k].append(v)
-            stats["critic/grad_norm"].append(grad_norm)
-        return {k: sum(v) / len(v) for k, v in stats.items()}
+            per_micro, result = self.engine.train_step(batch, self.cfg.micro_batch_size, loss_fn,
+                                                       {"old_values": old_values, "returns": returns},
+                                                       **self._micro)
+            if self.guard.record(result.nonfinite, step):
+                for k, v in reduce_micro_stats(per_micro).items():
+                    stats[k].append(v)
+                stats["critic/grad_norm"].append(result.grad_norm)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["critic/nonfinite_steps"] = float(self.guard.skipped - skipped)
+        return out

@@ -6,14 +6,22 @@ Every training engine (this one, `verl.workers.fsdp.FSDPEngine`, `verl.workers.m
 the same calls, which is all the actor and critic workers use:
 
     engine.forward(batch, micro_batch_size, temperature=T)   # no grad: {"log_probs", "entropy"} or {"values"}, [B, R]
-    engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # one optimizer step
+    engine.train_step(batch, micro_batch_size, loss_fn, extra, temperature=T)   # (stats, OptimizerStep)
+        # both also take padding_free=True (packed micro-batches) and max_tokens=N (micro-batches cut by a
+        # budget of real tokens instead of micro_batch_size rows): verl/workers/packing.py
     engine.aggregation(mode, mask, norm_len)                 # the step's global token / sequence counts
     engine.hybrid_engine(config), engine.local_params()      # how its weights reach the rollout engine
+
+An optimizer step whose loss or gradient norm is not finite on any of the engine's ranks is skipped on all of
+them (verl.utils.nonfinite): the gradients are zeroed, the weights, optimizer state and LR schedule stay as they
+were, and `OptimizerStep.nonfinite` says what was not finite, where.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,9 +30,23 @@ from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
 from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
-from verl.workers.batch import MicroLossFn, RolloutBatch, micro_slices
+from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
+from verl.workers.batch import MicroLossFn, RolloutBatch
+from verl.workers.packing import PackedBatch, check_varlen_attention, micro_batch_slices, pack
 
-__all__ = ["ModuleEngine", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs"]
+__all__ = ["ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
+           "packed_head_outputs"]
+
+
+class OptimizerStep(NamedTuple):
+    """What one optimizer step of an engine did (the same on every rank of the engine)."""
+
+    grad_norm: float
+    """Global gradient norm before clipping (NaN or inf when the step was skipped for it)."""
+    nonfinite: str | None = None
+    """None: the step was applied. Otherwise it was skipped on every rank, and this names the first non-finite
+    quantity (a micro-batch's loss, a parameter's gradient, or the norm) and the rank that found it."""
+
 
 def count_aggregation(mode: str, mask: torch.Tensor, norm_len: int, group, dp_size: int) -> Aggregation:
     """Aggregation over one optimizer step's tokens on all `group` ranks, so micro-batch losses add up (and DP
@@ -72,6 +94,31 @@ def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, at
     return {"log_probs": lp, "entropy": ent}
 
 
+def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
+                        temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
+    """`head_outputs` of a packed micro-batch (verl/workers/packing.py): one row of real tokens, no attention
+    mask (transformers keeps attention within the rows from the restarting position ids), only the positions
+    that predict response tokens through the head; scattered back to [b, R]."""
+    check_varlen_attention(module)
+    if head == "value":
+        values = module(packed.input_ids, None, packed.position_ids)
+        return {"values": packed.unpack(values[0, packed.src])}
+    hidden = module.base_model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                               use_cache=False).last_hidden_state[0, packed.src]
+    scale, cap = logit_head(getattr(module, "config", None))
+    lm_head = module.get_output_embeddings()
+    if loss_head is not None and cap is None and getattr(lm_head, "bias", None) is None:
+        # the fused loss head reads the padded [b, R] layout its fields have; padding rows are masked out of it
+        return loss_head(packed.unpack(hidden), lm_head.weight, packed.unpack(packed.targets), temperature / scale)
+    targets = packed.targets[None]
+    if cap is not None:
+        logits = lm_head(hidden[None]).float()
+        lp, ent = logprob_entropy(torch.tanh(logits / cap) * cap, targets, temperature / scale)
+    else:
+        lp, ent = lm_head_logprob_entropy(hidden[None], lm_head, targets, temperature / scale)
+    return {"log_probs": packed.unpack(lp[0]), "entropy": packed.unpack(ent[0])}
+
+
 def build_optimizer(module: torch.nn.Module, optim: OptimConfig, total_steps: int):
     """(AdamW over the trainable parameters, its LambdaLR following `optim.lr_factor`)."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -95,43 +142,53 @@ class ModuleEngine:
     supports_fused_head = True
     """train_step runs a loss function's `fused_head` (actor.fused_loss_head) in place of the LM head."""
 
-    def _forward(self, mb: RolloutBatch, temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
+                 loss_head=None) -> dict[str, torch.Tensor]:
+        """[b, R] outputs of one micro-batch: padded, or from its `packed` form when given; with `loss_head` (the
+        fused loss head, actor.fused_loss_head) its dict in place of the LM head's."""
         raise NotImplementedError
 
-    def _reduce_grads(self) -> None:
-        """Makes every rank's gradients the data-parallel mean (before clipping)."""
+    def _reduce_grads(self) -> str | None:
+        """Makes every rank's gradients the data-parallel mean (before clipping). Returns this rank's own first
+        non-finite gradient, described, where the engine sees it before the reduction spreads it (else None)."""
         raise NotImplementedError
 
     def _gradient_sync(self, last_micro_batch: bool) -> None:
         """Called before each micro-batch's backward: engines that reduce in backward skip all but the last."""
 
     # -- forward --------------------------------------------------------------------------------------------
+    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int, padding_free: bool):
+        """(row slice, micro-batch, its packed form or None) per micro-batch (verl/workers/packing.py)."""
+        group = self.placement.dp if self.placement.distributed else None
+        for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, group):
+            mb = batch.select(sl)
+            yield sl, mb, pack(mb) if padding_free else None
+
     @torch.no_grad()
-    def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0
-                ) -> dict[str, torch.Tensor]:
+    def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,
+                padding_free: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] (0 on padding): log-probs and entropy, or values."""
-        parts = [self._forward(batch.select(sl), temperature) for sl in micro_slices(len(batch), micro_batch_size)]
+        parts = [self._forward(mb, temperature, packed)
+                 for _, mb, packed in self._micro_batches(batch, micro_batch_size, max_tokens, padding_free)]
         return {k: torch.cat([p[k] for p in parts]) * batch.response_mask for k in parts[0]}
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
-                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], float]:
-        """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step.
-        Returns each micro-batch's statistics (floats) and the pre-clip gradient norm."""
-        stats = []
-        slices = micro_slices(len(batch), micro_batch_size)
-        for i, sl in enumerate(slices):
-            self._gradient_sync(i == len(slices) - 1)
-            mb = batch.select(sl)
+                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0, padding_free: bool = False,
+                   max_tokens: int = 0) -> tuple[list[dict], OptimizerStep]:
+        """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step (`step`).
+        Returns each micro-batch's statistics (floats) and what the step did."""
+        stats, losses = [], []
+        micro = list(self._micro_batches(batch, micro_batch_size, max_tokens, padding_free))
+        for i, (sl, mb, packed) in enumerate(micro):
+            self._gradient_sync(i == len(micro) - 1)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
             head = getattr(loss_fn, "fused_head", None)
-            if head is not None:  # the fused loss head replaces the LM head (see verl/workers/actor.py)
-                out = self._forward(mb, temperature, loss_head=functools.partial(head, fields=fields))
-            else:
-                out = self._forward(mb, temperature)
-            loss, s = loss_fn(out, fields)
+            loss_head = None if head is None else functools.partial(head, fields=fields)
+            loss, s = loss_fn(self._forward(mb, temperature, packed, loss_head), fields)
             loss.backward()
+            losses.append(loss.detach())
             stats.append({k: float(v) for k, v in s.items()})
-        return stats, self.step()
+        return stats, self.step(losses)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor a loss function filled (on the last pipeline stage): here every rank is the last stage."""
@@ -142,18 +199,27 @@ class ModuleEngine:
         return count_aggregation(mode, mask, norm_len, p.dp, p.dp_size if p.distributed else 1)
 
     # -- optimizer --------------------------------------------------------------------------------------------
-    def step(self) -> float:
-        """Averages gradients over the replicas, clips, steps the optimizer and schedule; returns the pre-clip
-        grad norm (over the whole model: FSDP2's DTensor gradients give the norm across their shards)."""
+    def step(self, losses: Sequence[torch.Tensor] = ()) -> OptimizerStep:
+        """Averages gradients over the replicas, then, unless this step's loss (`losses`: this rank's micro-batch
+        losses) or gradient norm is non-finite on some rank of the engine, clips and steps the optimizer and
+        schedule (every rank decides alike: a one-number all-reduce over the data-parallel group). The norm is
+        over the whole model (FSDP2's DTensor gradients give it across their shards)."""
         assert self.optimizer is not None, "frozen engine has no optimizer"
-        self._reduce_grads()
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=False) if params else torch.tensor(0.0)
-        self.optimizer.step()
-        self.scheduler.step()
+        own = self._reduce_grads()
+        named = [(n, p) for n, p in self.module.named_parameters() if p.grad is not None]
+        grads = [p.grad for _, p in named]
+        total = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.tensor(0.0)
+        norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        local = local_problem(losses, norm, ((n, p.grad) for n, p in named), own)
+        problem = agree_nonfinite(local, self.placement.global_rank, [self.placement.dp])
+        if problem is None:
+            if self.optim_cfg.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_([p for _, p in named], self.optim_cfg.grad_clip, total,
+                                                     foreach=False)
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return OptimizerStep(norm, problem)
 
     @property
     def lr(self) -> float:
@@ -196,7 +262,10 @@ class TorchEngine(ModuleEngine):
         self.optimizer, self.scheduler = build_optimizer(self.module, optim, total_steps)
         self.broadcast_parameters()
 
-    def _forward(self, mb: RolloutBatch, temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
+                 loss_head=None) -> dict[str, torch.Tensor]:
+        if packed is not None:
+            return packed_head_outputs(self.module, self.head, packed, temperature, loss_head)
         return head_outputs(self.module, self.head, mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses,
                             mb.prompt_length, temperature, loss_head)
 
@@ -207,17 +276,21 @@ class TorchEngine(ModuleEngine):
             for t in self.module.parameters():
                 dist.broadcast(t.data, src=p.global_of(0), group=p.dp)
 
-    def _reduce_grads(self) -> None:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+    def _reduce_grads(self) -> str | None:
+        named = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
+        grads = [g for _, g in named]
         if not self.placement.distributed or not grads:
-            return
+            return None
         flat = torch.cat([g.reshape(-1) for g in grads])
+        # the averaging would spread one rank's NaN to every rank: name the rank that produced it
+        own = None if bool(torch.isfinite(flat).all()) else first_nonfinite_grad(named)
         dist.all_reduce(flat, group=self.placement.dp)
         flat /= self.placement.dp_size
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        return own
 
     # -- memory (a role with cpu_offload: the dataflow runtime calls these around the role's nodes) -----------
     def offload(self) -> None:

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from verl.config.ppo import FSDPConfig, OptimConfig
-from verl.distributed import Placement
+from verl.distributed import Placement, new_group
 from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch
-from verl.workers.engine import ModuleEngine, build_optimizer, head_outputs
+from verl.workers.engine import ModuleEngine, build_optimizer, head_outputs, packed_head_outputs
+from verl.workers.packing import PackedBatch
 
 __all__ = ["FSDPEngine", "build_mesh", "decoder_layers"]
 
@@ -50,8 +51,8 @@ def build_mesh(placement: Placement, cfg: FSDPConfig):
     mesh = torch.tensor(ranks).view(replicas, size)
     row, col = divmod(ranks.index(dist.get_rank()), size)
     # only the members of each sub-group create it, so a role over a subset of the world never waits on the rest
-    shard = dist.new_group(mesh[row].tolist(), use_local_synchronization=True)
-    replicate = dist.new_group(mesh[:, col].tolist(), use_local_synchronization=True)
+    shard = new_group(mesh[row].tolist(), use_local_synchronization=True)
+    replicate = new_group(mesh[:, col].tolist(), use_local_synchronization=True)
     return DeviceMesh.from_group([replicate, shard], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard"))
 
 
@@ -77,9 +78,10 @@ class _Root(torch.nn.Module):
         self.model, self.head = model, head
 
     def forward(self, input_ids, attention_mask, position_ids, responses, prompt_length: int, temperature: float,
-                loss_head=None):
-        out = head_outputs(self.model, self.head, input_ids, attention_mask, position_ids, responses, prompt_length,
-                           temperature, loss_head)
+                packed: PackedBatch | None = None, loss_head=None):
+        out = (packed_head_outputs(self.model, self.head, packed, temperature, loss_head) if packed is not None else
+               head_outputs(self.model, self.head, input_ids, attention_mask, position_ids, responses, prompt_length,
+                            temperature, loss_head))
         # FSDP hooks backward onto the root's outputs; a slice (the values) would lose the hook to an in-place op
         return {k: v.clone() if v._base is not None else v for k, v in out.items()}
 
@@ -117,16 +119,18 @@ class FSDPEngine(ModuleEngine):
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=ranks[0], group=group)
 
-    def _forward(self, mb: RolloutBatch, temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
+                 loss_head=None) -> dict[str, torch.Tensor]:
         return self.root(mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses, mb.prompt_length,
-                         temperature, loss_head)
+                         temperature, packed, loss_head)
 
     def _gradient_sync(self, last_micro_batch: bool) -> None:
         # earlier micro-batches accumulate unsharded local gradients; the last one reduce-scatters their sum once
         self.root.set_requires_gradient_sync(last_micro_batch)
 
     def _reduce_grads(self) -> None:
-        """Nothing left to do: FSDP reduce-scattered (and, under HSDP, all-reduced) the mean in backward."""
+        """Nothing left to do: FSDP reduce-scattered (and, under HSDP, all-reduced) the mean in backward, so
+        a rank's own non-finite gradient cannot be told from its peers' here (the loss still can)."""
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload is FSDP's own CPUOffloadPolicy (shards stay on the CPU, each unit is gathered to the

@@ -19,9 +19,11 @@ import torch.distributed as dist
 from verl.config.ppo import OptimConfig
 from verl.config.ppo import MegatronConfig
 from verl.distributed import Placement
+from verl.errors import VerlConfigError
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch
-from verl.workers.engine import count_aggregation
+from verl.workers.engine import OptimizerStep, count_aggregation
+from verl.workers.packing import PackedBatch, block_causal_mask, micro_batch_slices, pack
 
 __all__ = ["MegatronEngine"]
 
@@ -42,6 +44,13 @@ class _HiddenOutput(torch.nn.Module):
         if self.sequence_parallel:
             return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True), None
         return copy_to_tensor_model_parallel_region(hidden_states), None
+
+
+def _to_device(mb: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """The token tensors of `mb` on `device` (packing indexes them together with the model's outputs)."""
+    import dataclasses
+    return dataclasses.replace(mb, input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
+                               position_ids=mb.position_ids.to(device), response_mask=mb.response_mask.to(device))
 
 
 def _micro_size(n: int, wanted: int) -> int:
@@ -89,13 +98,58 @@ class MegatronEngine:
         start = p.tp_rank * weight.shape[0]
         real = min(weight.shape[0], self.model.arch.vocab_size - start)  # padding rows never enter the softmax
         tp = (p.tp, start, self.model.arch.vocab_size)
+        packed: PackedBatch | None = mb.get("packed")
+        if packed is not None:  # one packed row: the response positions back in the [b, R] layout of `fields`
+            return head(packed.unpack(hidden[0, packed.src]), weight[:real], packed.unpack(packed.targets),
+                        temperature, fields=mb, tp=tp)
         return head(hidden[:, P - 1:-1], weight[:real], mb["input_ids"][:, P:], temperature, fields=mb, tp=tp)
 
     # -- forward --------------------------------------------------------------------------------------------
+    def _packed_micro_batch(self, mb: RolloutBatch) -> dict:
+        """One packed micro-batch as the dict megatron's forward step reads (verl/workers/packing.py): a single
+        row of real tokens, restarting positions, and a block-diagonal causal mask. RoPE here rotates by the
+        column index (megatron-core ignores position_ids for rope), which attention scores see only as the
+        query-key distance, the same within each block as in the padded row."""
+        from verl.models import IGNORE_INDEX
+        if self.model.spec == "te":
+            raise VerlConfigError("padding_free with the Transformer Engine layer spec is not supported yet (TE's "
+                                  "attention takes no block-diagonal mask; it needs thd PackedSeqParams); set "
+                                  "actor.padding_free=false / critic.padding_free=false, or build with spec='local'")
+        p = self.placement
+        device = self.model.device
+        # sequence parallelism splits the packed row over the TP ranks
+        packed = pack(_to_device(mb, device), multiple=p.tp_size if p.sequence_parallel else 1)
+        labels = torch.full_like(packed.input_ids, IGNORE_INDEX)
+        labels[0, packed.src] = packed.targets
+        return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": labels,
+                "attention_mask": torch.ones_like(packed.input_ids), "mask_4d": block_causal_mask(packed.seq_ids),
+                "max_seqlen": packed.max_seqlen, "packed": packed}
+
+    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, extra: dict[str, torch.Tensor],
+                       padding_free: bool, max_tokens: int) -> list[dict]:
+        """The micro-batch dicts of `batch` (with its response mask and `extra` rows) for megatron's schedule:
+        padded rows of equal count (the original path), or cut by a token budget, or packed."""
+        from verl.models import make_micro_batches
+        if not padding_free and max_tokens <= 0:
+            return make_micro_batches(batch.input_ids, batch.attention_mask,
+                                      _micro_size(len(batch), micro_batch_size), response_mask=batch.response_mask,
+                                      **extra)
+        out = []
+        for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, self.placement.dp):
+            mb = batch.select(sl)
+            fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
+            base = (self._packed_micro_batch(mb) if padding_free
+                    else make_micro_batches(mb.input_ids, mb.attention_mask, len(mb))[0])
+            out.append({**base, **fields})
+        return out
+
     def _response_outputs(self, output: torch.Tensor, mb: dict, prompt_length: int,
                           temperature: float) -> dict[str, torch.Tensor]:
         """The last stage's output for one micro-batch → [b, R] response outputs."""
         P = prompt_length
+        packed: PackedBatch | None = mb.get("packed")
+        if packed is not None:
+            return self._packed_outputs(output, mb, packed, temperature)
         if self.model.options.value_head:
             return {"values": output[:, P - 1:-1]}
         from verl.models import IGNORE_INDEX, vocab_parallel_logprob_entropy
@@ -104,11 +158,42 @@ class MegatronEngine:
                                                  self.placement.tp, ignore_index=IGNORE_INDEX)
         return {"log_probs": lp[:, P - 1:-1], "entropy": ent[:, P - 1:-1]}
 
+    def _packed_outputs(self, output: torch.Tensor, mb: dict, packed: PackedBatch,
+                        temperature: float) -> dict[str, torch.Tensor]:
+        if self.model.options.value_head:
+            return {"values": packed.unpack(output[0, packed.src].float())}
+        from verl.models import IGNORE_INDEX, vocab_parallel_logprob_entropy
+        from verl.models.vocab_parallel import masked_vocab_logits
+        lp, ent = vocab_parallel_logprob_entropy(masked_vocab_logits(output, self.model), mb["labels"], temperature,
+                                                 self.placement.tp, ignore_index=IGNORE_INDEX)
+        return {"log_probs": packed.unpack(lp[0, packed.src]), "entropy": packed.unpack(ent[0, packed.src])}
+
     @torch.no_grad()
-    def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0
-                ) -> dict[str, torch.Tensor]:
+    def _forward_micro_batches(self, batch: RolloutBatch, micro_batch_size: int, temperature: float,
+                               padding_free: bool, max_tokens: int) -> dict[str, torch.Tensor]:
+        """`forward` over packed or token-budget micro-batches: [B, R] outputs from the last stage, on every rank."""
+        from verl.models.forward import _broadcast_from_last_stage, forward_backward
+        mbs = self._micro_batches(batch, micro_batch_size, {}, padding_free, max_tokens)
+        P = batch.prompt_length
+
+        def collect(output, mb):
+            out = self._response_outputs(output, mb, P, temperature)
+            return output.new_zeros(()), {k: v.detach().float() for k, v in out.items()}
+        outs = forward_backward(self.model, mbs, collect, forward_only=True)
+        keys = ["values"] if self.model.options.value_head else ["log_probs", "entropy"]
+        tensors = ([torch.cat([o[k] for o in outs]) for k in keys] if self.placement.is_last_stage else None)
+        shape = tuple(batch.response_mask.shape)
+        tensors = _broadcast_from_last_stage(self.model, tensors, [shape] * len(keys))
+        mask = batch.response_mask.to(tensors[0].device)
+        return {k: t * mask for k, t in zip(keys, tensors)}
+
+    @torch.no_grad()
+    def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,
+                padding_free: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] on every rank (0 on padding): log-probs and entropy, or values."""
         from verl.models import compute_log_probs, compute_values
+        if padding_free or max_tokens > 0:
+            return self._forward_micro_batches(batch, micro_batch_size, temperature, padding_free, max_tokens)
         micro = _micro_size(len(batch), micro_batch_size)
         P, mask = batch.prompt_length, batch.response_mask
         if self.model.options.value_head:
@@ -119,20 +204,22 @@ class MegatronEngine:
         return {"log_probs": out["log_probs"][:, P - 1:-1] * mask, "entropy": out["entropy"][:, P - 1:-1] * mask}
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
-                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0) -> tuple[list[dict], float]:
-        """Forward/backward of the micro-batches through megatron's schedule, then one optimizer step. Returns
-        each micro-batch's statistics (on every rank) and the gradient norm."""
-        from verl.models import make_micro_batches
+                   extra: dict[str, torch.Tensor], *, temperature: float = 1.0, padding_free: bool = False,
+                   max_tokens: int = 0) -> tuple[list[dict], OptimizerStep]:
+        """Forward/backward of the micro-batches through megatron's schedule, then one optimizer step, skipped on
+        every rank when the loss or the gradient norm is not finite on any (`apply_update`). Returns each
+        micro-batch's statistics (on every rank) and what the step did."""
         from verl.models.optimizer import accumulate_grads, apply_update
-        mbs = make_micro_batches(batch.input_ids, batch.attention_mask, _micro_size(len(batch), micro_batch_size),
-                                 response_mask=batch.response_mask, **extra)
+        mbs = self._micro_batches(batch, micro_batch_size, extra, padding_free, max_tokens)
         n, P = len(mbs), batch.prompt_length
         head = getattr(loss_fn, "fused_head", None) if self.supports_fused_head else None
+        losses = []
 
         def megatron_loss(output, mb):
             out = (self._response_outputs(output, mb, P, temperature) if head is None
                    else self._fused_head_outputs(head, output, mb, P, temperature))
             loss, stats = loss_fn(out, mb)
+            losses.append(loss.detach().clone())
             # megatron's schedule divides each micro-batch loss by their number; the aggregation already makes
             # the micro-batch losses sum to the step's loss
             return loss * n, {k: v.detach().clone() for k, v in stats.items()}
@@ -146,9 +233,9 @@ class MegatronEngine:
         finally:
             if swap:
                 gpt.output_layer, self._output_layer = self._output_layer, None
-        update = apply_update(self.model, self.opt, [])
+        update = apply_update(self.model, self.opt, [], losses=losses)
         per_micro = [{k: float(v) for k, v in o.items()} for o in outs]
-        return self._last_stage_objects(per_micro), update["grad_norm"]
+        return self._last_stage_objects(per_micro), OptimizerStep(update["grad_norm"], update["nonfinite"])
 
     def _last_stage_objects(self, obj):
         p = self.placement

@@ -1,0 +1,333 @@
+"""Padding-free training (verl/workers/packing.py): packed micro-batches and token-budget micro-batches give the
+padded path's log-probs, entropy, values, losses and (data-parallel averaged) gradients, on the torch, FSDP and
+megatron engines, for batches with empty and single-token responses and holes in the response mask."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from verl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, TinyModelConfig
+from verl.errors import VerlConfigError
+from verl.workers.batch import RolloutBatch
+from verl.workers.packing import (_split_to, block_causal_mask, micro_batch_slices, pack, padded_token_share,
+                                  token_budget_slices)
+
+SHAPE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+R = 12
+TOL = dict(rtol=1e-5, atol=1e-6)
+# (prompt, response) lengths per row: an empty response, single-token ones, one that fills all R columns
+LENGTHS = [[(3, 5), (7, 1), (1, 0), (5, 12), (4, 3), (2, 9), (6, 7), (3, 2)],
+           [(2, 12), (5, 0), (4, 1), (1, 11), (6, 4), (3, 1), (2, 3), (1, 2)]]
+CONFIGS = {"packed": dict(padding_free=True), "packed_budget": dict(padding_free=True, max_tokens_per_micro_batch=24),
+           "padded_budget": dict(padding_free=False, max_tokens_per_micro_batch=24)}
+
+
+def make_batch(lengths: list[tuple[int, int]], seed: int = 0, vocab: int = 96, prompt_cols: int = 0) -> RolloutBatch:
+    """Left-padded prompts (to at least `prompt_cols` columns), right-padded responses (RolloutBatch's layout),
+    a hole in one response's mask (rollout correction rejects tokens that way)."""
+    g = torch.Generator().manual_seed(seed)
+    B, P = len(lengths), max(prompt_cols, *(p for p, _ in lengths))
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, (p, r) in enumerate(lengths):
+        ids[b, P - p:P + r] = torch.randint(3, vocab, (p + r,), generator=g)
+        attn[b, P - p:P + r] = 1
+    mask = attn[:, P:].float()
+    mask[3, 4:6] = 0
+    return RolloutBatch(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                        response_mask=mask, group=torch.arange(B) // 4)
+
+
+def _model(seed: int = 3):
+    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    return tiny_model(SHAPE, tokenizer=tiny_tokenizer(None, 96), tie_word_embeddings=True, seed=seed, noise=0.1)
+
+
+def _inputs(batch: RolloutBatch, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + seed)
+    m = batch.response_mask
+    return {"adv": torch.randn(len(batch), 1, generator=g) * m,
+            "ref": (torch.randn(m.shape, generator=g) * 0.1 - 2) * m,
+            "returns": torch.randn(m.shape, generator=g) * m}
+
+
+# ------------------------------------------------------------------------------------------------ packing itself
+
+def test_pack_layout_positions_and_targets():
+    batch = make_batch(LENGTHS[0])
+    P = batch.prompt_length
+    p = pack(batch)
+    lengths = [a + b for a, b in LENGTHS[0]]
+    assert p.num_tokens == sum(lengths) and p.cu_seqlens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert p.position_ids[0].tolist() == [i for n in lengths for i in range(n)]
+    assert torch.equal(p.input_ids[0], batch.input_ids[batch.attention_mask.bool()])
+    # every real response token but the first is predicted by the real token before it, within its row
+    assert len(p.src) == sum(r for _, r in LENGTHS[0]) and p.max_seqlen == max(lengths)
+    assert torch.equal(p.seq_ids[p.src], p.rows) and torch.equal(p.input_ids[0, p.src + 1], p.targets)
+    assert torch.equal(p.targets, batch.input_ids[p.rows, P + p.cols])
+    out = p.unpack(torch.arange(1, len(p.src) + 1, dtype=torch.float))
+    assert out.shape == (8, R) and torch.equal(out > 0, batch.attention_mask[:, P:].bool())
+    padded = pack(batch, multiple=8)
+    assert padded.num_tokens % 8 == 0 and padded.seq_ids[-1] == 8 and torch.equal(padded.src, p.src)
+
+
+def test_block_causal_mask_keeps_attention_within_sequences():
+    m = block_causal_mask(torch.tensor([0, 0, 1, 1, 1, 2]))[0, 0]
+    allowed = ~m
+    assert allowed[1, 0] and allowed[4, 2] and not allowed[2, 1] and not allowed[0, 1] and not allowed[5, 4]
+    assert allowed.diagonal().all()
+
+
+def test_token_budget_slices_and_equalisation():
+    assert token_budget_slices([5, 5, 5, 9, 1], 10) == [slice(0, 2), slice(2, 3), slice(3, 5)]
+    with pytest.raises(VerlConfigError, match="sequence of 11 tokens.*max_tokens_per_micro_batch=10"):
+        token_budget_slices([3, 11], 10)
+    assert _split_to([slice(0, 4), slice(4, 5)], 4) == [slice(0, 1), slice(1, 2), slice(2, 4), slice(4, 5)]
+    with pytest.raises(VerlConfigError, match="needs 3 micro-batches.*only 2 rows"):
+        _split_to([slice(0, 1), slice(1, 2)], 3)
+    batch = make_batch(LENGTHS[0])
+    assert micro_batch_slices(batch, 3) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    sl = micro_batch_slices(batch, 3, max_tokens=24)
+    assert all(int(batch.attention_mask[s].sum()) <= 24 for s in sl) and sl[-1].stop == 8
+    assert 0.4 < padded_token_share(batch, micro_batch_slices(batch, 8)) < 0.6
+
+
+# ------------------------------------------------------------------------------------- engines: one comparison
+
+def _capture_grads(engine) -> dict:
+    """Makes the engine record its data-parallel averaged gradients (before the optimizer step)."""
+    box = {}
+    reduce = engine._reduce_grads
+
+    def record():
+        reduce()
+        box.update({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                    for n, p in engine.module.named_parameters() if p.grad is not None})
+    engine._reduce_grads = record
+    return box
+
+
+def _run_module_engine(make_engine, batch, inputs, overrides: dict, agg: str) -> dict:
+    """log-probs, values, actor and critic update results and gradients on one engine setup."""
+    from verl.workers import ActorWorker, CriticWorker
+    acfg = ActorConfig(micro_batch_size=3, optim=OptimConfig(lr=1e-2), loss_agg_mode=agg, use_kl_loss=True,
+                       entropy_coeff=0.01, **overrides)
+    actor = ActorWorker(make_engine("lm"), acfg, temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
+    grads = _capture_grads(actor.engine)
+    lp, ent = actor.compute_log_probs(batch)
+    stats = actor.update(batch, lp.detach() - 0.05 * batch.response_mask, inputs["adv"], inputs["ref"])
+    critic = CriticWorker(make_engine("value"), CriticConfig(micro_batch_size=3, **overrides))
+    cgrads = _capture_grads(critic.engine)
+    values = critic.compute_values(batch)
+    cstats = critic.update(batch, values, inputs["returns"])
+    return {"lp": lp, "ent": ent, "values": values, "pg_loss": stats["actor/pg_loss"], "kl": stats["actor/kl_loss"],
+            "vf_loss": cstats["critic/vf_loss"], "grads": dict(grads), "cgrads": dict(cgrads)}
+
+
+def _value_model(model):
+    from verl.workers import ValueModel
+    vm = ValueModel.from_causal_lm(model)
+    vm.value_head.weight.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    return vm
+
+
+def _compare(results: dict) -> list[str]:
+    """Mismatches of each config against the padded count-based run (empty: all equal)."""
+    ref, bad = results["padded"], []
+    for name, res in results.items():
+        for key in ("lp", "ent", "values"):
+            if not torch.allclose(res[key], ref[key], **TOL):
+                bad.append(f"{name} {key}: {float((res[key] - ref[key]).abs().max()):.3g}")
+        for key in ("pg_loss", "kl", "vf_loss"):
+            if res[key] != pytest.approx(ref[key], rel=1e-5, abs=1e-7):
+                bad.append(f"{name} {key}: {res[key]} vs {ref[key]}")
+        for key in ("grads", "cgrads"):
+            assert res[key].keys() == ref[key].keys() and ref[key], (name, key)
+            worst = max(float((res[key][n] - ref[key][n]).abs().max()) for n in ref[key])
+            if not all(torch.allclose(res[key][n], ref[key][n], **TOL) for n in ref[key]):
+                bad.append(f"{name} {key}: {worst:.3g}")
+    return bad
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_torch_engine_packed_equals_padded(agg):
+    from verl.distributed import init_placement
+    from verl.workers import TorchEngine
+    placement = init_placement("cpu")
+    model, batch = _model(), make_batch(LENGTHS[0])
+    inputs = _inputs(batch, 0)
+
+    def make(head):
+        module = copy.deepcopy(model) if head == "lm" else _value_model(model)
+        return TorchEngine(module, OptimConfig(lr=1e-2), placement, head=head, total_steps=5)
+    results = {name: _run_module_engine(make, batch, inputs, overrides, agg)
+               for name, overrides in {"padded": dict(padding_free=False), **CONFIGS}.items()}
+    assert _compare(results) == []
+    assert float(results["padded"]["lp"].abs().max()) > 1 and results["padded"]["pg_loss"] != 0
+
+
+def _dp_body(rank, world):
+    """Each rank its own rows (different lengths, so the token budget gives the ranks different micro-batch
+    counts before equalisation); torch (all-reduce) and FSDP2 (reduce-scatter) engines."""
+    from verl.config import FSDPConfig
+    from verl.distributed import init_placement
+    from verl.workers import TorchEngine
+    from verl.workers.fsdp import FSDPEngine
+    placement = init_placement("cpu")
+    model, batch = _model(), make_batch(LENGTHS[rank], seed=rank)
+    inputs = _inputs(batch, rank)
+    counts = [len(micro_batch_slices(batch, 3, 24, placement.dp)),
+              len(token_budget_slices(batch.attention_mask.sum(-1).tolist(), 24))]
+    out = {"counts": counts}
+    engines = {"torch": lambda m, h: TorchEngine(m, OptimConfig(lr=1e-2), placement, head=h, total_steps=5),
+               "fsdp": lambda m, h: FSDPEngine(m, OptimConfig(lr=1e-2), placement, FSDPConfig(), head=h, total_steps=5)}
+    for engine, build in engines.items():
+        def make(head):
+            return build(copy.deepcopy(model) if head == "lm" else _value_model(model), head)
+        results = {name: _run_module_engine(make, batch, inputs, overrides, "token-mean")
+                   for name, overrides in {"padded": dict(padding_free=False), **CONFIGS}.items()}
+        out[engine] = _compare(results)
+        out[f"{engine}_grads"] = results["packed"]["grads"]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_torch_and_fsdp_engines_packed_equal_padded_over_two_ranks():
+    from verl.testing import run_distributed
+    r0, r1 = run_distributed(_dp_body, 2, timeout=500)
+    assert r0["torch"] == [] and r1["torch"] == [] and r0["fsdp"] == [] and r1["fsdp"] == []
+    # the budget cut the ranks' batches into different counts, equalised to the larger one
+    assert r0["counts"][1] != r1["counts"][1] and r0["counts"][0] == r1["counts"][0] == max(r0["counts"][1],
+                                                                                         r1["counts"][1])
+    for n, g in r0["torch_grads"].items():  # the averaged gradient is the same on both ranks, and both engines
+        torch.testing.assert_close(r1["torch_grads"][n], g, **TOL)
+        torch.testing.assert_close(r0["fsdp_grads"][n], g, **TOL)
+
+
+# ------------------------------------------------------------------------------------------------- megatron
+
+def _megatron_grads(monkeypatch, box: dict) -> None:
+    """Records the megatron model's reduced gradients (main_grad) before each optimizer step."""
+    import verl.models.optimizer as opt
+    apply = opt.apply_update
+
+    def record(model, optimizer, outs, **kw):
+        box.setdefault(model.options.value_head, {}).update(
+            {n: p.main_grad.clone() for n, p in model.gpt.named_parameters()
+             if getattr(p, "main_grad", None) is not None})
+        return apply(model, optimizer, outs, **kw)
+    monkeypatch.setattr(opt, "apply_update", record)
+
+
+def _run_megatron(path, placement, batch, inputs, overrides) -> dict:
+    from verl.workers import ActorWorker, CriticWorker
+    from verl.workers.megatron import MegatronEngine
+    optim = OptimConfig(lr=1e-2)
+    acfg = ActorConfig(micro_batch_size=2, optim=optim, use_kl_loss=True, entropy_coeff=0.01, **overrides)
+    actor = ActorWorker(MegatronEngine(path, placement, MegatronConfig(), optim=optim, total_steps=5), acfg,
+                        temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
+    lp, ent = actor.compute_log_probs(batch)
+    stats = actor.update(batch, lp.detach() - 0.05 * batch.response_mask, inputs["adv"], inputs["ref"])
+    torch.manual_seed(7)  # the value head is not in the HF directory: the same random init in every run
+    critic = CriticWorker(MegatronEngine(path, placement, MegatronConfig(), value_head=True, optim=optim,
+                                         total_steps=5), CriticConfig(micro_batch_size=2, **overrides))
+    values = critic.compute_values(batch)
+    cstats = critic.update(batch, values, inputs["returns"])
+    return {"lp": lp, "ent": ent, "values": values, "pg_loss": stats["actor/pg_loss"], "kl": stats["actor/kl_loss"],
+            "vf_loss": cstats["critic/vf_loss"]}
+
+
+def _megatron_compare(path, placement, batch, inputs, monkeypatch_like) -> list[str]:
+    results = {}
+    for name, overrides in {"padded": dict(padding_free=False), **CONFIGS}.items():
+        box: dict = {}
+        monkeypatch_like(box)
+        results[name] = _run_megatron(path, placement, batch, inputs, overrides)
+        results[name].update(grads=box[False], cgrads=box[True])
+    return _compare(results)
+
+
+@pytest.fixture
+def megatron_dir(tmp_path):
+    import torch.distributed as dist
+
+    from verl.distributed import destroy_process_groups, init_placement
+    from verl.testing.tiny import save_tiny, tiny_tokenizer
+    placement = init_placement("cpu", megatron=True)
+    yield placement, save_tiny(_model(), tiny_tokenizer(None, 96), tmp_path / "hf")
+    destroy_process_groups()
+    dist.destroy_process_group()
+
+
+def test_megatron_engine_packed_equals_padded(megatron_dir, monkeypatch):
+    placement, path = megatron_dir
+    batch = make_batch(LENGTHS[0])
+    bad = _megatron_compare(path, placement, batch, _inputs(batch, 0), lambda box: _megatron_grads(monkeypatch, box))
+    assert bad == []
+
+
+def _megatron_tp2_body(rank, world, path):
+    from verl.distributed import destroy_process_groups, init_placement
+    placement = init_placement("cpu", tp=2, sequence_parallel=True)
+    batch = make_batch(LENGTHS[0], prompt_cols=8)  # the padded path needs P + R divisible by tp under SP
+    mp = pytest.MonkeyPatch()
+    try:
+        bad = _megatron_compare(path, placement, batch, _inputs(batch, 0), lambda box: _megatron_grads(mp, box))
+    finally:
+        mp.undo()
+        destroy_process_groups()
+    return bad
+
+
+@pytest.mark.multiprocess
+def test_megatron_tensor_parallel_packed_equals_padded(tmp_path):
+    """TP=2 with sequence parallelism: the packed row is padded to a multiple of the TP size."""
+    from verl.testing import run_distributed
+    from verl.testing.tiny import save_tiny, tiny_tokenizer
+    path = save_tiny(_model(), tiny_tokenizer(None, 96), tmp_path / "hf")
+    assert run_distributed(_megatron_tp2_body, 2, args=(str(path),), timeout=500) == [[], []]
+
+
+def test_token_budget_below_the_longest_response_is_refused():
+    from verl.config import PPOConfig, load_config
+    with pytest.raises(VerlConfigError, match="actor.max_tokens_per_micro_batch=10 cannot hold"):
+        load_config(PPOConfig, None, ["actor.max_tokens_per_micro_batch=10"])
+
+
+def test_verl_train_padding_free_matches_padded(tmp_path):
+    """`verl train` (PPO with a critic and the KL loss) with padding-free token-budget micro-batches: the same
+    first-step losses as the padded run, the same rollouts, finite metrics."""
+    import json
+
+    from verl.cli.main import main
+    from tests.trainer.conftest import TINY
+    base = ["train", *TINY, "algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "trainer.export_hf=false",
+            "trainer.plot=false", "trainer.save_final=false"]
+    runs = {"padded": ["actor.padding_free=false", "critic.padding_free=false"],
+            "packed": ["actor.padding_free=true", "critic.padding_free=true", "actor.max_tokens_per_micro_batch=40",
+                       "critic.max_tokens_per_micro_batch=40"]}
+    steps = {}
+    for name, extra in runs.items():
+        assert main([*base, *extra, f"trainer.output_dir={tmp_path / name}"]) == 0
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        steps[name] = [r for r in rows if "reward/mean" in r]
+    assert len(steps["packed"]) == len(steps["padded"]) == 2
+    first_packed, first_padded = steps["packed"][0], steps["padded"][0]
+    for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm",
+                "critic/grad_norm"):
+        assert first_packed[key] == pytest.approx(first_padded[key], rel=1e-4, abs=1e-7), key
+
+
+def test_model_without_masking_utils_is_refused_for_packing():
+    from verl.workers.packing import check_varlen_attention
+
+    class Trunk(torch.nn.Module):  # modeling code that would ignore the restarting position ids
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(2, 2)
+    with pytest.raises(VerlConfigError, match="Trunk .* does not build its attention mask.*padding_free=false"):
+        check_varlen_attention(Trunk())
+    assert check_varlen_attention(_model()) == "sdpa"
