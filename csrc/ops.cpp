@@ -98,6 +98,20 @@ TORCH_LIBRARY(verl, m) {
   m.def("linear_logprob_entropy_backward(Tensor? grad_logprob, Tensor? grad_entropy, Tensor? grad_lse, "
         "Tensor hidden, Tensor weight, Tensor labels, Tensor lse, Tensor entropy, float temperature, "
         "int vocab_start=0, int ignore_index=-100, int chunk_n=1024, int chunk_v=4096) -> (Tensor, Tensor)");
+
+  // ---- the fused RL loss head (verl/ops/rl_head.py; driver in verl/rl_head.h) ------------------------------
+  // hidden [B*T, H] x weight [V, H] -> the actor's loss policy_loss - entropy_coeff * agg(entropy) +
+  // kl_coef * kl_loss, aggregated over mask [B, T] (`mode` and the counts as the loss ops). labels [B, T] are the
+  // response tokens; advantages, old_logprob (None: on-policy, old = this logprob) and ref_logprob (None: no KL)
+  // are [B, T]. stats: float32 [8] = (pg_loss, kl_loss, entropy_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl,
+  // entropy, kl). logprob / entropy [B, T] (0 where mask is 0). With `with_grad`, grad_hidden [B*T, H] and
+  // grad_weight [V, H] are d loss / d input at grad_output = 1, computed in this forward pass (3 GEMMs in all);
+  // the backward is loss_grad_scale of each. chunk_n: valid tokens per chunk (0 = the backend's default).
+  m.def("linear_rl_loss(Tensor hidden, Tensor weight, Tensor labels, Tensor mask, Tensor advantages, "
+        "Tensor? old_logprob, Tensor? ref_logprob, float temperature, str loss_type, float clip_low, "
+        "float clip_high, float clip_c, str kl_kind, float kl_coef, float entropy_coeff, str mode, "
+        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len, int chunk_n, bool with_grad) -> "
+        "(Tensor loss, Tensor stats, Tensor logprob, Tensor entropy, Tensor grad_hidden, Tensor grad_weight)");
 }
 
 static struct PyModuleDef verl_c_module = {PyModuleDef_HEAD_INIT, "_C",

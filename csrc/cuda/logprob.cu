@@ -13,7 +13,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "verl/logprob.h"
+#include "verl/rl_head.h"
 
 namespace verl {
 namespace {
@@ -151,6 +154,11 @@ __global__ void grad_kernel(const scalar_t* x, int64_t ldx, scalar_t* out, int64
 }
 
 struct CudaKernels {
+  // Fused RL loss head (verl/rl_head.h): about 2^28 logits per chunk (512 MiB in bfloat16) and at least 1024 rows,
+  // so each chunk's GEMMs are large enough for cuBLAS and grad_W's per-chunk traffic stays small next to them at
+  // HBM speed.
+  static int64_t rl_head_chunk_rows(int64_t v) { return std::clamp<int64_t>((int64_t{1} << 28) / v, 1024, 16384); }
+
   static void stats_update(const at::Tensor& x, const at::Tensor& labels, int64_t col0, int64_t vocab_start,
                            int64_t ignore_index, double inv_t, at::Tensor& m, at::Tensor& S, at::Tensor& T,
                            at::Tensor& target) {
@@ -196,6 +204,7 @@ TORCH_LIBRARY_IMPL(verl, CUDA, m) {
   m.impl("linear_logprob_entropy", &logprob::linear_logprob_entropy<K>);
   m.impl("linear_logprob_entropy_shard", &logprob::linear_logprob_entropy_shard<K>);
   m.impl("linear_logprob_entropy_backward", &logprob::linear_logprob_entropy_backward<K>);
+  m.impl("linear_rl_loss", &rl_head::linear_rl_loss<K>);
 }
 
 }  // namespace verl

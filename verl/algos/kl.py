@@ -14,7 +14,7 @@ from verl.algos.registry import Registry
 from verl.ops.losses import KL_KINDS, Aggregation, agg_loss, kl_penalty
 from verl.ops.losses import kl_loss as _fused_kl_loss
 
-__all__ = ["KLS", "register_kl", "get_kl", "kl_loss"]
+__all__ = ["KLS", "register_kl", "get_kl", "kl_loss", "fused_kl_kind"]
 
 KLS: Registry = Registry("KL penalty", required=("logprob", "ref_logprob"))
 _FUSED: dict[str, str] = {}
@@ -38,6 +38,12 @@ def kl_loss(name: str, logprob: torch.Tensor, ref_logprob: torch.Tensor, respons
     if kind is not None and getattr(fn, "_verl_builtin", False):
         return _fused_kl_loss(logprob, ref_logprob, response_mask, kind, agg)
     return agg_loss(fn(logprob, ref_logprob), response_mask, agg)
+
+
+def fused_kl_kind(name: str) -> str | None:
+    """The fused kernels' kind of KL `name` when it is a built-in (unknown names list the known ones), else None."""
+    fn = get_kl(name)
+    return _FUSED.get(name) if getattr(fn, "_verl_builtin", False) else None
 
 
 def _builtin(kind: str):

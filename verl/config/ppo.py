@@ -244,6 +244,13 @@ class ActorConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm", "token-sum"] = "token-mean"
     """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
+    fused_loss_head: bool = True
+    """Compute the update's loss straight from the hidden states and the LM head weight with one fused op
+    (verl.ops.linear_rl_loss, vocab-parallel on megatron: 3 GEMMs, gradients in its forward pass, no [tokens,
+    vocab] logits). Applies on every engine to the vanilla / gspo / reinforce losses with a built-in KL kind;
+    anything else (other losses, a logit soft-cap, an LM head bias) takes the unfused path. On by default: in
+    benchmarks/kernels/bench_logprob.py --loss it takes 0.59-0.88x eager's time at every size, with a fraction of
+    its memory (benchmarks/results/bench_loss_head.json)."""
 
     def loss_params(self):
         """The params dataclass of `policy_loss` filled from `policy_loss_params` (typed, with its own check()),

@@ -66,6 +66,14 @@ from verl.ops.losses import (  # per-token KL and the fused RL losses with maske
     value_loss_ref,
 )
 
+from verl.ops.rl_head import (  # the fused RL loss head: hidden states + LM head weight -> the actor's loss
+    HEAD_LOSSES,
+    HeadLossOutput,
+    linear_rl_loss,
+    linear_rl_loss_ref,
+    vocab_parallel_linear_rl_loss,
+)
+
 __all__ = [
     "BACKENDS", "backend", "get_backend", "set_backend", "use_fused",
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
@@ -84,4 +92,6 @@ __all__ = [
     "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
     "lm_head_logprob_entropy",
     "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V",
+    # the fused RL loss head (verl/ops/rl_head.py)
+    "HEAD_LOSSES", "HeadLossOutput", "linear_rl_loss", "linear_rl_loss_ref", "vocab_parallel_linear_rl_loss",
 ]

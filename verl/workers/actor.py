@@ -7,6 +7,12 @@ detached, gives the old log-probs, and with them the rollout/train mismatch of t
 Rollout correction (algorithm.rollout_correction, verl/algos/rollout_correction.py) is applied here, once per
 step before the epochs: rejected tokens leave the batch's response mask (so the aggregation's counts drop them)
 and the IS weights travel with the advantages into the policy loss.
+
+With actor.fused_loss_head the update's loss comes from one fused op over the hidden states and the LM head weight
+(verl.ops.linear_rl_loss, same loss, gradients and statistics as actor_loss): the loss function carries it as
+`loss_fn.fused_head`, the engine calls it inside its forward where the LM head would run, and hands back its
+loss, statistics and log-probs. Engines that do not offer it (or a head it cannot fuse) give log-probs as usual
+and the same loss function falls back to actor_loss.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from collections import defaultdict
 import torch
 
 from verl.algos import ADDITIVE, actor_loss, rollout_correction, rollout_mismatch
+from verl.algos import policy_losses
+from verl.algos.kl import fused_kl_kind
 from verl.config.ppo import ActorConfig, RolloutCorrectionConfig
 from verl.errors import VerlConfigError
 from verl.utils.nonfinite import NonfiniteGuard
@@ -72,13 +80,61 @@ class ActorWorker:
         def loss_fn(out, f):
             if seen is not None:  # on-policy: this forward's log-probs are the old ones; keep them for the mismatch
                 seen[f["row"]] = out["log_probs"].detach().to(seen.dtype)
+            if "loss" in out:  # the engine ran the fused loss head
+                return out["loss"], {k: v.detach() for k, v in out.items() if k.startswith("actor/")}
             return actor_loss(out["log_probs"], out["entropy"], f["response_mask"], f["advantages"],
                               old_log_probs=f.get("old_log_probs"), ref_log_probs=f.get("ref_log_probs"),
                               policy_loss=cfg.policy_loss, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
                               clip_c=cfg.clip_ratio_c, agg=agg, entropy_coeff=cfg.entropy_coeff,
                               kl_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_type=cfg.kl_loss_type,
                               loss_params=self.loss_params, rollout_is_weights=f.get("rollout_is_weights"))
+        kinds = self._head_kinds()
+        if kinds is not None:
+            loss_fn.fused_head = self._fused_head(agg, kinds)
         return loss_fn
+
+    def _head_kinds(self) -> tuple[str, str] | None:
+        """(policy loss, KL kind) of the fused loss head, or None when this config must take the unfused path."""
+        cfg = self.cfg
+        if not cfg.fused_loss_head or not getattr(self.engine, "supports_fused_head", False):
+            return None
+        fn = policy_losses.get_policy_loss(cfg.policy_loss)
+        loss_type = {policy_losses.vanilla: "vanilla", policy_losses.gspo: "gspo",
+                     policy_losses.reinforce: "reinforce"}.get(fn)
+        kl_kind = fused_kl_kind(cfg.kl_loss_type) if cfg.use_kl_loss else "low_var_kl"
+        return None if loss_type is None or kl_kind is None else (loss_type, kl_kind)
+
+    def _fused_head(self, agg, kinds: tuple[str, str]):
+        """head(hidden [b, R, H], weight [V, H], labels [b, R], temperature, fields) -> flat dict: "loss", "log_probs"
+        and actor_loss's statistics; what the engine runs in place of its LM head."""
+        from verl.ops.rl_head import linear_rl_loss, vocab_parallel_linear_rl_loss
+        cfg, (loss_type, kl_kind) = self.cfg, kinds
+        kl_coef = cfg.kl_loss_coef if cfg.use_kl_loss else 0.0
+
+        def head(hidden, weight, labels, temperature, fields, tp=None):
+            """tp: (group, vocab_start, vocab_size) when `weight` is this rank's vocabulary shard (megatron)."""
+            adv, w = fields["advantages"], fields.get("rollout_is_weights")
+            ref = fields.get("ref_log_probs")
+            kw = dict(old_logprob=fields.get("old_log_probs"), ref_logprob=ref, temperature=temperature,
+                      loss_type=loss_type, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
+                      clip_c=cfg.clip_ratio_c, kl_kind=kl_kind, kl_coef=kl_coef, entropy_coeff=cfg.entropy_coeff,
+                      agg=agg)
+            args = (hidden, weight, labels, fields["response_mask"], adv if w is None else adv * w)
+            if tp is None:
+                out = linear_rl_loss(*args, **kw)
+            else:
+                group, start, vocab = tp
+                out = vocab_parallel_linear_rl_loss(*args, group, vocab_start=start, vocab_size=vocab,
+                                                    reduce_grad_hidden=False, **kw)
+            res = {"loss": out.loss, "log_probs": out.log_probs, "actor/pg_loss": out.pg_loss,
+                   "actor/pg_clipfrac": out.pg_clipfrac, "actor/pg_clipfrac_lower": out.pg_clipfrac_lower,
+                   "actor/ppo_kl": out.ppo_kl, "actor/entropy": out.entropy_mean}
+            if ref is not None:
+                res["actor/kl"] = out.kl_mean
+                if kl_coef:
+                    res["actor/kl_loss"] = out.kl_loss
+            return res
+        return head
 
     def _correct(self, batch: RolloutBatch, old_log_probs: torch.Tensor | None):
         """(batch with rejected tokens masked out, IS weights or None, metrics) under algorithm.rollout_correction."""

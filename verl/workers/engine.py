@@ -19,6 +19,7 @@ were, and `OptimizerStep.nonfinite` says what was not finite, where.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -70,8 +71,10 @@ def logit_head(config) -> tuple[float, float | None]:
 
 def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, responses: torch.Tensor, prompt_length: int,
-                 temperature: float) -> dict[str, torch.Tensor]:
-    """Response-position outputs [b, R] of a causal LM ("lm": log-probs and entropy) or a `ValueModel` ("value")."""
+                 temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
+    """Response-position outputs [b, R] of a causal LM ("lm": log-probs and entropy) or a `ValueModel` ("value").
+    `loss_head(hidden [b, R, H], weight [V, H], responses, temperature)`: a fused loss head (actor.fused_loss_head)
+    run in place of the LM head when the head can be fused (no bias, no logit soft-cap); its dict is returned."""
     P = prompt_length
     if head == "value":
         values = module(input_ids, attention_mask, position_ids)
@@ -81,6 +84,8 @@ def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, at
     # only the R positions that predict response tokens go through the (fused) LM head
     scale, cap = logit_head(getattr(module, "config", None))
     lm_head = module.get_output_embeddings()
+    if loss_head is not None and cap is None and getattr(lm_head, "bias", None) is None:
+        return loss_head(hidden[:, P - 1:-1], lm_head.weight, responses, temperature / scale)
     if cap is not None:
         logits = lm_head(hidden[:, P - 1:-1]).float()
         lp, ent = logprob_entropy(torch.tanh(logits / cap) * cap, responses, temperature / scale)
@@ -90,7 +95,7 @@ def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, at
 
 
 def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
-                        temperature: float) -> dict[str, torch.Tensor]:
+                        temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
     """`head_outputs` of a packed micro-batch (verl/workers/packing.py): one row of real tokens, no attention
     mask (transformers keeps attention within the rows from the restarting position ids), only the positions
     that predict response tokens through the head; scattered back to [b, R]."""
@@ -102,6 +107,9 @@ def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
                                use_cache=False).last_hidden_state[0, packed.src]
     scale, cap = logit_head(getattr(module, "config", None))
     lm_head = module.get_output_embeddings()
+    if loss_head is not None and cap is None and getattr(lm_head, "bias", None) is None:
+        # the fused loss head reads the padded [b, R] layout its fields have; padding rows are masked out of it
+        return loss_head(packed.unpack(hidden), lm_head.weight, packed.unpack(packed.targets), temperature / scale)
     targets = packed.targets[None]
     if cap is not None:
         logits = lm_head(hidden[None]).float()
@@ -131,10 +139,13 @@ class ModuleEngine:
     optim_cfg: OptimConfig | None
     optimizer: torch.optim.Optimizer | None = None
     scheduler = None
+    supports_fused_head = True
+    """train_step runs a loss function's `fused_head` (actor.fused_loss_head) in place of the LM head."""
 
-    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None
-                 ) -> dict[str, torch.Tensor]:
-        """[b, R] outputs of one micro-batch: padded, or from its `packed` form when given."""
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
+                 loss_head=None) -> dict[str, torch.Tensor]:
+        """[b, R] outputs of one micro-batch: padded, or from its `packed` form when given; with `loss_head` (the
+        fused loss head, actor.fused_loss_head) its dict in place of the LM head's."""
         raise NotImplementedError
 
     def _reduce_grads(self) -> str | None:
@@ -171,7 +182,9 @@ class ModuleEngine:
         for i, (sl, mb, packed) in enumerate(micro):
             self._gradient_sync(i == len(micro) - 1)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
-            loss, s = loss_fn(self._forward(mb, temperature, packed), fields)
+            head = getattr(loss_fn, "fused_head", None)
+            loss_head = None if head is None else functools.partial(head, fields=fields)
+            loss, s = loss_fn(self._forward(mb, temperature, packed, loss_head), fields)
             loss.backward()
             losses.append(loss.detach())
             stats.append({k: float(v) for k, v in s.items()})
@@ -249,12 +262,12 @@ class TorchEngine(ModuleEngine):
         self.optimizer, self.scheduler = build_optimizer(self.module, optim, total_steps)
         self.broadcast_parameters()
 
-    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None
-                 ) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
+                 loss_head=None) -> dict[str, torch.Tensor]:
         if packed is not None:
-            return packed_head_outputs(self.module, self.head, packed, temperature)
+            return packed_head_outputs(self.module, self.head, packed, temperature, loss_head)
         return head_outputs(self.module, self.head, mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses,
-                            mb.prompt_length, temperature)
+                            mb.prompt_length, temperature, loss_head)
 
     def broadcast_parameters(self) -> None:
         """Makes every rank of the engine start from its first rank's weights."""

@@ -78,10 +78,10 @@ class _Root(torch.nn.Module):
         self.model, self.head = model, head
 
     def forward(self, input_ids, attention_mask, position_ids, responses, prompt_length: int, temperature: float,
-                packed: PackedBatch | None = None):
-        out = (packed_head_outputs(self.model, self.head, packed, temperature) if packed is not None else
+                packed: PackedBatch | None = None, loss_head=None):
+        out = (packed_head_outputs(self.model, self.head, packed, temperature, loss_head) if packed is not None else
                head_outputs(self.model, self.head, input_ids, attention_mask, position_ids, responses, prompt_length,
-                            temperature))
+                            temperature, loss_head))
         # FSDP hooks backward onto the root's outputs; a slice (the values) would lose the hook to an in-place op
         return {k: v.clone() if v._base is not None else v for k, v in out.items()}
 
@@ -119,10 +119,10 @@ class FSDPEngine(ModuleEngine):
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(t.data, src=ranks[0], group=group)
 
-    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None
-                 ) -> dict[str, torch.Tensor]:
+    def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
+                 loss_head=None) -> dict[str, torch.Tensor]:
         return self.root(mb.input_ids, mb.attention_mask, mb.position_ids, mb.responses, mb.prompt_length,
-                         temperature, packed)
+                         temperature, packed, loss_head)
 
     def _gradient_sync(self, last_micro_batch: bool) -> None:
         # earlier micro-batches accumulate unsharded local gradients; the last one reduce-scatters their sum once

@@ -28,6 +28,24 @@ from verl.workers.packing import PackedBatch, block_causal_mask, micro_batch_sli
 __all__ = ["MegatronEngine"]
 
 
+class _HiddenOutput(torch.nn.Module):
+    """Stands in for GPTModel's output layer while a fused loss head runs (actor.fused_loss_head): returns the
+    final hidden states instead of logits, through the same tensor-parallel region the column-parallel output
+    layer enters (all-gather of sequence-parallel activations, or identity), whose backward sums d loss / d hidden
+    over the TP ranks. The fused head then multiplies by the output weight itself, never holding the logits."""
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            gather_from_sequence_parallel_region)
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True), None
+        return copy_to_tensor_model_parallel_region(hidden_states), None
+
+
 def _to_device(mb: RolloutBatch, device: torch.device) -> RolloutBatch:
     """The token tensors of `mb` on `device` (packing indexes them together with the model's outputs)."""
     import dataclasses
@@ -63,6 +81,28 @@ class MegatronEngine:
                                        use_distributed_optimizer=mcfg.use_distributed_optimizer)
         else:
             self.model.module.requires_grad_(False)
+
+    @property
+    def supports_fused_head(self) -> bool:
+        """An LM (not a value model) whose vocabulary padding leaves every TP rank at least one real row."""
+        layout, p = self.model.layout, self.placement
+        shard = layout.padded_vocab_size // p.tp_size
+        return not self.model.options.value_head and self.model.arch.vocab_size > (p.tp_size - 1) * shard
+
+    def _fused_head_outputs(self, head, hidden: torch.Tensor, mb: dict, prompt_length: int,
+                            temperature: float) -> dict[str, torch.Tensor]:
+        """The fused loss head on the last stage's hidden states [b, s, H] and this rank's real vocabulary rows."""
+        gpt, p, P = self.model.gpt, self.placement, prompt_length
+        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                  else self._output_layer.weight)
+        start = p.tp_rank * weight.shape[0]
+        real = min(weight.shape[0], self.model.arch.vocab_size - start)  # padding rows never enter the softmax
+        tp = (p.tp, start, self.model.arch.vocab_size)
+        packed: PackedBatch | None = mb.get("packed")
+        if packed is not None:  # one packed row: the response positions back in the [b, R] layout of `fields`
+            return head(packed.unpack(hidden[0, packed.src]), weight[:real], packed.unpack(packed.targets),
+                        temperature, fields=mb, tp=tp)
+        return head(hidden[:, P - 1:-1], weight[:real], mb["input_ids"][:, P:], temperature, fields=mb, tp=tp)
 
     # -- forward --------------------------------------------------------------------------------------------
     def _packed_micro_batch(self, mb: RolloutBatch) -> dict:
@@ -172,15 +212,27 @@ class MegatronEngine:
         from verl.models.optimizer import accumulate_grads, apply_update
         mbs = self._micro_batches(batch, micro_batch_size, extra, padding_free, max_tokens)
         n, P = len(mbs), batch.prompt_length
+        head = getattr(loss_fn, "fused_head", None) if self.supports_fused_head else None
         losses = []
 
         def megatron_loss(output, mb):
-            loss, stats = loss_fn(self._response_outputs(output, mb, P, temperature), mb)
+            out = (self._response_outputs(output, mb, P, temperature) if head is None
+                   else self._fused_head_outputs(head, output, mb, P, temperature))
+            loss, stats = loss_fn(out, mb)
             losses.append(loss.detach().clone())
             # megatron's schedule divides each micro-batch loss by their number; the aggregation already makes
             # the micro-batch losses sum to the step's loss
             return loss * n, {k: v.detach().clone() for k, v in stats.items()}
-        outs = accumulate_grads(self.model, mbs, megatron_loss)
+        gpt = self.model.gpt
+        swap = head is not None and self.placement.is_last_stage
+        self._output_layer = gpt.output_layer if swap else None
+        if swap:  # the last stage hands back hidden states; restored right after the schedule
+            gpt.output_layer = _HiddenOutput(self.placement.sequence_parallel)
+        try:
+            outs = accumulate_grads(self.model, mbs, megatron_loss)
+        finally:
+            if swap:
+                gpt.output_layer, self._output_layer = self._output_layer, None
         update = apply_update(self.model, self.opt, [], losses=losses)
         per_micro = [{k: float(v) for k, v in o.items()} for o in outs]
         return self._last_stage_objects(per_micro), OptimizerStep(update["grad_norm"], update["nonfinite"])

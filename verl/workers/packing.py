@@ -68,8 +68,8 @@ class PackedBatch:
         return self.input_ids.shape[1]
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """[N] per-response-token values → [b, R] (0 elsewhere); differentiable."""
-        out = values.new_zeros(self.shape)
+        """[N, ...] per-response-token values → [b, R, ...] (0 elsewhere); differentiable."""
+        out = values.new_zeros(tuple(self.shape) + tuple(values.shape[1:]))
         return out.index_put((self.rows, self.cols), values)
 
 
