@@ -3,6 +3,7 @@
     verl doctor                      # check torch / CUDA / nvcc / verl._C / megatron-core / engines
     verl train CONFIG [k=v ...]      # PPO / GRPO from a YAML config plus dotted overrides
     verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e)
+    verl algos [--json]              # the registered policy losses, advantage estimators, KL penalties
 """
 
 from __future__ import annotations
@@ -49,9 +50,14 @@ def _train(argv: list[str]) -> int:
     return run_cli(train_main, argv, prog="verl train")
 
 
+def _algos(argv: list[str]) -> int:
+    from verl.cli.algos import main as algos_main
+    return algos_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"doctor": None, "train": _train, "bench": _bench}
+    commands = {"doctor": None, "train": _train, "bench": _bench, "algos": _algos}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):
