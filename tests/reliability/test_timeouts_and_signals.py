@@ -483,15 +483,16 @@ def test_clear_rank_hanging_past_the_collective_timeout(tmp_path):
 
 @pytest.mark.multiprocess
 def test_clear_ctrl_c_on_one_rank_of_plain_processes(tmp_path):
-    procs = _spawn_ranks("spin1", tmp_path, collective_timeout=60.0)
+    # bounds far from the collective timeout but loose enough for a machine loaded by other jobs
+    procs = _spawn_ranks("spin1", tmp_path, collective_timeout=180.0)
     pids = _wait_ready(tmp_path, ranks=(1,))
     time.sleep(0.5)  # rank 0 has left the node and waits in the agreement
     os.kill(pids[0], signal.SIGINT)
     start = time.monotonic()
-    (code0, err0), (code1, err1) = _finish(procs, within=15)
+    (code0, err0), (code1, err1) = _finish(procs, within=45)
     assert code1 == 130 and "interrupted" in err1 and "Traceback" not in err1, err1
     assert code0 == 1 and "lost contact with ranks [0, 1]" in err0 and "interrupted" in err0, err0
-    assert time.monotonic() - start < 10  # far below the 60 s collective timeout
+    assert time.monotonic() - start < 40  # far below the 180 s collective timeout
 
 
 def _torchrun(scenario: str, out: Path) -> subprocess.Popen:
@@ -565,10 +566,10 @@ def test_behaves_verl_train_ctrl_c_exits_with_one_line(tmp_path):
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
         try:
-            _, err = proc.communicate(timeout=30)
+            _, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail("HANG: verl train still running 30 s after Ctrl-C")
-        assert proc.returncode == 130 and time.monotonic() - start < 20, (proc.returncode, err[-2000:])
+            pytest.fail("HANG: verl train still running 60 s after Ctrl-C")
+        assert proc.returncode == 130 and time.monotonic() - start < 45, (proc.returncode, err[-2000:])
         assert "verl train: interrupted (Ctrl-C / SIGINT)" in err and "Traceback" not in err, err[-2000:]
     finally:
         if proc.poll() is None:
