@@ -3,6 +3,12 @@
     generate → reward → old log-probs, reference log-probs, values → token rewards (KL in reward)
              → advantage → update critic → update actor → sync weights
 
+Asynchronous modes are the same nodes with the generated batches read from earlier runs (`trainer.mode`):
+under one_step_off / async every node that consumes what the rollout made reads it with
+``lag=PPOConfig.generation_lag`` (a node config, see `verl.dataflow.config.NodeConfig.lag`), so the rollout's
+ranks generate the next batch while the actor's ranks train on an earlier one, and the weights move at the
+step boundary (sync_weights, which waits for both).
+
 GRPO, Dr.GRPO, RLOO, REINFORCE++ and ReMax are the same flow with another advantage node and no critic: the
 estimator's registration (`verl.algos.advantage_info`) says whether it needs a critic, a greedy baseline or
 groups, and the flow takes the matching nodes, so registering an estimator never edits this file. Workers
@@ -20,9 +26,12 @@ from verl.config.ppo import PPOConfig
 from verl.distributed.collectives import mean_over
 
 
-@DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["batch"])
-def generate(prompts, rollout, seed):
-    return rollout.generate(prompts, seed=seed)
+@DataflowNode(input_keys=["prompts", "rollout", "seed", "rollout_version"], output_keys=["batch"])
+def generate(prompts, rollout, seed, rollout_version):
+    """Each sample carries the policy version whose weights the rollout holds (rollout/staleness)."""
+    batch = rollout.generate(prompts, seed=seed)
+    batch.weight_version = torch.full((len(batch),), rollout_version, dtype=torch.long)
+    return batch
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["baseline_batch"])
@@ -166,10 +175,15 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
     settings = {"old_log_prob": {"on_policy": cfg.on_policy, "bypass": cfg.algorithm.rollout_correction.bypass},
                 "update_actor": {"critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0}}
     out = {}
-    for node in ppo_nodes(cfg):
+    nodes, lag = ppo_nodes(cfg), cfg.generation_lag
+    generated = {k for n in nodes if ROLE_OF.get(n.name) == "rollout" for k in n.output_keys}
+    for node in nodes:
         role = roles[ROLE_OF.get(node.name, "actor")]
         out[node.name] = {"device_map": list(role.ranks), "engine": role.engine, "cpu_offload": role.cpu_offload,
                           **settings.get(node.name, {})}
+        lagged = {k: lag for k in node.input_keys if k in generated} if ROLE_OF.get(node.name) != "rollout" else {}
+        if lag and lagged:
+            out[node.name]["lag"] = lagged
         if cfg.trainer.node_timeout_s > 0:
             out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
     return out
@@ -177,4 +191,6 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
 
 def build_ppo_dataflow(cfg: PPOConfig, world_size: int = 1):
     """The configured algorithm's dataflow, each node on its role's ranks (`PPOConfig.roles`)."""
-    return build_dataflow(nodes=ppo_nodes(cfg), configs=node_configs(cfg, cfg.roles(world_size)))
+    # the rollout's weights change only once it has generated (implied by the keys in sync mode)
+    return build_dataflow(nodes=ppo_nodes(cfg), configs=node_configs(cfg, cfg.roles(world_size)),
+                          dependencies={"sync_weights": ["generate"]})

@@ -28,7 +28,7 @@ from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 from verl.workers.engine import ModuleEngine
 
-MAXED = ("reward/max", "rollout/mismatch_max", "perf/peak_memory_mb")
+MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
 
 
 def load_dataset(cfg: PPOConfig) -> PromptDataset:
@@ -102,6 +102,10 @@ class PPOTrainer:
         self.reward_fn = build_reward(cfg.reward, placement.device) if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
+        # one_step_off / async: the generated batches waiting to be trained on (the bounded queue), kept
+        # between the flow's runs and in checkpoints
+        self.lag = cfg.generation_lag
+        self.flow_state = self.flow.new_state() if self.lag else None
         self.out_dir = Path(cfg.trainer.output_dir)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints,
                                       trust=cfg.trainer.trust_checkpoint)
@@ -236,27 +240,39 @@ class PPOTrainer:
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """One optimizer step of the actor. Under one_step_off / async the first call also runs the prologue:
+        `lag` runs that only generate (the training nodes wait for a batch from an earlier run)."""
         t0 = time.perf_counter()
-        rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the step's prompts, the same on every rank
-        # a pure function of the step (and the row, inside the rollout worker): a resumed run samples exactly
-        # what the uninterrupted one did, whatever the generation layout
-        seed = self.cfg.rollout.seed + self.step * len(rows) * self.cfg.rollout.n
-        inputs = {"prompts": rows, "seed": seed, "step": self.step,
-                  "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor, "ref": self.ref,
-                  "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": self.cfg.algorithm}
-        self.node_seconds.clear()
+        while self.flow_state is not None and self.flow_state.runs < self.lag:
+            self._run_flow(trace=None)
         trace = None
         if self.cfg.trainer.trace_step == self.step + 1:
             trace = str(self.out_dir / f"trace_step_{self.step + 1}.json")
-        out = self.flow.run(inputs, hooks=[self], trace=trace)
+        self.node_seconds.clear()
+        out = self._run_flow(trace)
         return self._metrics(out, time.perf_counter() - t0)
+
+    def _run_flow(self, trace: str | None) -> dict:
+        """One run of the dataflow: generates the next batch and (past the prologue) trains on the batch
+        generated `lag` runs ago (this run's in sync mode)."""
+        generated = self.flow_state.runs if self.flow_state is not None else self.step  # batches generated so far
+        rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the batch's prompts, the same on every rank
+        # a pure function of the batch's index (and the row, inside the rollout worker): a resumed run samples
+        # exactly what the uninterrupted one did, whatever the generation layout or mode
+        seed = self.cfg.rollout.seed + generated * len(rows) * self.cfg.rollout.n
+        # the rollout holds the weights of the last sync: after `step` updates (synced at each step's end)
+        inputs = {"prompts": rows, "seed": seed, "step": self.step, "rollout_version": self.step,
+                  "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor, "ref": self.ref,
+                  "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": self.cfg.algorithm}
+        return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
 
     def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
         """The step's metrics, the same on every rank: each rank reports what its roles computed (the actor's
         ranks the batch, rewards and update; a split critic's ranks the critic's), then one reduction."""
         m: dict[str, float] = {}
         if self.actor is not None:
-            batch, scores, mask = out["batch"], out["scores"], out["batch"].response_mask
+            batch = out["batch"] if self.flow_state is None else self.flow_state.lagged("batch", self.lag)
+            scores, mask = out["scores"], batch.response_mask
             m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
                  "reward/min": float(scores.min()), "response/length": float(mask.sum(-1).mean()),
                  "response/clip_ratio": float((mask[:, -1] > 0).float().mean()),
@@ -270,7 +286,11 @@ class PPOTrainer:
             m.update(out.get("critic_metrics") or {})
         if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
             m.update(out.get("reward_metrics") or {})
+        if self.actor is not None and batch.weight_version is not None:
+            stale = (self.step - batch.weight_version).float()
+            m.update({"rollout/staleness_mean": float(stale.mean()), "rollout/staleness_max": float(stale.max())})
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
+        m.update(self._idle_shares(elapsed))
         m["perf/peak_memory_mb"] = peak_memory_mb()  # the largest process's
         m = reduce_metrics(m, self.placement, maxed=MAXED, mined=("reward/min",))
         # model-parallel peers hold the same tokens: count each actor replica once
@@ -280,6 +300,14 @@ class PPOTrainer:
         m["perf/tokens_per_s"] = m.pop("perf/tokens") * dp / elapsed
         m["perf/response_tokens_per_s"] = m.pop("perf/response_tokens") * dp / elapsed
         return m
+
+    def _idle_shares(self, elapsed: float) -> dict[str, float]:
+        """perf/idle_share_<role> for the rollout's and the actor's ranks: the share of the step this rank spent
+        outside its nodes (waiting for data, or inside sync_weights for the other side to arrive)."""
+        busy = sum(v for k, v in self.node_seconds.items() if k not in ("transfer", "sync_weights"))
+        rank = self.placement.global_rank
+        return {f"perf/idle_share_{role}": max(0.0, 1.0 - busy / elapsed) for role in ("rollout", "actor")
+                if rank in self.roles[role].ranks and (role == "actor" or rank not in self.roles["actor"].ranks)}
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
