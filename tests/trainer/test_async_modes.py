@@ -84,3 +84,25 @@ def test_async_with_max_staleness_0_equals_sync_exactly(tmp_path):
         assert keys == {k for k in b if not k.startswith(("timing/", "perf/"))}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
         assert a["rollout/staleness_max"] == 0.0
+
+
+def test_carried_batches_round_trip_through_checkpoint_json():
+    import json
+
+    from verl.trainer.carried import decode_state, encode_state
+    from verl.workers.batch import RolloutBatch
+    ids = torch.arange(12).view(2, 6)
+    batch = RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=ids.clone(),
+                         response_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]), group=torch.tensor([0, 0]),
+                         rollout_log_probs=torch.randn(2, 3), weight_version=torch.tensor([3, 3]),
+                         prompts=[[{"role": "user", "content": "1+1="}]] * 2, answers=["2", "2"],
+                         response_texts=["2</s>", "3"])
+    state = {"runs": 4, "carried": {"generate/batch": [batch, None]}}
+    back = decode_state(json.loads(json.dumps(encode_state(state))))
+    got, empty = back["carried"]["generate/batch"]
+    assert back["runs"] == 4 and empty is None
+    for name in ("input_ids", "attention_mask", "position_ids", "response_mask", "group", "rollout_log_probs",
+                 "weight_version"):
+        a, b = getattr(batch, name), getattr(got, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (got.prompts, got.answers, got.response_texts) == (batch.prompts, batch.answers, batch.response_texts)

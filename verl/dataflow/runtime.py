@@ -220,6 +220,10 @@ class RunState:
                                   f"saved with")
         for name, entries in d["carried"].items():
             h = self._history[names[name]]
+            if len(entries) > h.maxlen:
+                raise VerlConfigError(f"the saved run state holds {len(entries)} values of '{name}' but this "
+                                      f"dataflow reads it at most {h.maxlen} runs back; resume with the lags it was "
+                                      f"saved with")
             h.clear()
             h.extend(entries)
         self.runs = int(d["runs"])

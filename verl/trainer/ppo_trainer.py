@@ -18,6 +18,7 @@ from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_pro
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import Tokenizer, build_rollout, require_engine
+from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
@@ -199,12 +200,16 @@ class PPOTrainer:
             s = getattr(getattr(worker, "engine", None), "scheduler", None)
             return s.state_dict() if s is not None else None
         scheds = {"actor_sched": sched(self.actor), "critic_sched": sched(self.critic)}
+        # the batches generated but not yet trained on live on the rollout's ranks: each rank's share is stored
+        carried = None if self.flow_state is None else encode_state(self.flow_state.state_dict())
+        flow_states = [carried]
         if self.placement.distributed:
             everyone: list = [None] * self.placement.world_size
-            dist.all_gather_object(everyone, scheds)
-            scheds = {k: next((e[k] for e in everyone if e[k] is not None), None) for k in scheds}
+            dist.all_gather_object(everyone, (scheds, carried))
+            scheds = {k: next((e[0][k] for e in everyone if e[0][k] is not None), None) for k in scheds}
+            flow_states = [e[1] for e in everyone]
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                **scheds, "config": to_dict(self.cfg)}
+                **scheds, "config": to_dict(self.cfg), "generation_lag": self.lag, "flow_state": flow_states}
 
     def _restore(self, path: Path) -> None:
         state = self.ckpt.load(path, *self._checkpointed())
@@ -214,6 +219,19 @@ class PPOTrainer:
         for worker, key in ((self.actor, "actor_sched"), (self.critic, "critic_sched")):
             if worker is not None and state[key] is not None:
                 worker.engine.scheduler.load_state_dict(state[key])
+        self._restore_carried(state)
+
+    def _restore_carried(self, state: dict) -> None:
+        """The batches in flight at the save come back, so a one_step_off / async run resumes exactly. Resumed in
+        another mode (another generation lag), they are dropped: their prompts count as used, and the new
+        mode's prologue generates afresh with the restored weights."""
+        saved_lag = int(state.get("generation_lag", 0))
+        if self.flow_state is None or saved_lag != self.lag:
+            if saved_lag and self.placement.is_main:
+                print(f"verl: dropping the {saved_lag} batch(es) generated ahead before the checkpoint "
+                      f"(saved with generation lag {saved_lag}, resumed with {self.lag})", flush=True)
+            return
+        self.flow_state.load_state_dict(decode_state(state["flow_state"][self.placement.global_rank]))
 
     def save(self) -> Path:
         return self.ckpt.save(self.step, *self._checkpointed(), self._trainer_state())
