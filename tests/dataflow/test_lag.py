@@ -150,3 +150,32 @@ def test_lagged_generation_overlaps_training_on_disjoint_ranks(tmp_path):
     assert gen["args"]["outputs"]["gen_batch"]["weight_version"] == [2, 2]
     assert train["args"]["inputs"]["gen_batch"]["weight_version"] == [1, 1]
     assert train["args"]["lag"] == {"gen_batch": 1} and train["args"]["run"] == 2
+
+
+@DataflowNode(input_keys=["gen_batch", "fail_at"], output_keys=["trained_on"])
+def train_or_fail(gen_batch, fail_at):
+    if int(gen_batch.weight_version.max()) == fail_at:
+        raise ValueError("loss is nan")
+    return int(gen_batch.weight_version.max())
+
+
+def _failure_body(rank, world_size):
+    from verl import VerlRuntimeError
+    flow = build_dataflow([generate_slowly, train_or_fail],
+                          configs={"generate_slowly": dict(device_map=[1]),
+                                   "train_or_fail": dict(device_map=[0], lag={"gen_batch": 1})})
+    state = flow.new_state()
+    for version in range(4):
+        try:
+            flow.run({"version": version, "seconds": 0.0, "fail_at": 1}, state=state)
+        except VerlRuntimeError as e:
+            return version, e.node, e.rank, str(e), state.runs
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_failing_trainer_stops_the_generating_side_in_the_same_run():
+    results = run_distributed(_failure_body, world_size=2, timeout=120)
+    for version, node, rank, message, runs in results:
+        assert (version, node, rank, runs) == (2, "train_or_fail", 0, 2)  # run 2 trains run 1's batch
+        assert "loss is nan" in message
