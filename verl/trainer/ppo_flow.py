@@ -18,6 +18,7 @@ from verl import DataflowNode, build_dataflow
 from verl.algos import advantage_info, get_advantage, get_kl, rollout_mismatch
 from verl.config.ppo import PPOConfig
 from verl.distributed.collectives import mean_over
+from verl.workers.rollout import sync_rollout_weights
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["batch"])
@@ -137,7 +138,9 @@ def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, step, c
 
 @DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_metrics"])
 def sync_weights(actor, rollout, actor_metrics):
-    return rollout.sync_weights(actor)
+    """On the actor's ranks; with the rollout on its own ranks, on both sets (each rank holds one side, the other
+    is None): the actor's ranks send, the rollout's receive."""
+    return sync_rollout_weights(actor, rollout)
 
 
 def ppo_nodes(cfg: PPOConfig) -> list:
@@ -157,7 +160,15 @@ def ppo_nodes(cfg: PPOConfig) -> list:
 ROLE_OF = {"generate": "rollout", "generate_baseline": "rollout", "reward": "reward", "score_baseline": "reward",
            "ref_log_prob": "ref", "values": "critic", "update_critic": "critic"}
 """The role whose ranks run each node; every other node (old log-probs, token rewards, advantages, the actor
-update, the weight sync) runs on the actor's ranks."""
+update) runs on the actor's ranks, and the weight sync on the actor's and the rollout's (`node_ranks`)."""
+
+
+def node_ranks(node: str, roles: dict) -> tuple[int, ...]:
+    """The ranks that run `node`: its role's, and for the weight sync both ends of the move."""
+    ranks = roles[ROLE_OF.get(node, "actor")].ranks
+    if node == "sync_weights":
+        ranks = tuple(sorted(set(ranks) | set(roles["rollout"].ranks)))
+    return ranks
 
 
 def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
@@ -168,7 +179,8 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
     out = {}
     for node in ppo_nodes(cfg):
         role = roles[ROLE_OF.get(node.name, "actor")]
-        out[node.name] = {"device_map": list(role.ranks), "engine": role.engine, "cpu_offload": role.cpu_offload,
+        out[node.name] = {"device_map": list(node_ranks(node.name, roles)), "engine": role.engine,
+                          "cpu_offload": role.cpu_offload,
                           **settings.get(node.name, {})}
         if cfg.trainer.node_timeout_s > 0:
             out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
