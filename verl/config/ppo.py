@@ -809,6 +809,16 @@ class PPOConfig:
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
+        own_ranks = roles["rollout"].ranks != roles["actor"].ranks
+        if own_ranks and a.engine == "fsdp" and a.fsdp.mesh_shape(len(roles["actor"].ranks))[0] > 1:
+            raise VerlConfigError(f"actor.fsdp.shard_size={a.fsdp.shard_size} (HSDP) with the rollout on its own "
+                                  f"ranks {list(roles['rollout'].ranks)}: the weight sync sends from one shard group "
+                                  f"spanning all actor ranks; use actor.fsdp.shard_size=-1, or rollout.ranks = "
+                                  f"actor.ranks")
+        if own_ranks and d.train_batch_size % gen_ranks:
+            raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over the "
+                                  f"{gen_ranks} rollout ranks {list(roles['rollout'].ranks)}, each of which hands "
+                                  f"its share of the samples to the actor's ranks; use a multiple of {gen_ranks}")
         if d.train_batch_size % replicas:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over the "
                                   f"{replicas} generation replicas (rollout ranks / rollout.tp={tp_g}); use a "
@@ -937,10 +947,15 @@ def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
     if 0 not in actor.ranks:
         raise VerlConfigError(f"actor.ranks={list(actor.ranks)} must include rank 0, which logs the metrics and "
                               f"keeps the trainer state")
-    if rollout.ranks != actor.ranks:
-        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} differs from actor.ranks={list(actor.ranks)}: "
-                              f"the rollout engine receives the actor's weights in place through the "
-                              f"3D-HybridEngine, so both must run on the same ranks")
+    shared = set(rollout.ranks) & set(actor.ranks)
+    if rollout.ranks != actor.ranks and actor.engine == "megatron":
+        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} differs from actor.ranks={list(actor.ranks)} with "
+                              f"the megatron actor, whose weights reach the rollout on its own ranks only; use "
+                              f"actor.engine=torch or fsdp for a rollout on its own ranks, or drop rollout.ranks")
+    if rollout.ranks != actor.ranks and shared:
+        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} partly overlaps actor.ranks={list(actor.ranks)} "
+                              f"(shared: {sorted(shared)}); the rollout runs either on the actor's ranks (the same "
+                              f"list) or on ranks of its own (disjoint lists, weights sent by the 3D-HybridEngine)")
     if mode == "split" and rollout.engine in EXCLUSIVE and not rollout.cpu_offload:
         for other in ("critic", "reward"):
             shared = sorted(set(roles[other].ranks) & set(rollout.ranks))

@@ -87,8 +87,8 @@ class RolloutConfig:
     weights to the CPU, vllm / sglang enter sleep mode (KV cache and weights freed; GPU builds only).
     resume() before the next weight sync brings them back."""
     ranks: list[int] | None = None
-    """World ranks that generate (None: trainer.placement decides; today they must equal actor.ranks, whose
-    weights reach the engine through the 3D-HybridEngine)."""
+    """World ranks that generate (None: trainer.placement decides): actor.ranks (the weights reach the engine in
+    place), or ranks disjoint from them (the 3D-HybridEngine sends the weights there each step)."""
     engine_kwargs: dict = field(default_factory=dict)
     """Further keyword arguments passed to the engine's constructor (vllm.LLM, sglang.Engine)."""
 

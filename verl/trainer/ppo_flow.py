@@ -24,6 +24,7 @@ from verl import DataflowNode, build_dataflow
 from verl.algos import advantage_info, get_advantage, get_kl, rollout_mismatch
 from verl.config.ppo import PPOConfig
 from verl.distributed.collectives import mean_over
+from verl.workers.rollout import sync_rollout_weights
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed", "rollout_version"], output_keys=["batch"])
@@ -146,7 +147,9 @@ def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, step, c
 
 @DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_metrics"])
 def sync_weights(actor, rollout, actor_metrics):
-    return rollout.sync_weights(actor)
+    """On the actor's ranks; with the rollout on its own ranks, on both sets (each rank holds one side, the other
+    is None): the actor's ranks send, the rollout's receive."""
+    return sync_rollout_weights(actor, rollout)
 
 
 def ppo_nodes(cfg: PPOConfig) -> list:
@@ -166,7 +169,15 @@ def ppo_nodes(cfg: PPOConfig) -> list:
 ROLE_OF = {"generate": "rollout", "generate_baseline": "rollout", "reward": "reward", "score_baseline": "reward",
            "ref_log_prob": "ref", "values": "critic", "update_critic": "critic"}
 """The role whose ranks run each node; every other node (old log-probs, token rewards, advantages, the actor
-update, the weight sync) runs on the actor's ranks."""
+update) runs on the actor's ranks, and the weight sync on the actor's and the rollout's (`node_ranks`)."""
+
+
+def node_ranks(node: str, roles: dict) -> tuple[int, ...]:
+    """The ranks that run `node`: its role's, and for the weight sync both ends of the move."""
+    ranks = roles[ROLE_OF.get(node, "actor")].ranks
+    if node == "sync_weights":
+        ranks = tuple(sorted(set(ranks) | set(roles["rollout"].ranks)))
+    return ranks
 
 
 def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
@@ -179,7 +190,8 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
     generated = {k for n in nodes if ROLE_OF.get(n.name) == "rollout" for k in n.output_keys}
     for node in nodes:
         role = roles[ROLE_OF.get(node.name, "actor")]
-        out[node.name] = {"device_map": list(role.ranks), "engine": role.engine, "cpu_offload": role.cpu_offload,
+        out[node.name] = {"device_map": list(node_ranks(node.name, roles)), "engine": role.engine,
+                          "cpu_offload": role.cpu_offload,
                           **settings.get(node.name, {})}
         lagged = {k: lag for k in node.input_keys if k in generated} if ROLE_OF.get(node.name) != "rollout" else {}
         if lag and lagged:

@@ -28,6 +28,7 @@ from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 from verl.workers.engine import ModuleEngine
+from verl.workers.rollout import WeightLink, sync_rollout_weights
 
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
 
@@ -160,6 +161,19 @@ class PPOTrainer:
                                    tokenizer=self.tokenizer)
             self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
                                          placement=places["rollout"])
+        if roles["rollout"].ranks != roles["actor"].ranks:
+            self._link_rollout()
+
+    def _link_rollout(self) -> None:
+        """A rollout on its own ranks: the actor's ranks send it the weights over a group of both sets (created on
+        every rank, as process groups are; the dataflow's weight-sync node gets the same one)."""
+        from verl.dataflow.comm import group_for
+        actor, rollout = self.roles["actor"].ranks, self.roles["rollout"].ranks
+        link = WeightLink(group_for(tuple(sorted(actor + rollout))), actor, rollout)
+        if self.actor is not None:
+            self.actor.weight_link = link
+        if self.rollout is not None:
+            self.rollout.link = link
 
     def _engine(self, role: str, init_dir: Path | None):
         """The training engine of `role` (actor, ref or critic) on this rank."""
@@ -252,8 +266,8 @@ class PPOTrainer:
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
-        if self.rollout is not None:
-            self.rollout.sync_weights(self.actor)
+        if self.rollout is not None or self.actor is not None:  # both sides of a rollout on its own ranks
+            sync_rollout_weights(self.actor, self.rollout)
         return info
 
     # -- one step -------------------------------------------------------------------------------------------
@@ -300,6 +314,8 @@ class PPOTrainer:
                  "perf/tokens": float(batch.num_tokens()), "perf/response_tokens": float(mask.sum())}
             if "actor/kl" not in m and "actor/ppo_kl" in m:
                 m["actor/kl"] = m["actor/ppo_kl"]
+        elif self.rollout is not None:  # a rollout on its own ranks reports what it received
+            m.update(out["sync_metrics"])
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
         if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
