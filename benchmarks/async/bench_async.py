@@ -12,9 +12,10 @@ the reward of the last steps, so that a speedup is not bought with learning.
 
     verl bench async                          # 12 steps, 1 round, 4 modes
     verl bench async --steps 20 --rounds 2 --warmup 100
-Writes benchmarks/results/bench_async.json and bench_async.md. Each process runs one torch thread; on a
-machine with fewer cores than processes the overlapped modes share cores that sync leaves to one side at a
-time, and the table says how many cores there were.
+    verl bench async --procs 2 --max-new-tokens 24 --tag p2   # 1 + 1 processes, longer responses
+Writes benchmarks/results/bench_async[_TAG].json and .md. Each process runs one torch thread; on a machine with
+fewer cores than processes the overlapped modes share cores that sync leaves to one side at a time, so the
+table says how many cores there were (--procs 2 keeps one process per core on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -33,19 +34,23 @@ MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_
          "async_s2": ["trainer.mode=async", "algorithm.max_staleness=2"]}
 
 
-def job(mode: str, out_dir: str, steps: int, warmup: int) -> list[str]:
-    """The default job (verl/trainer/config/default.yaml) on the 2 + 2 split, shortened to `steps`."""
-    return [*MODES[mode], "trainer.placement=split", "actor.ranks=[0,1]", "rollout.ranks=[2,3]",
-            "reward.ranks=[0,1]", f"warmup.steps={warmup}", f"trainer.total_steps={steps}", "trainer.threads=1",
+def job(mode: str, out_dir: str, steps: int, warmup: int, procs: int, max_new_tokens: int) -> list[str]:
+    """The default job (verl/trainer/config/default.yaml) with the actor (and reference and reward) on the first
+    half of `procs` ranks and the rollout on the second, shortened to `steps`."""
+    actor, rollout = list(range(procs // 2)), list(range(procs // 2, procs))
+    length = [f"rollout.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
+    return [*MODES[mode], *length, "trainer.placement=split", f"actor.ranks={actor}", f"rollout.ranks={rollout}",
+            f"reward.ranks={actor}", f"warmup.steps={warmup}", f"trainer.total_steps={steps}", "trainer.threads=1",
             "trainer.device=cpu", "trainer.save_final=false", "trainer.save_every=0", "trainer.export_hf=false",
             "trainer.plot=false", "trainer.progress_bar=false", "trainer.tensorboard=false",
             f"trainer.output_dir={out_dir}"]
 
 
-def run(mode: str, work: str, steps: int, warmup: int, port: int) -> dict:
+def run(mode: str, work: str, args: argparse.Namespace, port: int) -> dict:
     out = os.path.join(work, mode)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port", str(port),
-           "-m", "verl.trainer.main_ppo", *job(mode, out, steps, warmup), "trainer.overwrite=true"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.procs}", "--master_port",
+           str(port), "-m", "verl.trainer.main_ppo",
+           *job(mode, out, args.steps, args.warmup, args.procs, args.max_new_tokens), "trainer.overwrite=true"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -80,8 +85,10 @@ def combine(rounds: list[list[dict]], modes: list[str]) -> list[dict]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"# verl bench async ({meta['cpus']} CPU cores, 4 processes: actor 0-1, rollout 2-3; "
-             f"{meta['steps']} steps, {meta['rounds']} round(s))", "",
+    half = meta["procs"] // 2
+    lines = [f"# verl bench async ({meta['cpus']} CPU cores, {meta['procs']} processes: actor ranks "
+             f"{list(range(half))}, rollout ranks {list(range(half, meta['procs']))}; {meta['steps']} steps, "
+             f"{meta['rounds']} round(s), max_new_tokens {meta['max_new_tokens'] or 'as the default job'})", "",
              "| mode | tokens/s | vs sync | step s | idle rollout | idle actor | staleness | reward first -> last |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
@@ -102,6 +109,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100, help="supervised warm-start steps before RL")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of the four modes")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--procs", type=int, default=4, choices=[2, 4, 6, 8], help="processes (half actor, half rollout)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="response length (0: the default job's)")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     ap.add_argument("--quick", action="store_true", help="the default settings (kept for the suite runner)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
@@ -110,21 +120,22 @@ def main() -> int:
         for i in range(args.rounds):
             rows = []
             for j, mode in enumerate(args.modes):
-                rows.append(run(mode, work, args.steps, args.warmup, 29800 + 10 * i + j))
+                rows.append(run(mode, work, args, 29800 + 10 * i + j))
                 print(json.dumps(rows[-1]), flush=True)
             rounds.append(rows)
     table = combine(rounds, args.modes)
     meta = {"cpus": os.cpu_count(), "machine": platform.machine(), "steps": args.steps, "rounds": args.rounds,
-            "warmup": args.warmup, "command": "verl bench async " + " ".join(sys.argv[1:]),
+            "warmup": args.warmup, "procs": args.procs, "max_new_tokens": args.max_new_tokens, "command": "verl bench async " + " ".join(sys.argv[1:]),
             "note": "tokens/s: trained tokens per second of step time (steps after the first). Idle share: the "
                     "share of a step a rank set spends outside its own nodes (sync_weights excluded, since a "
                     "side waits there for the other). With fewer cores than processes the overlapped modes "
                     "compete for cores that sync uses one side at a time."}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_async.json"), "w") as f:
+    name = "bench_async" + (f"_{args.tag}" if args.tag else "")
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": table, "rounds": rounds}, f, indent=2)
     md = markdown(table, meta)
-    with open(os.path.join(args.out, "bench_async.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(md)
     print(md)
     return 0 if all("error" not in r for r in table) else 1

@@ -51,6 +51,6 @@ def run(dataflow: Dataflow | Mapping[str, Any], inputs: Mapping[str, Any], *, tr
 
 __all__ = [
     "CustomNode", "Dataflow", "DataflowNode", "ENGINES", "Node", "NodeConfig", "NodeContext", "NodeEntry",
-    "NodeEvent", "RunState", "TraceRecorder", "TransientError", "build_dataflow", "get_node", "inject_node", "mark_transient",
-    "registered_nodes", "run", "summarize",
+    "NodeEvent", "RunState", "TraceRecorder", "TransientError", "build_dataflow", "get_node", "inject_node",
+    "mark_transient", "registered_nodes", "run", "summarize",
 ]

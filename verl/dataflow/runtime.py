@@ -7,6 +7,12 @@ torch.distributed every rank walks the same plan in the same order: a rank outsi
 the node but still takes part in moving that node's inputs and outputs, which is what keeps the ranks'
 point-to-point calls and collectives matched.
 
+Runs that depend on earlier runs: an input a node's config reads with ``lag=k`` gets a slot of its own,
+filled before the run from the caller's `RunState` on the producer's ranks and moved to the reader's ranks
+before the first node (so a rollout's ranks start generating the next batch at once). Which nodes a run skips
+for want of such a value depends only on how many runs the state has seen, so every rank skips the same ones;
+after a successful run each producer's new value is appended to the state.
+
 Errors: a node failing on a rank becomes VerlRuntimeError(node, rank, cause chained). That rank stops running
 nodes but keeps walking the plan, sending error markers where data was expected; before each multi-rank node
 its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's GPU streams are never
@@ -130,7 +136,6 @@ class _Carried:
 
     producer: str
     key: str
-    depth: int
     slot: int
     lag_slots: dict[int, int]
     reads: dict[int, int] = field(default_factory=dict)
@@ -406,10 +411,9 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
     # received for one of its nodes (a split-placement actor rank holds the scores computed on reward ranks).
     exports = {k: (slots[(p, k)],) + tuple(v for (s, _), v in views.items() if s == slots[(p, k)])
                for k, p in df.exports.items()}
-    carried = [_Carried(p, key, depth, slots[(p, key)], {k: s for (pp, kk, k), s in lag_slots.items()
-                                                         if (pp, kk) == (p, key)},
+    carried = [_Carried(p, key, slots[(p, key)], {k: s for (pp, kk, k), s in lag_slots.items() if (pp, kk) == (p, key)},
                         {k: s for (pp, kk, k), s in reads.items() if (pp, kk) == (p, key)})
-               for (p, key), depth in df.carried.items()]
+               for p, key in df.carried]
     return _Plan(steps, external, exports, fresh(), rank, world, distributed, world_control, carried,
                  carry_transfers)
 
