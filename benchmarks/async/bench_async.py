@@ -64,7 +64,7 @@ def run(mode: str, work: str, args: argparse.Namespace, port: int) -> dict:
             "step_time_s": mean("perf/step_time_s"), "idle_share_rollout": mean("perf/idle_share_rollout"),
             "idle_share_actor": mean("perf/idle_share_actor"), "staleness_mean": mean("rollout/staleness_mean"),
             "sync_s": mean("perf/sync_s"), "reward_last": sum(r["reward/mean"] for r in last) / len(last),
-            "reward_first": rows[0]["reward/mean"]}
+            "reward_first": rows[0]["reward/mean"], "load_avg_1min": os.getloadavg()[0]}
 
 
 def combine(rounds: list[list[dict]], modes: list[str]) -> list[dict]:
@@ -99,6 +99,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{r['step_time_s']:.2f} | {100 * r['idle_share_rollout']:.0f}% | "
                      f"{100 * r['idle_share_actor']:.0f}% | {r['staleness_mean']:.2f} | "
                      f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} |")
+    loads = ", ".join(f"{r['mode']} {r['load_avg_1min']:.1f}" for r in rows if "load_avg_1min" in r)
+    if loads:
+        lines += ["", f"Machine load (1-minute load average after each mode, mean over rounds): {loads}, on "
+                      f"{meta['cpus']} cores; a load above the core count (other jobs) makes the figures noisy."]
     lines += ["", f"Command: `{meta['command']}`", "", meta["note"]]
     return "\n".join(lines) + "\n"
 
