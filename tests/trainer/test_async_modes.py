@@ -106,3 +106,18 @@ def test_carried_batches_round_trip_through_checkpoint_json():
         a, b = getattr(batch, name), getattr(got, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert (got.prompts, got.answers, got.response_texts) == (batch.prompts, batch.answers, batch.response_texts)
+
+
+def test_the_one_step_off_example_validates_on_4_ranks():
+    from pathlib import Path
+
+    from verl.trainer.ppo_flow import node_configs
+    cfg = load_config(PPOConfig, Path(__file__).parents[2] / "examples/one_step_off.yaml")
+    cfg.validate_world(4)
+    nodes = node_configs(cfg, cfg.roles(4))
+    assert nodes["generate"]["device_map"] == [2, 3] and "lag" not in nodes["generate"]
+    assert nodes["update_actor"]["device_map"] == [0, 1] and nodes["update_actor"]["lag"] == {"batch": 1}
+    assert nodes["sync_weights"]["device_map"] == [0, 1, 2, 3]
+    with pytest.raises(VerlConfigError, match="share ranks"):  # the same job with the rollout on the actor's ranks
+        load_config(PPOConfig, Path(__file__).parents[2] / "examples/one_step_off.yaml",
+                    ["rollout.ranks=[0,1]"]).validate_world(4)

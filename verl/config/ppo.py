@@ -414,8 +414,10 @@ class AlgorithmConfig:
     the trained policy's, the rollout log-probs those of the (older) version that generated the sample."""
     max_staleness: int = 1
     """trainer.mode=async: how many weight versions generation runs ahead of training, i.e. the most optimizer
-    steps between the version that generated a sample and the one that trains on it. A sample older than this
-    is dropped (its tokens leave the loss; rollout/dropped counts them). 0: no overlap, the run equals sync."""
+    steps between the version that generated a sample and the one that trains on it. The lockstep runtime
+    generates exactly min(max_staleness, trainer.queue_size room) versions ahead, so no sample ever exceeds the
+    bound and none is dropped or down-weighted for age; rollout_correction corrects the off-policy gap. 0: no
+    overlap, the run equals sync."""
 
     def check(self) -> None:
         check_finite(self)
