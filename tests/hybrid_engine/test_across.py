@@ -145,7 +145,9 @@ def _body(rank, world, actor_ranks, rollout_ranks, cases):
         rec = _Recorder()
         he.sync(local, rec if rank in rollout_ranks else None)
         res = dict(case=(kind, fmt, tp_g), sent=he.last_stats.bytes_sent, received=he.last_stats.bytes_received,
-                   n=len(rec.got), intact=all(torch.equal(before[k], v) for k, v in local.items()))
+                   n=len(rec.got), intact=all(torch.equal(before[k], v) for k, v in local.items()),
+                   peak=he.last_stats.peak_bytes,
+                   bucket_max=max(sum(t.nbytes for t in b.targets if t.rank == rank) for b in he.plan.buckets))
         if rank in rollout_ranks:
             tg = rollout_ranks.index(rank) % tp_g
             want = expected_generation(sd, model.config, tp_g, tg, fmt)
@@ -163,6 +165,8 @@ def _check_run(per_rank, actor_ranks, rollout_ranks):
             if rank in rollout_ranks:
                 assert res["n"] > 0 and res["bad"] == [], (rank, res["case"], res["bad"])
                 assert res["received"] == res["expected_bytes"] and res["sent"] == 0, (rank, res)
+                if res["case"] == ("whole", "hf", 1):  # every target arrives whole: no copy beside the buffers
+                    assert res["peak"] == res["bucket_max"], (rank, res)
             else:
                 assert res["n"] == 0 and res["received"] == 0, (rank, res)
     for i in range(len(per_rank[0])):
