@@ -50,6 +50,16 @@ def _same_weights(a: dict, b: dict) -> list[str]:
     return [n for n in a if n in b and not torch.equal(a[n], b[n])] + sorted(set(a) ^ set(b) - {"lm_head.weight"})
 
 
+def _same_steps(own: list[dict], shared: list[dict]) -> None:
+    """Every step's metrics equal, and the rollout's own ranks received (per rank) what the actor's sent."""
+    for step_own, step_shared in zip(own, shared, strict=True):
+        for key in COMPARED:
+            assert step_own[key] == step_shared[key], key
+        assert step_own["perf/sync_sent_bytes"] == step_own["perf/sync_received_bytes"] == \
+            step_own["perf/sync_bytes"] > 0
+        assert step_own["perf/sync_shared"] == 0.0
+
+
 @pytest.mark.multiprocess
 def test_rollout_on_its_own_rank_equals_the_rollout_on_the_actors_rank(tmp_path):
     own = run_distributed(_run, 2, args=(["actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[1]"],
@@ -61,12 +71,8 @@ def test_rollout_on_its_own_rank_equals_the_rollout_on_the_actors_rank(tmp_path)
     assert _same_weights(own[0]["actor"], own[1]["rollout"]) == []
     # same samples, same updates: the weights crossed ranks bit-exactly, the batch arrived in row order
     assert _same_weights(own[0]["actor"], shared[0]["actor"]) == []
-    for step_own, step_shared in zip(own[0]["history"], shared[0]["history"], strict=True):
-        for key in COMPARED:
-            assert step_own[key] == step_shared[key], key
-        # the actor's rank sent the whole model, the rollout's received it
-        assert step_own["perf/sync_sent_bytes"] == step_own["perf/sync_received_bytes"] > 0
-        assert step_own["perf/sync_shared"] == 0.0 and step_shared["perf/sync_shared"] == 1.0
+    _same_steps(own[0]["history"], shared[0]["history"])  # the actor's rank sent the whole model to the rollout's
+    assert all(s["perf/sync_shared"] == 1.0 for s in shared[0]["history"])  # the rollout used the actor's module
     assert own[1]["history"][-1]["reward/mean"] == own[0]["history"][-1]["reward/mean"]
 
 
@@ -89,14 +95,30 @@ def test_bad_rollout_ranks_fail_before_any_step_naming_the_lists(overrides, matc
         _config(4, *overrides)
 
 
-def test_disjoint_rollout_ranks_are_accepted_and_the_sync_runs_on_both_sets():
+def test_the_example_puts_the_rollout_on_its_own_ranks_and_the_sync_on_both_sets():
+    from pathlib import Path
+
     from verl.trainer.ppo_flow import node_configs
-    cfg = _config(4, "actor.ranks=[0, 1]", "rollout.ranks=[2, 3]")
+    cfg = load_config(PPOConfig, Path(__file__).parents[2] / "examples/rollout_own_ranks.yaml")
+    cfg.validate_world(4)
     roles = cfg.roles(4)
-    assert roles["rollout"].ranks == (2, 3) and roles["actor"].ranks == (0, 1)
+    assert roles["rollout"].ranks == (2, 3) and roles["actor"].ranks == (0, 1) and roles["actor"].engine == "fsdp"
     nodes = node_configs(cfg, roles)
-    assert nodes["generate"]["device_map"] == [2, 3]
+    assert nodes["generate"]["device_map"] == nodes["reward"]["device_map"] == [2, 3]
+    assert nodes["old_log_prob"]["device_map"] == nodes["update_actor"]["device_map"] == [0, 1]
     assert nodes["sync_weights"]["device_map"] == [0, 1, 2, 3]
-    assert nodes["update_actor"]["device_map"] == [0, 1]
-    colocated = node_configs(_config(4, "actor.ranks=[0, 1]"), _config(4, "actor.ranks=[0, 1]").roles(4))
-    assert colocated["sync_weights"]["device_map"] == [0, 1]
+    colocated = _config(4, "actor.ranks=[0, 1]")
+    assert node_configs(colocated, colocated.roles(4))["sync_weights"]["device_map"] == [0, 1]
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_actor_on_two_ranks_feeds_a_rollout_on_two_others(tmp_path):
+    common = ["actor.engine=fsdp", "actor.ranks=[0, 1]", "reward.ranks=[2, 3]", "data.train_batch_size=4"]
+    own = run_distributed(_run, 4, args=([*common, "rollout.ranks=[2, 3]"], str(tmp_path / "own")), timeout=500)
+    shared = run_distributed(_run, 4, args=([*common, "rollout.ranks=[0, 1]"], str(tmp_path / "shared")),
+                             timeout=500)
+    for r in (2, 3):  # each rollout rank holds the whole trained actor (generation TP 1), bit for bit
+        assert _same_weights(own[0]["actor"], own[r]["rollout"]) == []
+    assert _same_weights(own[0]["actor"], shared[0]["actor"]) == []
+    # each actor rank sends its FSDP2 chunks to both rollout ranks, each of which receives one whole model
+    _same_steps(own[0]["history"], shared[0]["history"])

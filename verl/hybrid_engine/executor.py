@@ -14,7 +14,8 @@ module holding every tensor whole); consumers copy what they receive and must no
 
 Across rank sets (a plan with separate training and generation ranks) the same code runs: a training-only
 rank packs and sends and yields nothing; a generation-only rank holds no shards and receives everything
-(on `device`, else where the backend communicates: the GPU under NCCL).
+(on `device`, else where the backend communicates: the GPU under NCCL), a target that arrives whole from one
+sender handed out as a view of the receive buffer.
 """
 
 from __future__ import annotations
@@ -186,6 +187,10 @@ class ReshardExecutor:
         return t if tp.narrow is None else t.narrow(*tp.narrow)
 
     def _assemble(self, tp: TargetPlan, views) -> torch.Tensor:
+        if len(tp.pieces) == 1 and tp.pieces[0].src_rank != self.rank and self.rank not in self.plan.train_ranks:
+            # A generation-only rank (a rollout on its own ranks) receiving a whole target from one sender: the
+            # received rows already are the target, so it is handed out as that view (half the peak memory).
+            return views[(id(tp), 0)]
         if len(tp.pieces) == 1 and tp.pieces[0].src_rank == self.rank:
             # The target is one contiguous block of a local tensor (TP_g = TP for megatron, every target at
             # TP_g = 1 from a whole copy): hand out a view instead of a copy. Engines copy what they receive,

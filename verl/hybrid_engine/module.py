@@ -93,12 +93,17 @@ def module_local_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _fingerprint(layout: ModelLayout) -> str:
+    """What every rank of a plan must agree on: the parameters' names, shapes, dtypes and cut dims."""
+    text = repr([(s.name, s.global_shape, str(s.dtype), s.dim) for s in layout.params])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _same_everywhere(layout: ModelLayout, group) -> None:
     """Every rank must plan the same model, or the point-to-point messages would not pair up."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    text = repr([(s.name, s.global_shape, str(s.dtype), s.dim) for s in layout.params])
-    mine = hashlib.sha256(text.encode()).hexdigest()
+    mine = _fingerprint(layout)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     odd = [r for r, h in enumerate(everyone) if h != everyone[0]]
@@ -114,11 +119,6 @@ def hybrid_engine_for_module(module: torch.nn.Module, config: HybridEngineConfig
     _same_everywhere(layout, group)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     return HybridEngine(layout, Placement.layout(tp=1, pp=1, dp=world), config, group=group)
-
-
-def _fingerprint(layout: ModelLayout) -> str:
-    text = repr([(s.name, s.global_shape, str(s.dtype), s.dim) for s in layout.params])
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def hybrid_engine_across(module: torch.nn.Module | None, config: HybridEngineConfig | None, *, group,
