@@ -2,7 +2,7 @@
 
     verl doctor                      # check torch / CUDA / nvcc / verl._C / megatron-core / engines
     verl train CONFIG [k=v ...]      # PPO / GRPO from a YAML config plus dotted overrides
-    verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e)
+    verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e, scaling, async)
     verl algos [--json]              # the registered policy losses, advantage estimators, KL penalties
 """
 
@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e")
+SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e", "scaling", "async")
 
 
 def _repo_root() -> str:

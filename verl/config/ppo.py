@@ -409,12 +409,22 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Controller of the KL-in-reward coefficient."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """Rollout/training mismatch correction (truncated IS, rejection, bypass); off by default."""
+    """Rollout/training mismatch correction (truncated IS, rejection, bypass); off by default. Under
+    trainer.mode=one_step_off / async it also corrects for the staleness of each sample: the old log-probs are
+    the trained policy's, the rollout log-probs those of the (older) version that generated the sample."""
+    max_staleness: int = 1
+    """trainer.mode=async: how many weight versions generation runs ahead of training, i.e. the most optimizer
+    steps between the version that generated a sample and the one that trains on it. The lockstep runtime
+    generates exactly min(max_staleness, trainer.queue_size room) versions ahead, so no sample ever exceeds the
+    bound and none is dropped or down-weighted for age; rollout_correction corrects the off-policy gap. 0: no
+    overlap, the run equals sync."""
 
     def check(self) -> None:
         check_finite(self)
         require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
+        require(self.max_staleness >= 0, "max_staleness", self.max_staleness,
+                "must be >= 0 (weight versions a sample may lag the trained policy; 0 equals trainer.mode=sync)")
 
 
 
@@ -603,8 +613,21 @@ class TrainerConfig:
     concurrently where the dataflow allows. A role's own `ranks` overrides its default."""
     trace_step: int = 0
     """Write a Chrome trace of this step's dataflow to output_dir/trace_step_N.json (0: no trace)."""
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    """How generation and training interleave. sync: each step generates with the current weights, then trains.
+    one_step_off: the rollout's ranks generate batch k+1 with weights version k while the actor's ranks train
+    on batch k; the weights move at the step boundary (the sync_weights node). async: generation runs up to
+    algorithm.max_staleness versions ahead of training through a bounded queue (queue_size). Both overlap
+    engines, so they need the rollout on ranks of its own (rollout.ranks apart from actor.ranks). Each sample
+    carries the version that generated it (rollout/staleness_mean, rollout/staleness_max)."""
+    queue_size: int = 0
+    """async: responses the queue of generated, not yet trained batches holds; generation runs
+    min(algorithm.max_staleness, queue_size / (data.train_batch_size x rollout.n)) versions ahead. 0: room for
+    max_staleness batches."""
 
     def check(self) -> None:
+        require(self.queue_size >= 0, "queue_size", self.queue_size,
+                "must be >= 0 (0: room for algorithm.max_staleness batches)")
         for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(0 < self.collective_timeout_s < 1e9, "collective_timeout_s", self.collective_timeout_s,
@@ -652,6 +675,54 @@ class PPOConfig:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
+    def batch_responses(self) -> int:
+        """Responses of one step's batch (data.train_batch_size x rollout.n)."""
+        return self.data.train_batch_size * self.rollout.n
+
+    @property
+    def generation_lag(self) -> int:
+        """How many steps ahead of training generation runs: 0 (sync), 1 (one_step_off), or async's bound,
+        limited by the queue's room."""
+        t = self.trainer
+        if t.mode == "sync":
+            return 0
+        if t.mode == "one_step_off":
+            return 1
+        room = t.queue_size // self.batch_responses if t.queue_size else self.algorithm.max_staleness
+        return min(self.algorithm.max_staleness, room)
+
+    def _check_mode(self) -> None:
+        t, a = self.trainer, self.algorithm
+        if t.mode == "one_step_off" and a.max_staleness < 1:
+            raise VerlConfigError(f"trainer.mode=one_step_off trains every batch one weight version after the one "
+                                  f"that generated it, but algorithm.max_staleness={a.max_staleness} forbids that; "
+                                  f"set algorithm.max_staleness=1 or trainer.mode=sync")
+        if t.mode == "async" and t.queue_size and t.queue_size < self.batch_responses:
+            raise VerlConfigError(f"trainer.queue_size={t.queue_size} responses cannot hold one batch of "
+                                  f"data.train_batch_size x rollout.n = {self.data.train_batch_size} x "
+                                  f"{self.rollout.n} = {self.batch_responses}; use >= {self.batch_responses} "
+                                  f"(x algorithm.max_staleness={a.max_staleness} to run that far ahead), or 0")
+        if self.rollout.partial:
+            from verl.rollout import can_pause
+            if not can_pause(self.rollout.engine):
+                raise VerlConfigError(f"rollout.partial=true pauses generation at a weight update and resumes it "
+                                      f"with the new weights, which rollout.engine={self.rollout.engine} cannot do "
+                                      f"(no engine here can pause yet); set rollout.partial=false")
+
+    def _check_overlap(self, roles: dict[str, "Role"]) -> None:
+        """Generation ahead of training needs engines that can run at once: rollout and actor on their own ranks."""
+        lag, t = self.generation_lag, self.trainer
+        shared = sorted(set(roles["rollout"].ranks) & set(roles["actor"].ranks))
+        if lag and shared:
+            what = "one_step_off" if t.mode == "one_step_off" else \
+                f"async with algorithm.max_staleness={self.algorithm.max_staleness}"
+            raise VerlConfigError(f"trainer.mode={what} generates while the actor trains, but rollout.ranks="
+                                  f"{list(roles['rollout'].ranks)} and actor.ranks={list(roles['actor'].ranks)} share "
+                                  f"ranks {shared} (trainer.placement={t.placement}), where the two engines cannot "
+                                  f"overlap; give the rollout ranks of its own (e.g. trainer.placement=split "
+                                  f"rollout.ranks=[2,3] actor.ranks=[0,1]), or use trainer.mode=sync")
+
+    @property
     def on_policy(self) -> bool:
         """One epoch over one mini-batch without KL in the reward: the update's own first forward gives the old
         log-probs (nothing changed the weights since generation), which saves a forward pass per step."""
@@ -671,6 +742,7 @@ class PPOConfig:
                 raise VerlConfigError(f"{key}: {e}") from None
         check_agg_mode(self.actor.loss_agg_mode)
         self.actor.loss_params()
+        self._check_mode()
         # Training reads log-probs of logits / temperature: a greedy (0) rollout has no distribution to train on.
         require(self.rollout.temperature > 0, "rollout.temperature", self.rollout.temperature,
                 "must be > 0 for training (the actor's log-probs are taken at this temperature; 0 is greedy "
@@ -721,6 +793,7 @@ class PPOConfig:
         share (the engines never form a larger one), so a config written for one process runs on several;
         returns one line per such clamp, for the log."""
         roles = self.roles(world_size)
+        self._check_overlap(roles)
         d, a, n = self.data, self.actor, self.rollout.n
         tp_g, gen_ranks = self.rollout.tp, len(roles["rollout"].ranks)
         if tp_g > gen_ranks or gen_ranks % tp_g:
@@ -738,6 +811,16 @@ class PPOConfig:
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
+        own_ranks = roles["rollout"].ranks != roles["actor"].ranks
+        if own_ranks and a.engine == "fsdp" and a.fsdp.mesh_shape(len(roles["actor"].ranks))[0] > 1:
+            raise VerlConfigError(f"actor.fsdp.shard_size={a.fsdp.shard_size} (HSDP) with the rollout on its own "
+                                  f"ranks {list(roles['rollout'].ranks)}: the weight sync sends from one shard group "
+                                  f"spanning all actor ranks; use actor.fsdp.shard_size=-1, or rollout.ranks = "
+                                  f"actor.ranks")
+        if own_ranks and d.train_batch_size % gen_ranks:
+            raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over the "
+                                  f"{gen_ranks} rollout ranks {list(roles['rollout'].ranks)}, each of which hands "
+                                  f"its share of the samples to the actor's ranks; use a multiple of {gen_ranks}")
         if d.train_batch_size % replicas:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over the "
                                   f"{replicas} generation replicas (rollout ranks / rollout.tp={tp_g}); use a "
@@ -866,10 +949,15 @@ def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
     if 0 not in actor.ranks:
         raise VerlConfigError(f"actor.ranks={list(actor.ranks)} must include rank 0, which logs the metrics and "
                               f"keeps the trainer state")
-    if rollout.ranks != actor.ranks:
-        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} differs from actor.ranks={list(actor.ranks)}: "
-                              f"the rollout engine receives the actor's weights in place through the "
-                              f"3D-HybridEngine, so both must run on the same ranks")
+    shared = set(rollout.ranks) & set(actor.ranks)
+    if rollout.ranks != actor.ranks and actor.engine == "megatron":
+        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} differs from actor.ranks={list(actor.ranks)} with "
+                              f"the megatron actor, whose weights reach the rollout on its own ranks only; use "
+                              f"actor.engine=torch or fsdp for a rollout on its own ranks, or drop rollout.ranks")
+    if rollout.ranks != actor.ranks and shared:
+        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} partly overlaps actor.ranks={list(actor.ranks)} "
+                              f"(shared: {sorted(shared)}); the rollout runs either on the actor's ranks (the same "
+                              f"list) or on ranks of its own (disjoint lists, weights sent by the 3D-HybridEngine)")
     if mode == "split" and rollout.engine in EXCLUSIVE and not rollout.cpu_offload:
         for other in ("critic", "reward"):
             shared = sorted(set(roles[other].ranks) & set(rollout.ranks))

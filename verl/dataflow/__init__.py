@@ -38,17 +38,19 @@ from verl.dataflow.node import (
     mark_transient,
     registered_nodes,
 )
+from verl.dataflow.runtime import RunState
 from verl.dataflow.trace import NodeEvent, TraceRecorder, summarize
 
 
 def run(dataflow: Dataflow | Mapping[str, Any], inputs: Mapping[str, Any], *, trace: str | None = None,
-        hooks: Sequence[Any] = (), check_errors: str = "node") -> dict[str, Any]:
+        hooks: Sequence[Any] = (), check_errors: str = "node", state: RunState | None = None) -> dict[str, Any]:
     """Runs a dataflow (built, or in dict form) with ``inputs``; see `Dataflow.run`."""
-    return Dataflow.from_dict(dataflow).run(inputs, trace=trace, hooks=hooks, check_errors=check_errors)
+    return Dataflow.from_dict(dataflow).run(inputs, trace=trace, hooks=hooks, check_errors=check_errors,
+                                            state=state)
 
 
 __all__ = [
     "CustomNode", "Dataflow", "DataflowNode", "ENGINES", "Node", "NodeConfig", "NodeContext", "NodeEntry",
-    "NodeEvent", "TraceRecorder", "TransientError", "build_dataflow", "get_node", "inject_node", "mark_transient",
-    "registered_nodes", "run", "summarize",
+    "NodeEvent", "RunState", "TraceRecorder", "TransientError", "build_dataflow", "get_node", "inject_node",
+    "mark_transient", "registered_nodes", "run", "summarize",
 ]

@@ -52,6 +52,11 @@ class NodeConfig:
     """Longest the node may run on a rank, retries included (0: no limit). Past it the node is interrupted and
     the run fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time (see
     `verl.dataflow.runtime` for what can and cannot be interrupted)."""
+    lag: dict[str, int] = field(default_factory=dict)
+    """Inputs read from an earlier run of the dataflow: ``{key: k}`` gives the node the value the key's producer
+    made ``k`` runs ago (k >= 1) instead of this run's, so no ordering edge ties the two nodes within a run and a
+    cycle through this input is allowed. The values are carried between runs by the `RunState` passed to
+    ``run(..., state=...)``; while it holds fewer than ``k`` runs the node (and what depends on it) is skipped."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Overrides of the node's settings (its defaulted parameters)."""
 
@@ -137,12 +142,26 @@ def make_config(node_name: str, raw: Any, settings: Mapping[str, Any]) -> NodeCo
         raise VerlConfigError(f"node '{node_name}': timeout_s must be a finite number of seconds >= 0 (0: no "
                               f"limit), got {timeout!r}")
     parsed = parse_device_map(node_name, kwargs.get("device_map"))
+    lag = _parse_lag(node_name, kwargs.get("lag", {}))
     replicated = kwargs.get("replicated_outputs", ())
     replicated = (replicated,) if isinstance(replicated, str) else tuple(replicated)
     return NodeConfig(device_map=parsed[0] if parsed else None, device_types=parsed[1] if parsed else None,
                       engine=engine, cpu_offload=cpu_offload, retries=retries,
                       retry_backoff_s=float(backoff), retry_on=retry_on, replicated_outputs=replicated,
-                      timeout_s=float(timeout), settings=merged)
+                      timeout_s=float(timeout), lag=lag, settings=merged)
+
+
+def _parse_lag(node_name: str, lag: Any) -> dict[str, int]:
+    if not isinstance(lag, Mapping):
+        raise VerlConfigError(f"node '{node_name}': lag must be a dict {{input key: runs back}}, e.g. "
+                              f"lag={{'batch': 1}}, got {lag!r}")
+    out = {}
+    for key, k in lag.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise VerlConfigError(f"node '{node_name}': lag[{key!r}]={k!r} must be an int >= 1 (the number of runs "
+                                  f"back the value comes from); drop the entry to read this run's value")
+        out[str(key)] = k
+    return out
 
 
 def _set_setting(node_name, key, value, settings, merged):

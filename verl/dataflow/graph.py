@@ -17,7 +17,7 @@ from typing import Any
 
 from verl.dataflow.config import NodeConfig, make_config, world_size_now
 from verl.dataflow.node import Node, NodeEntry, as_node
-from verl.dataflow.runtime import execute
+from verl.dataflow.runtime import RunState, execute
 from verl.errors import VerlConfigError, nearest
 
 RESERVED_DICT_KEYS = ("dependencies", "configs", "inputs")
@@ -42,6 +42,7 @@ class Dataflow:
         self._exports = dict(exports)
         self._world_size = world_size
         self._inputs = inputs
+        _check_lags(self)
         self._order = _topological_order(self)
         _check_placement(self)
         if inputs is not None:
@@ -104,6 +105,20 @@ class Dataflow:
         """The node whose ``key`` the node ``consumer`` reads (None: it reads the run's inputs)."""
         return self._bindings[self.entry(consumer).name][key]
 
+    def lag(self, consumer: str, key: str) -> int:
+        """How many runs back the value of ``key`` that ``consumer`` reads comes from (0: this run's)."""
+        return self.entry(consumer).config.lag.get(key, 0)
+
+    @property
+    def carried(self) -> dict[tuple[str, str], int]:
+        """(producer, key) -> the most runs back any node reads it: what a `RunState` keeps between runs."""
+        out: dict[tuple[str, str], int] = {}
+        for e in self._entries.values():
+            for key, k in e.config.lag.items():
+                p = self._bindings[e.name][key]
+                out[(p, key)] = max(k, out.get((p, key), 0))
+        return out
+
     @property
     def input_keys(self) -> tuple[str, ...]:
         """Keys the run must be given: inputs of some node that no upstream node produces."""
@@ -163,8 +178,12 @@ class Dataflow:
             raise VerlConfigError("missing keys:\n  " + "\n  ".join(problems))
 
     # ---- execution (see verl.dataflow.runtime) ------------------------------------------------------------
+    def new_state(self, initial: Mapping[str, Any] | None = None) -> RunState:
+        """The carried values of this dataflow's lagged inputs, empty or seeded (see `RunState`)."""
+        return RunState(self, initial)
+
     def run(self, inputs: Mapping[str, Any], *, trace: str | None = None, hooks: Sequence[Any] = (),
-            check_errors: str = "node") -> dict[str, Any]:
+            check_errors: str = "node", state: RunState | None = None) -> dict[str, Any]:
         """Runs the dataflow on this rank and returns the inputs plus every output this rank produced or received.
 
         Under torch.distributed every rank calls ``run`` with its own inputs; a node runs only on the ranks of
@@ -173,9 +192,10 @@ class Dataflow:
         ``on_node_start(event)`` / ``on_node_end(event)`` methods, and ``on_transfer(name, rank, start_s, end_s,
         info)`` for each value this rank moved between rank sets. ``check_errors="node"`` makes the ranks of
         each multi-rank node agree that nobody has failed before it starts (one tiny all-reduce per node);
-        ``"end"`` checks only once per run.
+        ``"end"`` checks only once per run. ``state`` (from `new_state`) carries the values of lagged inputs
+        from run to run; a dataflow with lagged inputs needs one.
         """
-        return execute(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors)
+        return execute(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors, state=state)
 
 
 def _missing_key_message(node: str, key: str, produced: Mapping[str, str], available: set[str]) -> str:
@@ -240,13 +260,14 @@ def _build(nodes: Mapping[str, Node], configs, dependencies, *, inputs, world_si
                     f"key '{k}' is produced by two nodes, '{producers[k]}' and '{e.name}'; rename one of the "
                     f"outputs, or use inject_node to replace '{k}' for the nodes downstream of a point")
             producers[k] = e.name
-    # A node that reads a key it also writes transforms the run's input of that name (reward -> reward).
-    bindings = {e.name: {k: (p if (p := producers.get(k)) != e.name else None) for k in e.node.input_keys}
-                for e in entries}
+    # A node that reads a key it also writes transforms the run's input of that name (reward -> reward), unless
+    # it reads it from an earlier run (lag): then it reads its own earlier output (a counter, a running mean).
+    bindings = {e.name: {k: (p if (p := producers.get(k)) != e.name or k in e.config.lag else None)
+                         for k in e.node.input_keys} for e in entries}
     edges: dict[tuple[str, str], str] = {}
     for e in entries:
         for k, p in bindings[e.name].items():
-            if p is not None:
+            if p is not None and k not in e.config.lag:  # a lagged value exists before the run starts
                 edges.setdefault((p, e.name), f"key '{k}'")
     for u, v in _explicit_edges(dependencies, nodes):
         edges.setdefault((u, v), f"dependencies['{v}']")
@@ -317,8 +338,23 @@ def _describe_cycle(df: Dataflow, stuck: set[str]) -> str:
     cycle = cycle[first:] + cycle[:first]
     cycle.append(cycle[0])
     steps = " -> ".join(f"{a} -[{df._edges[(a, b)]}]" for a, b in zip(cycle, cycle[1:]))
+    keyed = [(b, df._edges[(a, b)][5:-1]) for a, b in zip(cycle, cycle[1:]) if df._edges[(a, b)].startswith("key '")]
+    lag = (f", or break it with a lag: let one node read its key from the previous run (e.g. configs['{keyed[0][0]}']"
+           f" = dict(lag={{'{keyed[0][1]}': 1}}))") if keyed else ""
     return (f"the dataflow has a cycle: {steps} -> {cycle[-1]}; remove one of these dependencies or rename a key "
-            f"so that one of these nodes no longer waits for the next")
+            f"so that one of these nodes no longer waits for the next{lag}")
+
+
+def _check_lags(df: Dataflow) -> None:
+    for e in df._entries.values():
+        for key, k in e.config.lag.items():
+            if key not in e.node.input_keys:
+                raise VerlConfigError(f"node '{e.name}': lag names key '{key}', which is not one of its inputs "
+                                      f"{list(e.node.input_keys)}{nearest(key, e.node.input_keys, 'inputs')}")
+            if df._bindings[e.name][key] is None:
+                raise VerlConfigError(f"node '{e.name}' reads '{key}' with lag {k}, but no node produces '{key}' "
+                                      f"(it is a run input, given afresh every run); drop the lag, or add the node "
+                                      f"that produces it")
 
 
 def _check_placement(df: Dataflow) -> None:
@@ -390,7 +426,7 @@ def inject_node(base_dataflow: Dataflow | Mapping[str, Any], node: Node, after: 
     edges[(after, name)] = "inject_node(after=...)"
     edges[(name, before)] = "inject_node(before=...)"
     for k, p in bindings[name].items():
-        if p is not None:
+        if p is not None and k not in entry.config.lag:
             edges.setdefault((p, name), f"key '{k}'")
     # Writing side: each output replaces the upstream version of its key for everything downstream.
     exports = dict(base._exports)
@@ -400,7 +436,8 @@ def inject_node(base_dataflow: Dataflow | Mapping[str, Any], node: Node, after: 
             b = bindings[d]
             if k in b and (b[k] is None or b[k] in upstream):
                 b[k] = name
-                edges.setdefault((name, d), f"key '{k}'")
+                if k not in base.config(d).lag:
+                    edges.setdefault((name, d), f"key '{k}'")
         if exports.get(k) is None or exports[k] in upstream:
             exports[k] = name
     return Dataflow(base.entries + (entry,), bindings, edges, exports, base.world_size, base._inputs)

@@ -7,6 +7,12 @@ torch.distributed every rank walks the same plan in the same order: a rank outsi
 the node but still takes part in moving that node's inputs and outputs, which is what keeps the ranks'
 point-to-point calls and collectives matched.
 
+Runs that depend on earlier runs: an input a node's config reads with ``lag=k`` gets a slot of its own,
+filled before the run from the caller's `RunState` on the producer's ranks and moved to the reader's ranks
+before the first node (so a rollout's ranks start generating the next batch at once). Which nodes a run skips
+for want of such a value depends only on how many runs the state has seen, so every rank skips the same ones;
+after a successful run each producer's new value is appended to the state.
+
 Errors: a node failing on a rank becomes VerlRuntimeError(node, rank, cause chained). That rank stops running
 nodes but keeps walking the plan, sending error markers where data was expected; before each multi-rank node
 its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's GPU streams are never
@@ -79,6 +85,11 @@ class Dataflow(Protocol):
     def entries(self) -> tuple[NodeEntry, ...]: ...
     def entry(self, name: str) -> NodeEntry: ...
     def producer(self, consumer: str, key: str) -> str | None: ...
+    def lag(self, consumer: str, key: str) -> int: ...
+    @property
+    def carried(self) -> dict[tuple[str, str], int]: ...
+    @property
+    def edges(self) -> list[tuple[str, str]]: ...
     @property
     def exports(self) -> Mapping[str, str]: ...
     @property
@@ -112,6 +123,23 @@ class _Step:
     group_size: int
     control: Any = None
     transfers: list[_Transfer] = field(default_factory=list)
+    lagged: tuple[tuple[str, str, int], ...] = ()
+    """(producer, key, runs back) of each lagged input: the step is skipped while the state lacks one."""
+    below: frozenset[str] = frozenset()
+    """Nodes that wait for this one within a run (skipped with it)."""
+
+
+@dataclass(slots=True)
+class _Carried:
+    """A (producer, key) some node reads from earlier runs: where this run's value lands, and the slots the
+    earlier runs' values are put in (by runs back) before the run starts."""
+
+    producer: str
+    key: str
+    slot: int
+    lag_slots: dict[int, int]
+    reads: dict[int, int] = field(default_factory=dict)
+    """runs back -> the slot this rank's consumers read (their copy, after the carried transfer)."""
 
 
 @dataclass(slots=True)
@@ -124,6 +152,98 @@ class _Plan:
     world_size: int
     distributed: bool
     control: Any = None
+    carried: list[_Carried] = field(default_factory=list)
+    carry_transfers: list[_Transfer] = field(default_factory=list)
+    """Transfers of earlier runs' values, done before the first node: the values exist when the run starts, so
+    their producers' ranks are free at once for this run's work (a rollout generating the next batch)."""
+
+
+class RunState:
+    """The values a dataflow's lagged inputs carry from one run to the next; the caller keeps it between runs
+    (the dataflow stays a read-only description). Each rank's state holds what its ranks produced.
+
+    Lag ``k`` reads the ``k``-th newest value the producer made; a run in which the producer was skipped adds
+    none (a skipped learner keeps its weights). The first runs are the prologue: while the state holds fewer
+    than ``k`` values of a key read with lag ``k``, the reading node and every node that waits for it within
+    the run are skipped (their outputs are absent from the result), so with ``generate -> batch -(lag 1)->
+    train`` run 0 only generates and run 1 trains on run 0's batch while generating the next.
+    ``initial={key: value}`` (or `push`) seeds the state instead, as if the key's producer had made ``value``
+    in a run before the first.
+    """
+
+    __slots__ = ("_dataflow", "_depth", "_history", "_read", "runs")
+
+    def __init__(self, dataflow: Dataflow, initial: Mapping[str, Any] | None = None):
+        from collections import deque
+        self._dataflow = dataflow
+        self._depth = dict(dataflow.carried)
+        self._history: dict[tuple[str, str], Any] = {pk: deque(maxlen=k) for pk, k in self._depth.items()}
+        self._read: dict[tuple[str, int], Any] = {}
+        self.runs = 0
+        """Runs completed with this state."""
+        for key, value in (initial or {}).items():
+            self.push(key, value)
+
+    def _carried_key(self, key: str) -> tuple[str, str]:
+        found = [pk for pk in self._history if pk[1] == key]
+        if not found:
+            from verl.errors import nearest
+            raise VerlConfigError(f"no node reads '{key}' with a lag, so there is nothing to carry for it"
+                                  f"{nearest(key, [k for _, k in self._history], 'lagged keys')}")
+        if len(found) > 1:
+            raise VerlConfigError(f"'{key}' is read with a lag from several producers {[p for p, _ in found]}; "
+                                  f"seed the state by running the prologue instead")
+        return found[0]
+
+    def push(self, key: str, value: Any) -> None:
+        """Records ``value`` as the newest run's value of ``key`` (seeding the prologue away)."""
+        self._history[self._carried_key(key)].append(value)
+
+    def available(self, producer: str, key: str, lag: int) -> bool:
+        return len(self._history[(producer, key)]) >= lag
+
+    def value(self, producer: str, key: str, lag: int) -> Any:
+        return self._history[(producer, key)][-lag]
+
+    def lagged(self, key: str, lag: int = 1, default: Any = None) -> Any:
+        """The value of ``key`` from ``lag`` runs back that this rank's nodes read in the last run (a trainer's
+        metrics read the batch it trained on this way), else ``default``."""
+        return self._read.get((key, lag), default)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's carried values: ``{"runs": n, "carried": {"producer/key": [value, ...]}}`` (oldest first,
+        as the nodes made them; None where this rank holds none)."""
+        return {"runs": self.runs, "carried": {f"{p}/{k}": [None if v is _MISSING else v for v in h]
+                                               for (p, k), h in self._history.items()}}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restores what `state_dict` gave on this rank (a resumed job continues with the same carried values)."""
+        names = {f"{p}/{k}": pk for pk in self._history for p, k in [pk]}
+        if set(d["carried"]) != set(names):
+            raise VerlConfigError(f"the saved run state carries {sorted(d['carried'])} but this dataflow carries "
+                                  f"{sorted(names)}; resume with the dataflow (trainer.mode, max_staleness) it was "
+                                  f"saved with")
+        for name, entries in d["carried"].items():
+            h = self._history[names[name]]
+            if len(entries) > h.maxlen:
+                raise VerlConfigError(f"the saved run state holds {len(entries)} values of '{name}' but this "
+                                      f"dataflow reads it at most {h.maxlen} runs back; resume with the lags it was "
+                                      f"saved with")
+            h.clear()
+            h.extend(entries)
+        self.runs = int(d["runs"])
+
+    def _finish(self, plan: _Plan, vals: list, skipped: set[str]) -> None:
+        for c in plan.carried:
+            if c.producer not in skipped:
+                self._history[(c.producer, c.key)].append(vals[c.slot])
+            for k, s in c.reads.items():
+                v = vals[s]
+                if v is _MISSING:
+                    self._read.pop((c.key, k), None)
+                else:
+                    self._read[(c.key, k)] = v
+        self.runs += 1
 
 
 @dataclass(slots=True)
@@ -218,13 +338,29 @@ def _device_for(entry: NodeEntry, rank: int) -> torch.device:
 def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
     slots: dict[tuple[str | None, str], int] = {}
     views: dict[tuple[int, tuple[int, ...]], int] = {}
+    lag_slots: dict[tuple[str, str, int], int] = {}  # earlier runs' values, held where their producer runs
     layout: dict[int, tuple[int, ...] | None] = {}  # slot -> ranks holding it (None: every rank, as inputs)
     all_ranks = tuple(range(world))
+    carry_transfers: list[_Transfer] = []
+    reads: dict[tuple[str, str, int], int] = {}
+
+    def fresh() -> int:
+        return len(slots) + len(views) + len(lag_slots)
 
     def slot(producer, key):
         if (producer, key) not in slots:
-            slots[(producer, key)] = len(slots) + len(views)
+            slots[(producer, key)] = fresh()
         return slots[(producer, key)]
+
+    def lag_slot(producer, key, k):
+        if (producer, key, k) not in lag_slots:
+            lag_slots[(producer, key, k)] = fresh()
+            layout[lag_slots[(producer, key, k)]] = df.entry(producer).config.device_map or all_ranks
+        return lag_slots[(producer, key, k)]
+
+    succ: dict[str, set[str]] = {}
+    for u, v in df.edges:
+        succ.setdefault(u, set()).add(v)
 
     # Groups are created collectively, so every rank creates the same ones in the same (plan) order.
     world_control = comm.control_group(all_ranks) if distributed else None
@@ -237,20 +373,25 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         ctx = NodeContext(name=name, rank=rank, world_size=world, ranks=ranks, device=_device_for(entry, rank),
                           engine=entry.config.engine, config=entry.config, settings=entry.config.settings,
                           process_group=group)
-        arg_slots, transfers = [], []
+        arg_slots, transfers, lagged = [], [], []
         for key in entry.node.input_keys:
             producer = df.producer(name, key)
-            s = slot(producer, key)
+            k = df.lag(name, key) if producer is not None else 0
+            s = lag_slot(producer, key, k) if k else slot(producer, key)
             if producer is not None and layout[s] != ranks:
                 vkey = (s, ranks)
                 if vkey not in views:
-                    views[vkey] = len(slots) + len(views)
+                    views[vkey] = fresh()
                     union = tuple(sorted(set(layout[s]) | set(ranks)))
                     pcfg = df.entry(producer).config
-                    transfers.append(_Transfer(s, views[vkey], key, producer, layout[s], ranks,
-                                               key in pcfg.replicated_outputs,
-                                               comm.control_group(union) if distributed else None))
+                    (carry_transfers if k else transfers).append(
+                        _Transfer(s, views[vkey], key, producer, layout[s], ranks, key in pcfg.replicated_outputs,
+                                  comm.control_group(union) if distributed else None))
                 s = views[vkey]
+            if k:
+                lagged.append((producer, key, k))
+                if rank in ranks:
+                    reads[(producer, key, k)] = s
             arg_slots.append(s)
         outs = []
         for key in entry.node.output_keys:
@@ -260,7 +401,8 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         node = entry.node
         steps.append(_Step(entry=entry, fn=node.fn, arg_names=node.input_keys if node.by_keyword else None,
                            arg_slots=tuple(arg_slots), out_slots=tuple(outs), ctx=ctx, runs_here=rank in ranks,
-                           group_size=len(ranks), control=control, transfers=transfers))
+                           group_size=len(ranks), control=control, transfers=transfers, lagged=tuple(lagged),
+                           below=frozenset(_reachable(succ, name))))
     # A rank needs only the inputs of the nodes it runs (in split placement the scorer's ranks never see
     # the prompts).
     needed = {s for st in steps if st.runs_here for s in st.arg_slots}
@@ -269,7 +411,21 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
     # received for one of its nodes (a split-placement actor rank holds the scores computed on reward ranks).
     exports = {k: (slots[(p, k)],) + tuple(v for (s, _), v in views.items() if s == slots[(p, k)])
                for k, p in df.exports.items()}
-    return _Plan(steps, external, exports, len(slots) + len(views), rank, world, distributed, world_control)
+    carried = [_Carried(p, key, slots[(p, key)], {k: s for (pp, kk, k), s in lag_slots.items() if (pp, kk) == (p, key)},
+                        {k: s for (pp, kk, k), s in reads.items() if (pp, kk) == (p, key)})
+               for p, key in df.carried]
+    return _Plan(steps, external, exports, fresh(), rank, world, distributed, world_control, carried,
+                 carry_transfers)
+
+
+def _reachable(succ: Mapping[str, set[str]], name: str) -> set[str]:
+    out, stack = set(), [name]
+    while stack:
+        for v in succ.get(stack.pop(), ()):
+            if v not in out:
+                out.add(v)
+                stack.append(v)
+    return out
 
 
 # Plans per dataflow, then per (rank, world size, world group): a dataflow object can be run by a local
@@ -450,7 +606,7 @@ class _Run:
         e = step.entry
         event = NodeEvent(node=e.name, rank=self.plan.rank, ranks=step.ctx.ranks, device=str(step.ctx.device),
                           engine=e.config.engine, inputs=dict(zip(e.node.input_keys, args)),
-                          start_s=time.perf_counter())
+                          start_s=time.perf_counter(), lag=e.config.lag or None)
         try:
             for h in self.starts:
                 h(event)
@@ -608,18 +764,28 @@ class _Run:
 
 
 def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None, hooks: Sequence[Any] = (),
-            check_errors: str = "node") -> dict[str, Any]:
+            check_errors: str = "node", state: RunState | None = None) -> dict[str, Any]:
     if check_errors not in ("node", "end"):
         raise VerlConfigError(f"check_errors must be 'node' or 'end', got {check_errors!r}")
     if type(inputs) is not dict and not isinstance(inputs, Mapping):
         raise VerlConfigError(f"run() takes a dict of inputs, got {type(inputs).__name__}")
     plan = _plan_for(df)
-    recorder = TraceRecorder() if trace is not None else None
+    if plan.carried and (state is None or state._dataflow is not df):
+        lagged = sorted({f"{c.key} (from '{c.producer}')" for c in plan.carried})
+        raise VerlConfigError(f"this dataflow reads {lagged} from earlier runs; pass state=flow.new_state() to run() "
+                              f"and keep passing the same state object on every run" if state is None else
+                              "the state passed to run() belongs to another dataflow; make it with this "
+                              "dataflow's new_state()")
+    recorder = TraceRecorder(run=state.runs if state is not None else 0) if trace is not None else None
     run = _Run(df, plan, hooks, recorder, check_errors)
+    skipped, unavailable = _prologue(plan, state)
     if not plan.distributed:
         vals = run.fill_inputs(inputs)
+        _fill_carried(plan, state, vals)
         try:
             for step in plan.steps:
+                if step.entry.name in skipped:
+                    continue
                 run.run_step(step, vals)
                 if run.failure is not None:
                     break
@@ -627,6 +793,8 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
             if recorder is not None:
                 write_trace(trace, [recorder.events], {"dataflow": list(df.order), "world_size": 1})
         run.raise_failure()
+        if state is not None:
+            state._finish(plan, vals, skipped)
         return _result(plan, inputs, vals)
     try:
         vals = run.fill_inputs(inputs)
@@ -634,7 +802,14 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
         # Raising here would leave the other ranks waiting for this one; walk the plan as a failed rank.
         vals = [_MISSING] * plan.nslots
         run.failure = _Failure("<inputs>", plan.rank, str(exc), exc)
+    _fill_carried(plan, state, vals)
+    for t in plan.carry_transfers:
+        if t.src_slot not in unavailable and (plan.rank in t.src_ranks or plan.rank in t.dst_ranks):
+            run.collective(f"moving '{t.key}' of an earlier run from '{t.producer}'",
+                           sorted(set(t.src_ranks) | set(t.dst_ranks)), run.transfer, t, vals)
     for step in plan.steps:
+        if step.entry.name in skipped:
+            continue
         for t in step.transfers:
             if plan.rank in t.src_ranks or plan.rank in t.dst_ranks:
                 run.collective(f"moving '{t.key}' from '{t.producer}' to '{step.entry.name}'",
@@ -647,9 +822,38 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
     events = run.collective("exchanging the run's status at its end", range(plan.world_size),
                             run.finish_distributed)
     if recorder is not None and plan.rank == 0:
-        write_trace(trace, events, {"dataflow": list(df.order), "world_size": plan.world_size})
+        write_trace(trace, events, {"dataflow": list(df.order), "world_size": plan.world_size,
+                                    "run": recorder.run})
     run.raise_failure()
+    if state is not None:
+        state._finish(plan, vals, skipped)
     return _result(plan, inputs, vals)
+
+
+def _prologue(plan: _Plan, state: RunState | None) -> tuple[set[str], set[int]]:
+    """(nodes skipped this run because the state lacks an earlier run's value they need, together with what
+    waits for them; the lag slots that stay empty). The same on every rank: it depends on run counts only."""
+    if state is None or not plan.carried:
+        return set(), set()
+    skipped: set[str] = set()
+    for step in plan.steps:
+        if any(not state.available(p, k, lag) for p, k, lag in step.lagged):
+            skipped.add(step.entry.name)
+            skipped |= step.below
+    unavailable = {s for c in plan.carried for lag, s in c.lag_slots.items()
+                   if not state.available(c.producer, c.key, lag)}
+    return skipped, unavailable
+
+
+def _fill_carried(plan: _Plan, state: RunState | None, vals: list) -> None:
+    if state is None:
+        return
+    for c in plan.carried:
+        for lag, s in c.lag_slots.items():
+            if state.available(c.producer, c.key, lag):
+                v = state.value(c.producer, c.key, lag)
+                if v is not _MISSING:
+                    vals[s] = v
 
 
 def _result(plan: _Plan, inputs: Mapping[str, Any], vals: list) -> dict[str, Any]:

@@ -3,6 +3,12 @@
 One complete event (``"ph": "X"``) per node per rank, with ``pid`` = rank and ``args`` holding the node's
 input and output summaries (shapes, dtypes, lengths; never tensor contents), device, engine, ranks and
 retries. Redistribution between differently placed nodes shows as ``comm`` events on a second track.
+
+Timestamps are wall-clock, so nodes of disjoint rank sets that run at once (a rollout generating the next
+batch while the trainer's ranks update on the previous one) show as overlapping bars on their ranks' rows.
+Every event's ``args`` carry the run index (``run``, counted by the `RunState`), the inputs read from earlier
+runs (``lag``), and any value with a ``weight_version`` tensor (a rollout batch: the policy version that
+generated each sample) summarised with its min / max version.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ def summarize(value: Any, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         return {"type": "Tensor", "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
                 "device": str(value.device)}
+    versions = getattr(value, "weight_version", None)
+    if isinstance(versions, torch.Tensor) and versions.numel():
+        return {"type": type(value).__name__, "len": len(value), "weight_version": [int(versions.min()),
+                                                                                   int(versions.max())]}
     summary = getattr(value, "summary", None)
     if callable(summary) and hasattr(value, "batch"):  # verl.protocol.DataProto
         return value.summary()
@@ -82,12 +92,16 @@ class NodeEvent:
     """How many retries it needed."""
     error: BaseException | None = None
     """The exception that failed it, if any."""
+    lag: Mapping[str, int] | None = None
+    """Its inputs read from earlier runs (key -> runs back), if any."""
 
 
 class TraceRecorder:
     """A hook that records trace events; the runtime adds the rank merge and writes the file."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: int = 0) -> None:
+        self.run = run
+        """Index of the traced run (the `RunState`'s count of earlier runs; 0 without one)."""
         # Wall-clock origin so that events from different processes line up; durations use perf_counter.
         self._wall0_us = time.time_ns() / 1000.0
         self._perf0 = time.perf_counter()
@@ -104,7 +118,10 @@ class TraceRecorder:
             "inputs": {k: summarize(v) for k, v in event.inputs.items()},
             "outputs": {k: summarize(v) for k, v in (event.outputs or {}).items()},
             "device": event.device, "engine": event.engine, "ranks": list(event.ranks), "retries": event.retries,
+            "run": self.run,
         }
+        if event.lag:
+            args["lag"] = dict(event.lag)
         if event.error is not None:
             args["error"] = f"{type(event.error).__name__}: {event.error}"
         self.events.append({"name": event.node, "cat": "node", "ph": "X", "ts": self.ts_us(event.start_s),
@@ -112,7 +129,7 @@ class TraceRecorder:
 
     def on_transfer(self, name: str, rank: int, start_s: float, end_s: float, args: dict[str, Any]) -> None:
         self.events.append({"name": name, "cat": "comm", "ph": "X", "ts": self.ts_us(start_s),
-                            "dur": (end_s - start_s) * 1e6, "pid": rank, "tid": 1, "args": args})
+                            "dur": (end_s - start_s) * 1e6, "pid": rank, "tid": 1, "args": {**args, "run": self.run}})
 
 
 def write_trace(path: str, events_per_rank: list[list[dict[str, Any]]], metadata: dict[str, Any]) -> str:

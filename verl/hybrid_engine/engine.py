@@ -7,7 +7,10 @@ training shards afterwards.
 
 `layout` is a `verl.models.layout.ModelLayout`; the seams build it (and the local params) for a model:
 `hybrid_engine_for` / `megatron_local_params` (verl.models' megatron GPT) and `hybrid_engine_for_module` /
-`module_local_params` (a Hugging Face torch module, whole on every rank or FSDP2-sharded).
+`module_local_params` (a Hugging Face torch module, whole on every rank or FSDP2-sharded). With `train_ranks`
+and `gen_ranks` the two layouts live on different ranks of `group` (a rollout on its own ranks,
+`hybrid_engine_across`): the training ranks call `sync(local_params, None)` and only send, the generation
+ranks call `sync({}, rollout)` and only receive.
 
 A failing engine (or a name it does not know) surfaces as VerlRuntimeError on EVERY rank: the failing rank
 keeps draining the stream so the other ranks' point-to-point messages still pair up, then all ranks agree
@@ -16,7 +19,7 @@ on the failure. Training shards are only ever read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,29 +81,33 @@ class HybridEngine:
     """Plans once (metadata only), then moves weights on every `sync` / `stream`."""
 
     def __init__(self, layout: ModelLayout, training: Placement, config: HybridEngineConfig | None = None,
-                 *, group=None):
+                 *, group=None, train_ranks: Sequence[int] | None = None, gen_ranks: Sequence[int] | None = None,
+                 device: torch.device | None = None):
         self.config = config or HybridEngineConfig()
-        self.group = group
+        self.group, self.device = group, device
         self.plan: ReshardPlan = plan_reshard(layout, training, self.config.generation_tp,
                                               fmt=self.config.weight_format,
                                               bucket_bytes=int(self.config.bucket_mb * (1 << 20)),
-                                              mapping=self.config.rank_mapping)
+                                              mapping=self.config.rank_mapping, train_ranks=train_ranks,
+                                              gen_ranks=gen_ranks)
         self.last_stats: ExecutorStats | None = None
 
     def stream(self, local_params: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's generation weights as (name, tensor) pairs; every rank must drain its stream."""
-        ex = ReshardExecutor(self.plan, local_params, group=self.group)
+        ex = ReshardExecutor(self.plan, local_params, group=self.group, device=self.device)
         self.last_stats = ex.stats
         return ex.stream()
 
     def sync(self, local_params: Mapping[str, torch.Tensor], rollout) -> ExecutorStats:
-        """Pushes this rank's generation weights into `rollout` (anything with `update_weights(iterable)`)."""
+        """Pushes this rank's generation weights into `rollout` (anything with `update_weights(iterable)`; None
+        on a rank that only sends)."""
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         self._check_names(rollout, rank)
         stream = _Tracked(self.stream(local_params))
         error: BaseException | None = None
         try:
-            rollout.update_weights(stream)
+            if rollout is not None:
+                rollout.update_weights(stream)
         except Exception as e:  # noqa: BLE001 - reported below, after every rank has finished its messages
             error = e
         try:

@@ -11,6 +11,11 @@ Training weights are only read (narrow views): the training layout is intact aft
 consumer of the stream fails. A target that is exactly one contiguous block of a local tensor is yielded as
 a read-only view of it (no copy at all when TP_g = TP for megatron, or at TP_g = 1 for a data-parallel HF
 module holding every tensor whole); consumers copy what they receive and must not write to it.
+
+Across rank sets (a plan with separate training and generation ranks) the same code runs: a training-only
+rank packs and sends and yields nothing; a generation-only rank holds no shards and receives everything
+(on `device`, else where the backend communicates: the GPU under NCCL), a target that arrives whole from one
+sender handed out as a view of the receive buffer.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class ReshardExecutor:
     global layer index, or the HF name) → this rank's training tensor (shard, chunk or whole)."""
 
     def __init__(self, plan: ReshardPlan, local_params: Mapping[str, torch.Tensor], *, group=None,
-                 rank: int | None = None):
+                 rank: int | None = None, device: torch.device | None = None):
         self.plan = plan
         self.group = group
         if rank is None:
@@ -70,7 +75,10 @@ class ReshardExecutor:
                                   f"{plan.train.dp_size}) but the process group has {dist.get_world_size(group)}")
         self.params = dict(local_params)
         # Receive buffers live where the training tensors do (NCCL moves device memory only).
-        self.device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        if device is None:
+            from verl.distributed.placement import comm_device
+            device = next(iter(self.params.values())).device if self.params else comm_device()
+        self.device = device
         self.stats = ExecutorStats()
 
     # ------------------------------------------------------------------------------------------- checks
@@ -179,6 +187,10 @@ class ReshardExecutor:
         return t if tp.narrow is None else t.narrow(*tp.narrow)
 
     def _assemble(self, tp: TargetPlan, views) -> torch.Tensor:
+        if len(tp.pieces) == 1 and tp.pieces[0].src_rank != self.rank and self.rank not in self.plan.train_ranks:
+            # A generation-only rank (a rollout on its own ranks) receiving a whole target from one sender: the
+            # received rows already are the target, so it is handed out as that view (half the peak memory).
+            return views[(id(tp), 0)]
         if len(tp.pieces) == 1 and tp.pieces[0].src_rank == self.rank:
             # The target is one contiguous block of a local tensor (TP_g = TP for megatron, every target at
             # TP_g = 1 from a whole copy): hand out a view instead of a copy. Engines copy what they receive,

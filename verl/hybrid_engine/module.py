@@ -10,6 +10,11 @@ over the group, or HSDP's 2-D mesh with the group being this rank's shard group)
 chunk k of every parameter and each generation rank gathers only the rows its targets need. Parameter
 names are the module's HF names; a tied `lm_head.weight` is the embedding itself and not a separate target
 (vLLM and the torch engine share it too).
+
+A rollout on its own ranks (`hybrid_engine_across`): the same training layouts on the actor's ranks, the
+generation layout on the rollout's, one plan over a group spanning both. Only the actor's ranks hold the
+module and only the rollout's know the generation settings, so each side's half travels in one object
+all-gather before planning.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from verl.hybrid_engine.engine import HybridEngine, HybridEngineConfig
 from verl.distributed.placement import Placement
 from verl.models.layout import ModelLayout, hf_model_layout
 
-__all__ = ["module_layout", "module_local_params", "hybrid_engine_for_module"]
+__all__ = ["module_layout", "module_local_params", "hybrid_engine_for_module", "hybrid_engine_across"]
 
 
 def _bare(module: torch.nn.Module) -> torch.nn.Module:
@@ -88,12 +93,17 @@ def module_local_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _fingerprint(layout: ModelLayout) -> str:
+    """What every rank of a plan must agree on: the parameters' names, shapes, dtypes and cut dims."""
+    text = repr([(s.name, s.global_shape, str(s.dtype), s.dim) for s in layout.params])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _same_everywhere(layout: ModelLayout, group) -> None:
     """Every rank must plan the same model, or the point-to-point messages would not pair up."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    text = repr([(s.name, s.global_shape, str(s.dtype), s.dim) for s in layout.params])
-    mine = hashlib.sha256(text.encode()).hexdigest()
+    mine = _fingerprint(layout)
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     odd = [r for r, h in enumerate(everyone) if h != everyone[0]]
@@ -109,3 +119,37 @@ def hybrid_engine_for_module(module: torch.nn.Module, config: HybridEngineConfig
     _same_everywhere(layout, group)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     return HybridEngine(layout, Placement.layout(tp=1, pp=1, dp=world), config, group=group)
+
+
+def hybrid_engine_across(module: torch.nn.Module | None, config: HybridEngineConfig | None, *, group,
+                         actor_ranks: tuple[int, ...], rollout_ranks: tuple[int, ...], shard_group=None,
+                         device: torch.device | None = None) -> HybridEngine:
+    """A HybridEngine from a module trained data-parallel on `actor_ranks` (whole copies, or FSDP2 dim-0 shards
+    over `shard_group`, which must span all of them) to a generation layout on the disjoint `rollout_ranks`
+    (world ranks). Collective over `group`, a process group over exactly both sets. `module` is given on the
+    actor's ranks (None elsewhere), `config` (the generation settings) on the rollout's; `device` is where a
+    rollout rank receives."""
+    members = dist.get_process_group_ranks(group)
+    if sorted(members) != sorted(set(actor_ranks) | set(rollout_ranks)) or set(actor_ranks) & set(rollout_ranks):
+        raise VerlConfigError(f"the weight-sync group spans ranks {members}; it must be exactly the disjoint union "
+                              f"of actor ranks {list(actor_ranks)} and rollout ranks {list(rollout_ranks)}")
+    me = dist.get_rank()
+    layout = module_layout(module, shard_group) if me in actor_ranks else None
+    mine = (layout if me == actor_ranks[0] else None, None if layout is None else _fingerprint(layout),
+            config if me == rollout_ranks[0] else None)
+    everyone: list = [None] * len(members)
+    dist.all_gather_object(everyone, mine, group=group)
+    by_rank = dict(zip(members, everyone))
+    layout, config = by_rank[actor_ranks[0]][0], by_rank[rollout_ranks[0]][2]
+    odd = [r for r in actor_ranks if by_rank[r][1] != by_rank[actor_ranks[0]][1]]
+    if odd:
+        raise VerlConfigError(f"actor ranks {odd} hold a different model (parameter names, shapes or dtypes) than "
+                              f"actor rank {actor_ranks[0]}; every actor rank must hold the same actor")
+    shards = {s.parts for s in layout.params if s.dim is not None}
+    if shards and shards != {len(actor_ranks)}:
+        raise VerlConfigError(f"the actor's parameters are sharded over {sorted(shards)} ranks but the actor runs on "
+                              f"{len(actor_ranks)}; a rollout on its own ranks needs every parameter whole or "
+                              f"sharded over all actor ranks (fsdp.shard_size=-1, no HSDP)")
+    return HybridEngine(layout, Placement.layout(tp=1, pp=1, dp=len(actor_ranks)), config, group=group,
+                        train_ranks=[dist.get_group_rank(group, r) for r in actor_ranks],
+                        gen_ranks=[dist.get_group_rank(group, r) for r in rollout_ranks], device=device)

@@ -19,6 +19,12 @@ itself when it holds the data, else a replica in the rank's own training DP grou
 index: the merged TP group), else the least loaded one, so that senders share the work. A rank that holds
 every tensor whole (data-parallel HF module) therefore builds all its targets from its own copy: no bytes
 move. Buckets follow the training parameters' order (megatron: named_parameters, by layer).
+
+Across rank sets (a rollout on its own ranks): `train_ranks` and `gen_ranks` name the ranks of the process
+group (the union of both sets) that hold the training layout and the generation layout. Generation rank i of
+`gen_ranks` is TP rank i % TP_g of replica i // TP_g (consecutive ranks form a replica), and every byte it
+receives comes from a training rank: among equal replicas the least loaded sends, so the actor's data-parallel
+copies share the sending.
 """
 
 from __future__ import annotations
@@ -114,28 +120,33 @@ class Bucket:
     targets: list[TargetPlan] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(kw_only=True, slots=True)
 class ReshardPlan:
-    """The whole plan: identical on every rank, so sends and receives pair up without negotiation."""
+    """The whole plan: identical on every rank, so sends and receives pair up without negotiation. Ranks are
+    those of the process group the executor runs on."""
 
     train: Placement
+    """The training layout; training rank r lives on group rank `train_ranks[r]`."""
     tp_g: int
     fmt: str
-    coords: list[tuple[int, int]]
+    coords: list[tuple[int, int] | None]
+    """(generation TP index, generation DP index) of every group rank; None for a rank that does not generate."""
     specs: dict[str, ShardSpec]
     buckets: list[Bucket]
     bucket_bytes: int
-
-    @property
-    def world(self) -> int:
-        return self.train.world_size
+    train_ranks: tuple[int, ...]
+    """The group rank of each training rank (0 … train.world_size - 1 when both layouts share the ranks)."""
+    world: int
+    """Ranks of the process group (training and generation ranks together)."""
 
     def targets_of(self, rank: int) -> list[TargetPlan]:
         return [t for b in self.buckets for t in b.targets if t.rank == rank]
 
     def local_params(self, rank: int) -> dict[str, tuple[int, ...]]:
-        """Parameter name → local shape of every training parameter `rank` holds."""
-        t, d, p = self.train.coords(rank)
+        """Parameter name → local shape of every training parameter `rank` holds (none on a generation-only rank)."""
+        if rank not in self.train_ranks:
+            return {}
+        t, d, p = self.train.coords(self.train_ranks.index(rank))
         return {s.name: s.local_shape(t if s.axis == "tp" else d) for s in self.specs.values() if s.stage == p}
 
     def traffic(self) -> dict[str, list[int]]:
@@ -204,9 +215,12 @@ class _SourceIndex:
 
 
 class _SourceChooser:
-    def __init__(self, train: Placement):
-        self.train = train
-        self.load = [0] * train.world_size
+    """Picks the group rank that sends a chunk: `dst` itself when it holds it, else a replica in dst's training
+    DP group, else the least loaded replica (a generation-only dst has no DP group: load alone decides)."""
+
+    def __init__(self, train: Placement, train_ranks: Sequence[int], world: int):
+        self.train, self.host = train, list(train_ranks)
+        self.load = [0] * world
 
     def choose(self, spec: ShardSpec, k: int, dst: int, nbytes: int) -> int:
         tr = self.train
@@ -216,10 +230,15 @@ class _SourceChooser:
             candidates = [tr.rank_of(k, d, spec.stage) for d in range(tr.dp_size)]
         else:
             candidates = [tr.rank_of(t, k, spec.stage) for t in range(tr.tp_size)]
-        if dst in candidates:
+        hosts = [self.host[c] for c in candidates]
+        if dst in hosts:
             return dst
-        _, d_dst, _ = tr.coords(dst)
-        best = min(candidates, key=lambda c: (tr.coords(c)[1] != d_dst, self.load[c], c))
+        if dst in self.host:
+            _, d_dst, _ = tr.coords(self.host.index(dst))
+            key = lambda c: (tr.coords(c)[1] != d_dst, self.load[self.host[c]], c)  # noqa: E731
+        else:
+            key = lambda c: (self.load[self.host[c]], c)  # noqa: E731
+        best = self.host[min(candidates, key=key)]
         self.load[best] += nbytes
         return best
 
@@ -314,23 +333,50 @@ def _ordered_groups(layout: ModelLayout, index: _SourceIndex) -> list[TensorGrou
     return sorted(layout.groups, key=lambda g: min(order[h.spec.name] for n in g.names for h in index.by_name[n]))
 
 
+def _rank_sets(train: Placement, tp_g: int, mapping: str, train_ranks: Sequence[int] | None,
+               gen_ranks: Sequence[int] | None) -> tuple[tuple[int, ...], int, list[tuple[int, int] | None]]:
+    """(group rank of each training rank, group size, generation coords of every group rank)."""
+    if gen_ranks is None:
+        if train_ranks is not None and tuple(train_ranks) != tuple(range(train.world_size)):
+            raise VerlConfigError(f"train_ranks={list(train_ranks)} without gen_ranks: name the generation ranks "
+                                  f"too when the training layout does not start at group rank 0")
+        return tuple(range(train.world_size)), train.world_size, list(generation_coords(train, tp_g, mapping))
+    hosts = tuple(range(train.world_size)) if train_ranks is None else tuple(train_ranks)
+    gens = tuple(gen_ranks)
+    world = len(set(hosts) | set(gens))
+    if len(hosts) != train.world_size or len(set(hosts)) != len(hosts) or len(set(gens)) != len(gens) \
+            or not set(hosts) | set(gens) <= set(range(world)):
+        raise VerlConfigError(f"train_ranks={list(hosts)} (one per rank of the {train.world_size}-rank training "
+                              f"layout) and gen_ranks={list(gens)} must each name distinct ranks that together "
+                              f"are the group's ranks 0..{world - 1}")
+    if not gens or len(gens) % tp_g:
+        raise VerlConfigError(f"generation TP={tp_g} must divide the {len(gens)} generation ranks {list(gens)}")
+    coords: list[tuple[int, int] | None] = [None] * world
+    for i, r in enumerate(gens):
+        coords[r] = (i % tp_g, i // tp_g)
+    return hosts, world, coords
+
+
 def plan_reshard(layout: ModelLayout, train: Placement, tp_g: int, *, fmt: str = "hf",
-                 bucket_bytes: int = 64 << 20, mapping: str = "hybrid") -> ReshardPlan:
+                 bucket_bytes: int = 64 << 20, mapping: str = "hybrid", train_ranks: Sequence[int] | None = None,
+                 gen_ranks: Sequence[int] | None = None) -> ReshardPlan:
     """Plans the move of `layout`'s weights from `train` to a generation layout with TP size `tp_g`.
 
     bucket_bytes bounds, per rank, the bytes of one bucket (targets received plus slices sent); a single
-    tensor group larger than that forms a bucket of its own.
+    tensor group larger than that forms a bucket of its own. `train_ranks` / `gen_ranks` (group ranks) place
+    the two layouts on different ranks of one group; by default both span the same ranks (`mapping` then
+    assigns the generation coordinates).
     """
     _check(layout, train, tp_g, fmt, bucket_bytes)
-    coords = generation_coords(train, tp_g, mapping)
+    hosts, world, coords = _rank_sets(train, tp_g, mapping, train_ranks, gen_ranks)
     index = _SourceIndex(layout.params)
-    chooser = _SourceChooser(train)
+    chooser = _SourceChooser(train, hosts, world)
     buckets: list[Bucket] = [Bucket(0)]
-    held = [0] * train.world_size
+    held = [0] * world
     for group in _ordered_groups(layout, index):
-        unit = [_plan_target(tgt, index, r, chooser)
-                for r, (tg, _) in enumerate(coords) for tgt in generation_targets(group, tp_g, tg, fmt)]
-        cost = [0] * train.world_size
+        unit = [_plan_target(tgt, index, r, chooser) for r, c in enumerate(coords) if c is not None
+                for tgt in generation_targets(group, tp_g, c[0], fmt)]
+        cost = [0] * world
         for tp in unit:
             cost[tp.rank] += tp.nbytes
             for pc in tp.pieces:
@@ -338,9 +384,10 @@ def plan_reshard(layout: ModelLayout, train: Placement, tp_g: int, *, fmt: str =
                     cost[pc.src_rank] += tp.piece_nbytes(pc)
         if buckets[-1].groups and any(h + c > bucket_bytes for h, c in zip(held, cost)):
             buckets.append(Bucket(len(buckets)))
-            held = [0] * train.world_size
+            held = [0] * world
         buckets[-1].groups.append(group)
         buckets[-1].targets.extend(unit)
         held = [h + c for h, c in zip(held, cost)]
     specs = {s.name: s for s in sorted(layout.params, key=_order_key)}
-    return ReshardPlan(train, tp_g, fmt, coords, specs, buckets, bucket_bytes)
+    return ReshardPlan(train=train, tp_g=tp_g, fmt=fmt, coords=coords, specs=specs, buckets=buckets,
+                       bucket_bytes=bucket_bytes, train_ranks=hosts, world=world)

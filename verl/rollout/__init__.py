@@ -14,8 +14,18 @@ from verl.rollout.config import ENGINES, RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 from verl.rollout.torch_engine import TorchRollout
 
-__all__ = ["ENGINES", "RolloutConfig", "build_rollout", "engine_available", "require_engine", "SamplingParams", "GenerationOutput",
+__all__ = ["ENGINES", "PAUSABLE", "RolloutConfig", "build_rollout", "can_pause", "engine_available", "require_engine", "SamplingParams", "GenerationOutput",
            "RolloutEngine", "Tokenizer", "TorchRollout", "FINISH_REASONS"]
+
+
+PAUSABLE: tuple[str, ...] = ()
+"""Engines that can pause a generation in flight at a weight update and resume it with the new weights
+(rebuilding the KV cache), as rollout.partial needs. None of verl's engines can yet."""
+
+
+def can_pause(engine: str) -> bool:
+    """Whether `engine` supports partial rollouts (rollout.partial)."""
+    return engine in PAUSABLE
 
 
 def engine_available(engine: str) -> tuple[bool, str]:

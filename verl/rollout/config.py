@@ -52,6 +52,10 @@ class RolloutConfig:
     """Benchmark: before each sync also move the weights the way the 3D-HybridEngine replaced (megatron actors:
     the whole model gathered to one rank, broadcast to the model-parallel group, loaded whole) and log its time
     as perf/full_gather_s beside perf/sync_s, measured in the same run."""
+    partial: bool = False
+    """Partial rollouts (trainer.mode=one_step_off / async): generation in flight at a weight update is paused
+    and resumed with the new weights (KV cache rebuilt), recording per token the version that produced it. It
+    needs an engine that can pause (`verl.rollout.can_pause`); none can yet, so true is refused before step 1."""
     seed: int = 0
     """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -83,8 +87,8 @@ class RolloutConfig:
     weights to the CPU, vllm / sglang enter sleep mode (KV cache and weights freed; GPU builds only).
     resume() before the next weight sync brings them back."""
     ranks: list[int] | None = None
-    """World ranks that generate (None: trainer.placement decides; today they must equal actor.ranks, whose
-    weights reach the engine through the 3D-HybridEngine)."""
+    """World ranks that generate (None: trainer.placement decides): actor.ranks (the weights reach the engine in
+    place), or ranks disjoint from them (the 3D-HybridEngine sends the weights there each step)."""
     engine_kwargs: dict = field(default_factory=dict)
     """Further keyword arguments passed to the engine's constructor (vllm.LLM, sglang.Engine)."""
 

@@ -3,6 +3,12 @@
     generate → reward → old log-probs, reference log-probs, values → token rewards (KL in reward)
              → advantage → update critic → update actor → sync weights
 
+Asynchronous modes are the same nodes with the generated batches read from earlier runs (`trainer.mode`):
+under one_step_off / async every node that consumes what the rollout made reads it with
+``lag=PPOConfig.generation_lag`` (a node config, see `verl.dataflow.config.NodeConfig.lag`), so the rollout's
+ranks generate the next batch while the actor's ranks train on an earlier one, and the weights move at the
+step boundary (sync_weights, which waits for both).
+
 GRPO, Dr.GRPO, RLOO, REINFORCE++ and ReMax are the same flow with another advantage node and no critic: the
 estimator's registration (`verl.algos.advantage_info`) says whether it needs a critic, a greedy baseline or
 groups, and the flow takes the matching nodes, so registering an estimator never edits this file. Workers
@@ -18,11 +24,15 @@ from verl import DataflowNode, build_dataflow
 from verl.algos import advantage_info, get_advantage, get_kl, rollout_mismatch
 from verl.config.ppo import PPOConfig
 from verl.distributed.collectives import mean_over
+from verl.workers.rollout import sync_rollout_weights
 
 
-@DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["batch"])
-def generate(prompts, rollout, seed):
-    return rollout.generate(prompts, seed=seed)
+@DataflowNode(input_keys=["prompts", "rollout", "seed", "rollout_version"], output_keys=["batch"])
+def generate(prompts, rollout, seed, rollout_version):
+    """Each sample carries the policy version whose weights the rollout holds (rollout/staleness)."""
+    batch = rollout.generate(prompts, seed=seed)
+    batch.weight_version = torch.full((len(batch),), rollout_version, dtype=torch.long)
+    return batch
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["baseline_batch"])
@@ -137,7 +147,9 @@ def update_actor(batch, actor, old_log_probs, advantages, ref_log_probs, step, c
 
 @DataflowNode(input_keys=["actor", "rollout", "actor_metrics"], output_keys=["sync_metrics"])
 def sync_weights(actor, rollout, actor_metrics):
-    return rollout.sync_weights(actor)
+    """On the actor's ranks; with the rollout on its own ranks, on both sets (each rank holds one side, the other
+    is None): the actor's ranks send, the rollout's receive."""
+    return sync_rollout_weights(actor, rollout)
 
 
 def ppo_nodes(cfg: PPOConfig) -> list:
@@ -157,7 +169,15 @@ def ppo_nodes(cfg: PPOConfig) -> list:
 ROLE_OF = {"generate": "rollout", "generate_baseline": "rollout", "reward": "reward", "score_baseline": "reward",
            "ref_log_prob": "ref", "values": "critic", "update_critic": "critic"}
 """The role whose ranks run each node; every other node (old log-probs, token rewards, advantages, the actor
-update, the weight sync) runs on the actor's ranks."""
+update) runs on the actor's ranks, and the weight sync on the actor's and the rollout's (`node_ranks`)."""
+
+
+def node_ranks(node: str, roles: dict) -> tuple[int, ...]:
+    """The ranks that run `node`: its role's, and for the weight sync both ends of the move."""
+    ranks = roles[ROLE_OF.get(node, "actor")].ranks
+    if node == "sync_weights":
+        ranks = tuple(sorted(set(ranks) | set(roles["rollout"].ranks)))
+    return ranks
 
 
 def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
@@ -166,10 +186,16 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
     settings = {"old_log_prob": {"on_policy": cfg.on_policy, "bypass": cfg.algorithm.rollout_correction.bypass},
                 "update_actor": {"critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0}}
     out = {}
-    for node in ppo_nodes(cfg):
+    nodes, lag = ppo_nodes(cfg), cfg.generation_lag
+    generated = {k for n in nodes if ROLE_OF.get(n.name) == "rollout" for k in n.output_keys}
+    for node in nodes:
         role = roles[ROLE_OF.get(node.name, "actor")]
-        out[node.name] = {"device_map": list(role.ranks), "engine": role.engine, "cpu_offload": role.cpu_offload,
+        out[node.name] = {"device_map": list(node_ranks(node.name, roles)), "engine": role.engine,
+                          "cpu_offload": role.cpu_offload,
                           **settings.get(node.name, {})}
+        lagged = {k: lag for k in node.input_keys if k in generated} if ROLE_OF.get(node.name) != "rollout" else {}
+        if lag and lagged:
+            out[node.name]["lag"] = lagged
         if cfg.trainer.node_timeout_s > 0:
             out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
     return out
@@ -177,4 +203,6 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
 
 def build_ppo_dataflow(cfg: PPOConfig, world_size: int = 1):
     """The configured algorithm's dataflow, each node on its role's ranks (`PPOConfig.roles`)."""
-    return build_dataflow(nodes=ppo_nodes(cfg), configs=node_configs(cfg, cfg.roles(world_size)))
+    # the rollout's weights change only once it has generated (implied by the keys in sync mode)
+    return build_dataflow(nodes=ppo_nodes(cfg), configs=node_configs(cfg, cfg.roles(world_size)),
+                          dependencies={"sync_weights": ["generate"]})

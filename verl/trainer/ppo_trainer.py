@@ -18,6 +18,7 @@ from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_pro
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import Tokenizer, build_rollout, require_engine
+from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
@@ -27,8 +28,9 @@ from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 from verl.workers.engine import ModuleEngine
+from verl.workers.rollout import WeightLink, sync_rollout_weights
 
-MAXED = ("reward/max", "rollout/mismatch_max", "perf/peak_memory_mb")
+MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
 
 
 def load_dataset(cfg: PPOConfig) -> PromptDataset:
@@ -102,6 +104,10 @@ class PPOTrainer:
         self.reward_fn = build_reward(cfg.reward, placement.device) if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
+        # one_step_off / async: the generated batches waiting to be trained on (the bounded queue), kept
+        # between the flow's runs and in checkpoints
+        self.lag = cfg.generation_lag
+        self.flow_state = self.flow.new_state() if self.lag else None
         self.out_dir = Path(cfg.trainer.output_dir)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints,
                                       trust=cfg.trainer.trust_checkpoint)
@@ -155,6 +161,19 @@ class PPOTrainer:
                                    tokenizer=self.tokenizer)
             self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
                                          placement=places["rollout"])
+        if roles["rollout"].ranks != roles["actor"].ranks:
+            self._link_rollout()
+
+    def _link_rollout(self) -> None:
+        """A rollout on its own ranks: the actor's ranks send it the weights over a group of both sets (created on
+        every rank, as process groups are; the dataflow's weight-sync node gets the same one)."""
+        from verl.dataflow.comm import group_for
+        actor, rollout = self.roles["actor"].ranks, self.roles["rollout"].ranks
+        link = WeightLink(group_for(tuple(sorted(actor + rollout))), actor, rollout)
+        if self.actor is not None:
+            self.actor.weight_link = link
+        if self.rollout is not None:
+            self.rollout.link = link
 
     def _engine(self, role: str, init_dir: Path | None):
         """The training engine of `role` (actor, ref or critic) on this rank."""
@@ -195,12 +214,16 @@ class PPOTrainer:
             s = getattr(getattr(worker, "engine", None), "scheduler", None)
             return s.state_dict() if s is not None else None
         scheds = {"actor_sched": sched(self.actor), "critic_sched": sched(self.critic)}
+        # the batches generated but not yet trained on live on the rollout's ranks: each rank's share is stored
+        carried = None if self.flow_state is None else encode_state(self.flow_state.state_dict())
+        flow_states = [carried]
         if self.placement.distributed:
             everyone: list = [None] * self.placement.world_size
-            dist.all_gather_object(everyone, scheds)
-            scheds = {k: next((e[k] for e in everyone if e[k] is not None), None) for k in scheds}
+            dist.all_gather_object(everyone, (scheds, carried))
+            scheds = {k: next((e[0][k] for e in everyone if e[0][k] is not None), None) for k in scheds}
+            flow_states = [e[1] for e in everyone]
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                **scheds, "config": to_dict(self.cfg)}
+                **scheds, "config": to_dict(self.cfg), "generation_lag": self.lag, "flow_state": flow_states}
 
     def _restore(self, path: Path) -> None:
         state = self.ckpt.load(path, *self._checkpointed())
@@ -210,6 +233,19 @@ class PPOTrainer:
         for worker, key in ((self.actor, "actor_sched"), (self.critic, "critic_sched")):
             if worker is not None and state[key] is not None:
                 worker.engine.scheduler.load_state_dict(state[key])
+        self._restore_carried(state)
+
+    def _restore_carried(self, state: dict) -> None:
+        """The batches in flight at the save come back, so a one_step_off / async run resumes exactly. Resumed in
+        another mode (another generation lag), they are dropped: their prompts count as used, and the new
+        mode's prologue generates afresh with the restored weights."""
+        saved_lag = int(state.get("generation_lag", 0))
+        if self.flow_state is None or saved_lag != self.lag:
+            if saved_lag and self.placement.is_main:
+                print(f"verl: dropping the {saved_lag} batch(es) generated ahead before the checkpoint "
+                      f"(saved with generation lag {saved_lag}, resumed with {self.lag})", flush=True)
+            return
+        self.flow_state.load_state_dict(decode_state(state["flow_state"][self.placement.global_rank]))
 
     def save(self) -> Path:
         return self.ckpt.save(self.step, *self._checkpointed(), self._trainer_state())
@@ -230,33 +266,45 @@ class PPOTrainer:
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
-        if self.rollout is not None:
-            self.rollout.sync_weights(self.actor)
+        if self.rollout is not None or self.actor is not None:  # both sides of a rollout on its own ranks
+            sync_rollout_weights(self.actor, self.rollout)
         return info
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """One optimizer step of the actor. Under one_step_off / async the first call also runs the prologue:
+        `lag` runs that only generate (the training nodes wait for a batch from an earlier run)."""
         t0 = time.perf_counter()
-        rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the step's prompts, the same on every rank
-        # a pure function of the step (and the row, inside the rollout worker): a resumed run samples exactly
-        # what the uninterrupted one did, whatever the generation layout
-        seed = self.cfg.rollout.seed + self.step * len(rows) * self.cfg.rollout.n
-        inputs = {"prompts": rows, "seed": seed, "step": self.step,
-                  "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor, "ref": self.ref,
-                  "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": self.cfg.algorithm}
-        self.node_seconds.clear()
+        while self.flow_state is not None and self.flow_state.runs < self.lag:
+            self._run_flow(trace=None)
         trace = None
         if self.cfg.trainer.trace_step == self.step + 1:
             trace = str(self.out_dir / f"trace_step_{self.step + 1}.json")
-        out = self.flow.run(inputs, hooks=[self], trace=trace)
+        self.node_seconds.clear()
+        out = self._run_flow(trace)
         return self._metrics(out, time.perf_counter() - t0)
+
+    def _run_flow(self, trace: str | None) -> dict:
+        """One run of the dataflow: generates the next batch and (past the prologue) trains on the batch
+        generated `lag` runs ago (this run's in sync mode)."""
+        generated = self.flow_state.runs if self.flow_state is not None else self.step  # batches generated so far
+        rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the batch's prompts, the same on every rank
+        # a pure function of the batch's index (and the row, inside the rollout worker): a resumed run samples
+        # exactly what the uninterrupted one did, whatever the generation layout or mode
+        seed = self.cfg.rollout.seed + generated * len(rows) * self.cfg.rollout.n
+        # the rollout holds the weights of the last sync: after `step` updates (synced at each step's end)
+        inputs = {"prompts": rows, "seed": seed, "step": self.step, "rollout_version": self.step,
+                  "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor, "ref": self.ref,
+                  "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": self.cfg.algorithm}
+        return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
 
     def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
         """The step's metrics, the same on every rank: each rank reports what its roles computed (the actor's
         ranks the batch, rewards and update; a split critic's ranks the critic's), then one reduction."""
         m: dict[str, float] = {}
         if self.actor is not None:
-            batch, scores, mask = out["batch"], out["scores"], out["batch"].response_mask
+            batch = out["batch"] if self.flow_state is None else self.flow_state.lagged("batch", self.lag)
+            scores, mask = out["scores"], batch.response_mask
             m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
                  "reward/min": float(scores.min()), "response/length": float(mask.sum(-1).mean()),
                  "response/clip_ratio": float((mask[:, -1] > 0).float().mean()),
@@ -266,11 +314,17 @@ class PPOTrainer:
                  "perf/tokens": float(batch.num_tokens()), "perf/response_tokens": float(mask.sum())}
             if "actor/kl" not in m and "actor/ppo_kl" in m:
                 m["actor/kl"] = m["actor/ppo_kl"]
+        elif self.rollout is not None:  # a rollout on its own ranks reports what it received
+            m.update(out["sync_metrics"])
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
         if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
             m.update(out.get("reward_metrics") or {})
+        if self.actor is not None and batch.weight_version is not None:
+            stale = (self.step - batch.weight_version).float()
+            m.update({"rollout/staleness_mean": float(stale.mean()), "rollout/staleness_max": float(stale.max())})
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
+        m.update(self._idle_shares(elapsed))
         m["perf/peak_memory_mb"] = peak_memory_mb()  # the largest process's
         m = reduce_metrics(m, self.placement, maxed=MAXED, mined=("reward/min",))
         # model-parallel peers hold the same tokens: count each actor replica once
@@ -280,6 +334,14 @@ class PPOTrainer:
         m["perf/tokens_per_s"] = m.pop("perf/tokens") * dp / elapsed
         m["perf/response_tokens_per_s"] = m.pop("perf/response_tokens") * dp / elapsed
         return m
+
+    def _idle_shares(self, elapsed: float) -> dict[str, float]:
+        """perf/idle_share_<role> for the rollout's and the actor's ranks: the share of the step this rank spent
+        outside its nodes (waiting for data, or inside sync_weights for the other side to arrive)."""
+        busy = sum(v for k, v in self.node_seconds.items() if k not in ("transfer", "sync_weights"))
+        rank = self.placement.global_rank
+        return {f"perf/idle_share_{role}": max(0.0, 1.0 - busy / elapsed) for role in ("rollout", "actor")
+                if rank in self.roles[role].ranks and (role == "actor" or rank not in self.roles["actor"].ranks)}
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:

@@ -61,6 +61,9 @@ class ActorWorker:
         self.correction = rollout_correction or RolloutCorrectionConfig()
         self.loss_params = cfg.loss_params()
         self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
+        self.weight_link = None
+        """A `verl.workers.rollout.WeightLink` when the rollout runs on other ranks: where this actor sends its
+        weights (set by the trainer)."""
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""

@@ -34,6 +34,9 @@ class RolloutBatch:
     """[B] long, index of the prompt each response answers (GRPO groups)."""
     rollout_log_probs: torch.Tensor | None = None
     """[B, R] log-probs of the sampled tokens under the rollout engine's sampling distribution (0 on padding)."""
+    weight_version: torch.Tensor | None = None
+    """[B] long: the policy version (actor optimizer steps taken) whose weights generated each sample; the
+    trainer compares it with the version that trains on it (rollout/staleness)."""
     prompts: list = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     response_texts: list[str] = field(default_factory=list)
@@ -57,6 +60,7 @@ class RolloutBatch:
                        position_ids=self.position_ids[idx], response_mask=self.response_mask[idx],
                        group=self.group[idx],
                        rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
+                       weight_version=None if self.weight_version is None else self.weight_version[idx],
                        prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts))
 
     def __getitem__(self, idx: slice | torch.Tensor) -> "RolloutBatch":
@@ -78,12 +82,13 @@ class RolloutBatch:
         for b in pieces:
             groups.append(b.group - (b.group.min() if len(b) else 0) + offset)
             offset = int(groups[-1].max()) + 1 if len(b) else offset
-        lps = [b.rollout_log_probs for b in pieces]
+        lps, wvs = [b.rollout_log_probs for b in pieces], [b.weight_version for b in pieces]
         return cls(input_ids=torch.cat([left(b.input_ids, b, 0) for b in pieces]),
                    attention_mask=torch.cat([left(b.attention_mask, b, 0) for b in pieces]),
                    position_ids=torch.cat([left(b.position_ids, b, 0) for b in pieces]),
                    response_mask=torch.cat([b.response_mask for b in pieces]), group=torch.cat(groups),
                    rollout_log_probs=None if any(x is None for x in lps) else torch.cat(lps),
+                   weight_version=None if any(x is None for x in wvs) else torch.cat(wvs),
                    prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
                    response_texts=[x for b in pieces for x in b.response_texts])
 

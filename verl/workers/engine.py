@@ -232,6 +232,11 @@ class ModuleEngine:
         from verl.hybrid_engine.module import module_local_params
         return module_local_params(self.module)
 
+    @property
+    def shard_group(self):
+        """The group its parameters are sharded over (None: whole on every rank, or one rank)."""
+        return self.placement.dp
+
     def hybrid_engine(self, config):
         """The 3D-HybridEngine planned for this module's data-parallel replicas (collective)."""
         from verl.hybrid_engine.module import hybrid_engine_for_module

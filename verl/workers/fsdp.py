@@ -139,6 +139,11 @@ class FSDPEngine(ModuleEngine):
     def offload(self) -> None:
         """See `onload`."""
 
+    @property
+    def shard_group(self):
+        """The group each parameter is cut over (the whole role, or under HSDP this rank's shard group)."""
+        return self.mesh.get_group("shard")
+
     def hybrid_engine(self, config):
         """The 3D-HybridEngine planned over this rank's shard group (which holds one whole copy; under HSDP
         every replica syncs its own rollout ranks), collective over that group."""

@@ -6,6 +6,10 @@ Prompt rows become engine prompts in one place: the engine's `Tokenizer` (the mo
 its chat template for chat messages). Weight sync runs through the 3D-HybridEngine from the actor's local
 shards to the generation layout (`rollout.tp`), bucketed and bit-exact; a torch / hf engine that generates with
 the actor's own module needs no copy at all and says so (`perf/sync_shared`).
+
+A rollout on its own ranks (rollout.ranks disjoint from actor.ranks) gets the weights over a `WeightLink`: one
+plan over a group of both rank sets, the actor's ranks sending (the sending spread over its data-parallel
+copies), the rollout's receiving its generation shards; `sync_rollout_weights` is the one call for both cases.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from verl.errors import VerlConfigError
 from verl.rollout import RolloutConfig, RolloutEngine
 from verl.workers.batch import RolloutBatch, batch_from_outputs
 
-__all__ = ["RolloutWorker"]
+__all__ = ["RolloutWorker", "WeightLink", "sync_rollout_weights"]
 
 
 def _chunk(n: int, parts: int, index: int) -> slice:
@@ -44,6 +48,8 @@ class RolloutWorker:
         self.placement = placement or Placement()
         self._hybrid = None       # the 3D-HybridEngine, planned at the first sync (collective)
         self._engine_bytes = 0    # what each sync hands the engine on this rank (from the plan)
+        self.link: WeightLink | None = None
+        """Set when the rollout runs on its own ranks: where its weights come from."""
 
     @property
     def tokenizer(self):
@@ -84,7 +90,8 @@ class RolloutWorker:
         training replica's rows."""
         everyone: list = [None] * self.placement.world_size
         first_of_replica = self.placement.rank % self.cfg.tp == 0
-        dist.all_gather_object(everyone, (gen.start, outs) if first_of_replica else None)
+        dist.all_gather_object(everyone, (gen.start, outs) if first_of_replica else None,
+                               group=self.placement.group)
         by_row = {}
         for item in everyone:
             if item is not None:
@@ -114,8 +121,22 @@ class RolloutWorker:
         return getattr(self.engine, "model", None) is not None and \
             getattr(actor.engine, "module", None) is self.engine.model
 
+    def hybrid_config(self):
+        """The generation side of the weight sync: rollout.tp, the engine's format, rollout.sync_bucket_mb."""
+        from verl.hybrid_engine import HybridEngineConfig
+        return HybridEngineConfig(generation_tp=self.cfg.tp, bucket_mb=self.cfg.sync_bucket_mb,
+                                  weight_format=self.weight_format, rank_mapping="contiguous")
+
     def sync_weights(self, actor) -> dict[str, float]:
-        """Moves the actor's current weights into the engine; returns perf/sync_* metrics of this transfer."""
+        """Moves the actor's current weights into the engine; returns perf/sync_* metrics of this transfer.
+        `actor` is None on a rollout on its own ranks: the weights arrive over `self.link`."""
+        if actor is None:
+            if self.link is None:
+                raise VerlConfigError("this rollout has no actor on its ranks and no WeightLink to receive the "
+                                      "weights over; the trainer sets one when rollout.ranks differ from actor.ranks")
+            if self.engine.released:
+                self.engine.resume()
+            return self.link.sync(None, self)
         if self.shares_module(actor):
             return {"perf/sync_s": 0.0, "perf/sync_bytes": 0.0, "perf/sync_comm_bytes": 0.0, "perf/sync_peak_bytes": 0.0,
                     "perf/sync_shared": 1.0}
@@ -124,10 +145,7 @@ class RolloutWorker:
         baseline = self._full_gather(actor) if self.cfg.compare_full_gather else {}
         t0 = time.perf_counter()
         if self._hybrid is None:
-            from verl.hybrid_engine import HybridEngineConfig
-            self._hybrid = actor.engine.hybrid_engine(HybridEngineConfig(
-                generation_tp=self.cfg.tp, bucket_mb=self.cfg.sync_bucket_mb,
-                weight_format=self.weight_format, rank_mapping="contiguous"))
+            self._hybrid = actor.engine.hybrid_engine(self.hybrid_config())
             # the plan numbers the ranks of the engine's group (the role's ranks, or an HSDP shard group)
             rank = dist.get_rank(self._hybrid.group) if dist.is_initialized() else 0
             self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(rank))
@@ -143,3 +161,54 @@ class RolloutWorker:
         self.engine.update_weights(weights.items())
         return {"perf/full_gather_s": time.perf_counter() - t0,
                 "perf/full_gather_bytes": float(sum(t.nbytes for t in weights.values()))}
+
+
+class WeightLink:
+    """The actor's weights to a rollout on its own ranks, through the 3D-HybridEngine over `group` (exactly the
+    actor's and the rollout's ranks, disjoint). Planned at the first `sync` (collective over `group`: the layout
+    comes from the actor's first rank, the generation settings from the rollout's first), then each sync sends
+    the actor's training layout (whole copies or FSDP2 shards) to the generation layout (rollout.tp over the
+    rollout's ranks) in buckets of rollout.sync_bucket_mb."""
+
+    def __init__(self, group, actor_ranks: tuple[int, ...], rollout_ranks: tuple[int, ...]):
+        self.group, self.actor_ranks, self.rollout_ranks = group, tuple(actor_ranks), tuple(rollout_ranks)
+        self._hybrid = None
+
+    def _plan(self, actor, rollout: RolloutWorker | None):
+        from verl.hybrid_engine.module import hybrid_engine_across
+        from verl.workers.engine import ModuleEngine
+        if actor is not None and not isinstance(actor.engine, ModuleEngine):
+            raise VerlConfigError(f"a rollout on its own ranks receives from torch or fsdp actors; this actor runs on "
+                                  f"{type(actor.engine).__name__}: set rollout.ranks to actor.ranks")
+        return hybrid_engine_across(
+            None if actor is None else actor.engine.module, None if rollout is None else rollout.hybrid_config(),
+            group=self.group, actor_ranks=self.actor_ranks, rollout_ranks=self.rollout_ranks,
+            shard_group=None if actor is None else actor.engine.shard_group,
+            device=None if rollout is None else rollout.placement.device)
+
+    def sync(self, actor, rollout: RolloutWorker | None) -> dict[str, float]:
+        """Every rank of the group calls it: the actor's ranks with (actor, None), the rollout's with (None,
+        rollout). Returns this rank's perf/sync_* metrics (senders report sent bytes, receivers received)."""
+        t0 = time.perf_counter()
+        if self._hybrid is None:
+            self._hybrid = self._plan(actor, rollout)
+        local = {} if actor is None else actor.engine.local_params()
+        stats = self._hybrid.sync(local, None if rollout is None else rollout.engine)
+        m = {"perf/sync_s": time.perf_counter() - t0, "perf/sync_peak_bytes": float(stats.peak_bytes),
+             "perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received), "perf/sync_shared": 0.0}
+        if rollout is None:
+            return {**m, "perf/sync_sent_bytes": float(stats.bytes_sent)}
+        rank = dist.get_rank(self.group)
+        engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(rank))
+        return {**m, "perf/sync_bytes": float(engine_bytes), "perf/sync_received_bytes": float(stats.bytes_received)}
+
+
+def sync_rollout_weights(actor, rollout: RolloutWorker | None) -> dict[str, float]:
+    """The actor's current weights into the rollout engine, on every rank that holds either: in place where both
+    share the ranks, else sent over the rollout's `WeightLink` (a rank then holds one side, the other is None)."""
+    if rollout is not None:
+        return rollout.sync_weights(actor)
+    if actor is None or actor.weight_link is None:
+        raise VerlConfigError("sync_rollout_weights needs the actor or the rollout on this rank, and an actor "
+                              "without its rollout needs a WeightLink (the trainer sets one when rollout.ranks differ)")
+    return actor.weight_link.sync(actor, None)
