@@ -146,7 +146,9 @@ def main() -> None:
               f"bit-exact {r['bit_exact']}")
     out = os.path.join(ROOT, "benchmarks", "results", "bench_across.json")
     with open(out, "w") as f:
-        json.dump({"model": MODELS[size], "repeats": args.repeats, "rows": rows}, f, indent=1)
+        # the machine's load average: on a shared CPU the seconds are only comparable within one run
+        json.dump({"model": MODELS[size], "repeats": args.repeats, "load_average": os.getloadavg(), "rows": rows},
+                  f, indent=1)
     print(f"wrote {out}")
 
 
