@@ -187,10 +187,7 @@ class VerlGRPOTrainer(GRPOTrainer):
 def demo_setup(path: str, vocab_size: int = 32768, hidden_size: int = 256, prompts: int = 4, seed: int = 1):
     """(model directory, tokenizer, dataset, reward) of a small local GRPO job whose LM head dominates: a 2-layer
     Llama with a `vocab_size` vocabulary (a tiny BPE tokenizer padded with added tokens so every id decodes) saved
-    at `path` (TRL builds its reference model from the directory), digit prompts, and a reward that prefers low
-    token ids (dense, so advantages are rarely all zero)."""
-    from datasets import Dataset
-
+    at `path` (TRL builds its reference model from the directory), and `demo_data`."""
     from verl.testing.tiny import TinyModelConfig, save_tiny, tiny_config, tiny_model, tiny_tokenizer
     tok = tiny_tokenizer()
     tok.add_tokens([f"<x{i}>" for i in range(vocab_size - len(tok))])
@@ -199,13 +196,21 @@ def demo_setup(path: str, vocab_size: int = 32768, hidden_size: int = 256, promp
     cfg = tiny_config(shape, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id)
     save_tiny(tiny_model(cfg, seed=seed), tok, path)
+    return (path, tok, *demo_data(tok, prompts))
+
+
+def demo_data(tok, prompts: int = 4):
+    """(dataset, reward) of the demo: digit prompts, and a reward that prefers the lower half of the vocabulary
+    (dense, so a group's advantages are rarely all zero)."""
+    from datasets import Dataset
+    vocab_size = len(tok)
     ds = Dataset.from_dict({"prompt": [f"{tok.bos_token}{' '.join(str(j) for j in range(i, i + 8))}"
                                        for i in range(prompts)]})
 
     def low_ids(completions, completion_ids, **kwargs):
         return [sum(1.0 for t in ids if t < vocab_size // 2) / max(len(ids), 1) for ids in completion_ids]
 
-    return path, tok, ds, low_ids
+    return ds, low_ids
 
 
 def main() -> None:
