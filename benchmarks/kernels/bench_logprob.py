@@ -462,7 +462,8 @@ def _write(rows, args, note, avail, t0, complete):
     if args.loss:
         meta["timing"] = (f"median over {args.reps} interleaved rounds in one process, thread CPU time "
                           f"(fwd_bwd_samples_s lists them)")
-        meta["fused_linear_chunks"] = "linear_rl_loss chunk_n=0 (about 128 MiB of logits per chunk)"
+        meta["fused_linear_chunks"] = ("linear_rl_loss chunk_n=0: on CPU max(192, 6 * 2^20 / V) rows per chunk "
+                                       "(24 MiB of float32 logits at V=32k, 111 MiB at V=152k)")
     out = os.path.join(args.out_dir, stem + ".json")
     with open(out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=2)

@@ -186,9 +186,12 @@ inline void grad_block(const scalar_t* x, scalar_t* out, int64_t n, acc_t* buf, 
 int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1)); }
 
 struct CpuKernels {
-  // Fused RL loss head (verl/rl_head.h): about 2^24 logits (64 MiB of float32) per chunk, but at least 256 rows,
-  // where the per-chunk read + write of grad_W is ~3% of the chunk's GEMM time at single-thread BLAS speed.
-  static int64_t rl_head_chunk_rows(int64_t v) { return std::clamp<int64_t>((int64_t{1} << 24) / v, 256, 4096); }
+  // Fused RL loss head (verl/rl_head.h): about 6 * 2^20 logits (24 MiB of float32) per chunk, but at least 192
+  // rows. The chunk buffer is the op's only memory beyond its gradient outputs (grad_W alone is V x H), and at
+  // N=4096 it has to stay within eager's peak / 8 minus those outputs: 35 MiB at H=2048, V=32k. Below ~192 rows
+  // the per-chunk passes over W (GEMMs 1, 2) and grad_W (GEMM 3) start to show in the time at single-thread
+  // BLAS speed (benchmarks/kernels/bench_logprob.py --loss).
+  static int64_t rl_head_chunk_rows(int64_t v) { return std::clamp<int64_t>((int64_t{6} << 20) / v, 192, 4096); }
 
   static void stats_update(const at::Tensor& x, const at::Tensor& labels, int64_t col0, int64_t vocab_start,
                            int64_t ignore_index, double inv_t, at::Tensor& m, at::Tensor& S, at::Tensor& T,

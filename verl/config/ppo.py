@@ -249,8 +249,12 @@ class ActorConfig:
     (verl.ops.linear_rl_loss, vocab-parallel on megatron: 3 GEMMs, gradients in its forward pass, no [tokens,
     vocab] logits). Applies on every engine to the vanilla / gspo / reinforce losses with a built-in KL kind;
     anything else (other losses, a logit soft-cap, an LM head bias) takes the unfused path. On by default: in
-    benchmarks/kernels/bench_logprob.py --loss it takes 0.59-0.88x eager's time at every size, with a fraction of
-    its memory (benchmarks/results/bench_loss_head.json)."""
+    benchmarks/kernels/bench_logprob.py --loss (CPU, N=4096) it takes 0.58x / 0.76x eager's time at H=896 / 2048,
+    V=32k (0.73x / 0.90x torch.compile's) and 0.061x / 0.125x its peak memory; at H=2048 that peak is the
+    gradient outputs (grad_W, grad_hidden: 0.112x eager's peak, which eager holds too) plus 34 MiB. At V=152k:
+    0.59x eager's time and 0.055x its memory at H=896; 0.85x eager's time (0.98x torch.compile's) at H=2048 (N=2048
+    here), where the gradient outputs alone are 0.20x eager's peak, so 1/8 is out of reach for any op returning
+    them (benchmarks/results/bench_loss_head.json)."""
 
     def loss_params(self):
         """The params dataclass of `policy_loss` filled from `policy_loss_params` (typed, with its own check()),

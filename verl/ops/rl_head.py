@@ -18,7 +18,8 @@ before the op runs, so chunk by chunk (rows x the whole vocabulary) the kernel c
 log-prob / entropy / loss / d loss / d logits in two streaming passes over the chunk, then grad_hidden (GEMM 2)
 and grad_weight (GEMM 3). Forward + backward is 3 GEMMs, the [N, V] logits are never whole (one [rows, V] buffer),
 and the backward op only scales the saved gradients by grad_output. The gradients cost one [N, H] and one [V, H]
-tensor until backward, the same as autograd's.
+tensor until backward, the same as autograd's; beyond them the op holds one [rows, V] logits chunk and, when some
+tokens are masked, one [rows, H] buffer of the chunk's gathered hidden rows (never a copy of all of hidden).
 
 Vocab parallel (`vocab_parallel_linear_rl_loss`): each tensor-parallel rank holds Megatron's contiguous slice of
 the LM head rows; per chunk of whole sequences, each rank reduces its slice, two small all-reduces (max, then sum
@@ -185,7 +186,8 @@ def linear_rl_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                    agg: Aggregation | str | None = None, chunk_n: int = 0) -> HeadLossOutput:
     """The actor's loss from hidden [B, T, H] (or [B*T, H]) and the LM head weight [V, H] (same dtype); labels,
     mask, advantages, old_logprob, ref_logprob [B, T]. See the module docstring. chunk_n: valid tokens per chunk
-    (0: the backend's default, 64 MiB of float32 logits and >= 256 rows on CPU, 2^28 logits and >= 1024 rows on CUDA).
+    (0: the backend's default, 24 MiB of float32 logits and >= 192 rows on CPU, 2^28 logits and >= 1024 rows on
+    CUDA).
     Gradients flow to hidden and weight only."""
     op = "linear_rl_loss"
     h = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() >= 1 else hidden

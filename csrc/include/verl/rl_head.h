@@ -239,49 +239,46 @@ constexpr int64_t kNoIgnore = std::numeric_limits<int64_t>::min();
 struct GradAcc {
   Tensor h;    // [N, H], hidden's dtype (each row is one GEMM over the whole vocabulary: no accumulation); zeros
                // on masked tokens
-  Tensor rows;  // [max chunk rows, H] when some tokens are masked: a chunk's rows, scattered into h afterwards
   Tensor w;    // [V, H], weight's dtype for float32 / float64, else float32
   Tensor tmp;  // 16-bit only: [min(V, 4096), H] product buffer
   bool wide = true;
 };
 
-inline GradAcc new_grads(const logprob::Linear& L, int64_t nv, int64_t max_rows) {
+inline GradAcc new_grads(const logprob::Linear& L, int64_t nv) {
   GradAcc g;
   g.wide = L.w.scalar_type() == at::kFloat || L.w.scalar_type() == at::kDouble;
-  const bool all_valid = nv == L.n;
-  g.h = all_valid ? at::empty({L.n, L.hdim}, L.h.options()) : at::zeros({L.n, L.hdim}, L.h.options());
-  if (!all_valid) g.rows = at::empty({max_rows, L.hdim}, L.h.options());
+  g.h = nv == L.n ? at::empty({L.n, L.hdim}, L.h.options()) : at::zeros({L.n, L.hdim}, L.h.options());
   g.w = nv == 0 ? at::zeros({L.v, L.hdim}, L.w.options().dtype(g.wide ? L.w.scalar_type() : at::kFloat))
                 : at::empty({L.v, L.hdim}, L.w.options().dtype(g.wide ? L.w.scalar_type() : at::kFloat));
   if (!g.wide) g.tmp = at::empty({std::min<int64_t>(L.v, 4096), L.hdim}, L.w.options());
   return g;
 }
 
-// GEMMs 2 and 3 of one chunk, G = d loss / d logits [rows, V]: grad_h rows = G W, grad_W (+)= G^T h_c. The
-// first chunk overwrites grad_W (beta = 0), so no pass is spent zeroing it.
-inline void chunk_gemms(const Tensor& G, const Tensor& hc, const Tensor& w, GradAcc& g, const Tensor& idx, int64_t t0,
-                        bool first) {
+// GEMMs 3 and 2 of one chunk, G = d loss / d logits [rows, V]: grad_W (+)= G^T h_c, grad_h rows = G W. The
+// first chunk overwrites grad_W (beta = 0), so no pass is spent zeroing it. With masked tokens h_c is the
+// chunk's gathered rows (hc_owned): GEMM 3 is its last reader, so GEMM 2 writes into it before the scatter.
+inline void chunk_gemms(const Tensor& G, Tensor& hc, bool hc_owned, const Tensor& w, GradAcc& g, const Tensor& idx,
+                        int64_t t0, bool first) {
   const int64_t rows = hc.size(0);
-  if (!g.rows.defined()) {
-    Tensor gh_rows = g.h.narrow(0, t0, rows);
-    at::mm_out(gh_rows, G, w);
-  } else {  // straight to the tokens' rows: no [Nv, H] copy to scatter at the end
-    Tensor tmp = g.rows.narrow(0, 0, rows);
-    at::mm_out(tmp, G, w);
-    g.h.index_copy_(0, idx.narrow(0, t0, rows), tmp);
-  }
   if (g.wide) {
     if (first) at::mm_out(g.w, G.t(), hc);
     else g.w.addmm_(G.t(), hc);
-    return;
+  } else {
+    const int64_t v = w.size(0), cv = g.tmp.size(0);
+    for (int64_t v0 = 0; v0 < v; v0 += cv) {
+      const int64_t rv = std::min(cv, v - v0);
+      Tensor prod = g.tmp.narrow(0, 0, rv);
+      at::mm_out(prod, G.narrow(1, v0, rv).t(), hc);
+      if (first) g.w.narrow(0, v0, rv).copy_(prod);
+      else g.w.narrow(0, v0, rv).add_(prod);
+    }
   }
-  const int64_t v = w.size(0), cv = g.tmp.size(0);
-  for (int64_t v0 = 0; v0 < v; v0 += cv) {
-    const int64_t rv = std::min(cv, v - v0);
-    Tensor prod = g.tmp.narrow(0, 0, rv);
-    at::mm_out(prod, G.narrow(1, v0, rv).t(), hc);
-    if (first) g.w.narrow(0, v0, rv).copy_(prod);
-    else g.w.narrow(0, v0, rv).add_(prod);
+  if (!hc_owned) {
+    Tensor gh_rows = g.h.narrow(0, t0, rows);
+    at::mm_out(gh_rows, G, w);
+  } else {  // straight to the tokens' rows: no [Nv, H] buffer to scatter at the end
+    at::mm_out(hc, G, w);
+    g.h.index_copy_(0, idx.narrow(0, t0, rows), hc);
   }
 }
 
@@ -299,7 +296,7 @@ struct Setup {
   Inputs in;
   Params p;
   Tokens tok;
-  Tensor idx, h, lab;  // valid token positions in [0, N), their hidden rows and labels
+  Tensor idx, lab;  // valid token positions in [0, N) and their labels
   bool all_valid = true;
 };
 
@@ -328,7 +325,7 @@ inline Setup setup(const Tensor& hidden, const Tensor& weight, const Tensor& lab
   s.tok.row = at::div(s.idx, std::max<int64_t>(s.in.T, 1), "floor");
   s.tok.adv = pick(adv), s.tok.old = pick(old), s.tok.ref = pick(ref);
   s.tok.w = w_b.index_select(0, s.tok.row);
-  s.h = pick(s.in.L.h), s.lab = pick(s.in.lab);
+  s.lab = pick(s.in.lab);  // hidden rows are gathered chunk by chunk: no [Nv, H] copy
   return s;
 }
 
@@ -358,11 +355,14 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
   for (size_t i = 0; i + 1 < cuts.size(); ++i) max_rows = std::max(max_rows, cuts[i + 1] - cuts[i]);
   const auto dopt = L.h.options().dtype(at::kDouble);
   Tensor sums = at::zeros({kStats}, dopt), lp_v = at::empty({nv}, dopt), ent_v = at::empty({nv}, dopt);
-  GradAcc g = with_grad ? new_grads(L, nv, max_rows) : GradAcc{};
+  GradAcc g = with_grad ? new_grads(L, nv) : GradAcc{};
   const Tensor scratch = at::empty({max_rows * L.v}, L.h.options());
+  const Tensor hbuf = s.all_valid ? Tensor() : at::empty({max_rows, L.hdim}, L.h.options());
   for (size_t i = 0; i + 1 < cuts.size(); ++i) {
     const int64_t t0 = cuts[i], rows = cuts[i + 1] - cuts[i];
-    const Tensor hc = s.h.narrow(0, t0, rows), lc = s.lab.narrow(0, t0, rows);
+    const Tensor lc = s.lab.narrow(0, t0, rows);
+    Tensor hc = s.all_valid ? L.h.narrow(0, t0, rows) : hbuf.narrow(0, 0, rows);
+    if (!s.all_valid) at::index_select_out(hc, L.h, 0, s.idx.narrow(0, t0, rows));
     Tensor z = logprob::chunk_view(scratch, rows, L.v);
     at::mm_out(z, hc, L.w.t());
     logprob::State st = logprob::new_state(rows, L.h);
@@ -377,7 +377,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
     if (!with_grad) continue;
     K::grad_chunk(z, z, lc, 0, 0, kNoIgnore, s.p.inv_t, lse, ent, (-co.glp).contiguous(), co.gh.contiguous(),
                   co.glp.contiguous());
-    chunk_gemms(z, hc, L.w, g, s.idx, t0, i == 0);
+    chunk_gemms(z, hc, !s.all_valid, L.w, g, s.idx, t0, i == 0);
   }
   const at::ScalarType dt = logprob::out_dtype(L.h.scalar_type());
   Tensor stats = sums.clone();
