@@ -266,6 +266,8 @@ class PPOTrainer:
                  "perf/tokens": float(batch.num_tokens()), "perf/response_tokens": float(mask.sum())}
             if "actor/kl" not in m and "actor/ppo_kl" in m:
                 m["actor/kl"] = m["actor/ppo_kl"]
+        if self.rollout is not None:  # engines that count their padded positions (torch) report the share
+            m.update(getattr(self.rollout.engine, "take_metrics", dict)())
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
         if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
