@@ -94,11 +94,25 @@ def build_assets(work: Path, wl: Workload) -> tuple[Path, Path, list[list[int]]]
         rows = make_task("arithmetic", PROMPTS, seed=0)
     else:
         from verl.models.pretrained import resolve_model_path
-        model_dir = Path(resolve_model_path("smollm2-135m-instruct"))  # converts the shipped GGUF once
+        model_dir = _plain_config(Path(resolve_model_path("smollm2-135m-instruct")), work / "model")
         rows = make_task("gsm_symbolic", PROMPTS, seed=0)
     write_jsonl(rows, work / "prompts.jsonl")
     tok = Tokenizer.from_pretrained(str(model_dir))
     return model_dir, work / "prompts.jsonl", [tok.encode_prompt(r["prompt"]) for r in rows]
+
+
+def _plain_config(cached: Path, out: Path) -> Path:
+    """The cached HF directory (its files linked, not copied) with the GGUF's quantization_config left out of
+    config.json: the weights there are plain float32, but transformers flags a model loaded with that entry as
+    quantized and its Trainer (TRL's) refuses to train it. Both sides load this directory."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in cached.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    config = json.loads((cached / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def verl_args(wl: Workload, model_dir: Path, prompts: Path, steps: int, out: Path,

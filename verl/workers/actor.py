@@ -61,6 +61,8 @@ class ActorWorker:
         self.correction = rollout_correction or RolloutCorrectionConfig()
         self.loss_params = cfg.loss_params()
         self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
+        if cfg.share_prompt_prefix:  # only engines that pack through verl/workers/engine.py take it (config check)
+            self._micro["share_prefix"] = True
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""
