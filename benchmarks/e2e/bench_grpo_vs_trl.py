@@ -65,19 +65,21 @@ class Workload:
     verl_args: list[str] = field(default_factory=list)
     """Overrides of verl's job beyond the shared ones (a YAML first, when the job starts from one)."""
     micro_batch: int = PROMPTS * SAMPLES
-    """Responses per forward/backward on both sides (verl's actor.micro_batch_size; TRL's per-device batch with
-    gradient accumulation over the step's responses, one optimizer step and one generation per step)."""
+    """TRL's responses per forward/backward (its per-device batch, with gradient accumulation over the step's
+    responses: one optimizer step and one generation per step). verl's is in verl_args (or its YAML)."""
     skip_first: bool = True
     """Leave every run's first step out of the timing (start-up costs that a seconds-long step would show)."""
 
 
 WORKLOADS = {
     "tiny": Workload(name="tiny", new_tokens=32, ignore_eos=True, lr=1e-4, reward="arithmetic",
-                     verl_args=["data.max_prompt_length=64"]),
+                     verl_args=["data.max_prompt_length=64", f"actor.micro_batch_size={PROMPTS * SAMPLES}"]),
     # a minutes-long step: its first step's start-up share is negligible, and there are only a few steps
     "smollm2-gsm8k": Workload(name="smollm2-gsm8k", new_tokens=256, ignore_eos=False, lr=2e-6, reward="gsm",
                               verl_args=[str(ROOT / "examples" / "smollm2_gsm8k.yaml")], skip_first=False,
-                              micro_batch=8),  # 32 x ~450 tokens at once would need ~16 GB of fp32 activations
+                              # TRL: 32 x ~450 padded tokens at once would need ~16 GB of fp32 activations; verl:
+                              # the YAML's micro-batches (one GRPO group each, its prompt shared)
+                              micro_batch=8),
 }
 
 
@@ -120,7 +122,7 @@ def verl_args(wl: Workload, model_dir: Path, prompts: Path, steps: int, out: Pat
     return [*wl.verl_args, f"model.path={model_dir}", f"data.train_files={prompts}",
             f"data.train_batch_size={per_rank_prompts}", f"rollout.n={SAMPLES}",
             f"rollout.max_new_tokens={wl.new_tokens}", f"rollout.ignore_eos={str(wl.ignore_eos).lower()}",
-            f"actor.mini_batch_size={per_rank_prompts}", f"actor.micro_batch_size={wl.micro_batch}",
+            f"actor.mini_batch_size={per_rank_prompts}",
             f"actor.optim.lr={wl.lr}", "actor.use_kl_loss=false", "warmup.steps=0", f"trainer.total_steps={steps}",
             "trainer.threads=1", "trainer.device=cpu", "trainer.save_final=false", "trainer.export_hf=false",
             "trainer.plot=false", "trainer.tensorboard=false", "trainer.progress_bar=false",
