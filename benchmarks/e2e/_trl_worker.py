@@ -12,6 +12,7 @@ scoring / update) and the padded share of the positions the generation and the u
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -50,14 +51,18 @@ def gsm_rewards():
 
 
 class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.starts, self.ends = [], []
+    """Step start/end times; after every step the result so far is written (`dump`), so a run stopped by
+    the benchmark's time limit still reports the steps it finished."""
+
+    def __init__(self, dump):
+        self.starts, self.ends, self.dump = [], [], dump
 
     def on_step_begin(self, args, state, control, **kw):
         self.starts.append(time.time())
 
     def on_step_end(self, args, state, control, **kw):
         self.ends.append(time.time())
+        self.dump()
 
 
 class Probe:
@@ -153,19 +158,24 @@ def main(spec: dict) -> None:
                      logging_steps=1, report_to=[], save_strategy="no", beta=0.0, temperature=1.0,
                      reward_weights=weights, dataloader_num_workers=0, seed=1, shuffle_dataset=False,
                      disable_tqdm=True, **extra)
-    timer = StepTimer()
+    probe = None
+
+    def dump():
+        step_s = [e - s for s, e in zip(timer.starts, timer.ends)]
+        recs = [dict(r) for r in probe.rec[:len(step_s)]]
+        for rec, s in zip(recs, step_s):
+            rec["other_scoring_s"] = rec.pop("scoring_s") - rec["generate_s"] - rec["logprob_s"]
+            rec["update_s"] = s - rec["generate_s"] - rec["logprob_s"] - rec["other_scoring_s"]
+        lengths = [r["response_tokens"] / (len(rows) * n) for r in recs]
+        with open(spec["out"] + ".tmp", "w") as f:
+            json.dump({"step_s": step_s, "step_end": timer.ends, "mean_response_length": lengths, "steps": recs}, f)
+        os.replace(spec["out"] + ".tmp", spec["out"])
+
+    timer = StepTimer(dump)
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[timer])
     probe = Probe(trainer, model, spec.get("prompt_ids"), trainer.eos_token_ids)
     trainer.train()
-    step_s = [e - s for s, e in zip(timer.starts, timer.ends)]
-    for rec, s in zip(probe.rec, step_s):
-        rec["other_scoring_s"] = rec.pop("scoring_s") - rec["generate_s"] - rec["logprob_s"]
-        rec["update_s"] = s - rec["generate_s"] - rec["logprob_s"] - rec["other_scoring_s"]
-    lengths = [r["response_tokens"] / (len(rows) * n) for r in probe.rec]
-    rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
-    json.dump({"step_s": step_s, "step_end": timer.ends, "mean_response_length": lengths, "reward": rewards,
-               "steps": probe.rec}, open(spec["out"], "w"))
 
 
 if __name__ == "__main__":

@@ -170,15 +170,33 @@ def _launch_trl(wl: Workload, model_dir, prompts, prompt_ids, steps, out: Path, 
                             stdout=subprocess.DEVNULL)
 
 
-def side_by_side(wl: Workload, assets, steps, work: Path, tag: str, python: str) -> tuple[dict, dict]:
+def _wait_trl(tp: subprocess.Popen, out: Path, limit_s: float | None, python: str) -> None:
+    """Waits for TRL; past `limit_s` it is stopped and the steps it finished (written after each) are kept."""
+    try:
+        code = tp.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        tp.terminate()
+        tp.wait()
+        if not out.is_file():
+            raise RuntimeError(f"TRL finished no step within --max-minutes ({limit_s / 60:.0f} min)") from None
+        print(f"TRL stopped at the time limit after {len(json.loads(out.read_text())['step_s'])} step(s)", flush=True)
+        return
+    if code != 0:
+        raise RuntimeError(f"TRL run failed with exit code {code} (is {python} the TRL venv? "
+                           f"bash benchmarks/e2e/setup_trl_env.sh)")
+
+
+def side_by_side(wl: Workload, assets, steps, work: Path, tag: str, python: str,
+                 limit_s: float | None = None) -> tuple[dict, dict]:
     """Runs verl and TRL concurrently on the same inputs; returns (verl result, TRL result)."""
     model_dir, prompts, prompt_ids = assets
     vp = _launch_verl(wl, model_dir, prompts, 4 * steps, work / f"verl{tag}")
     tp = _launch_trl(wl, model_dir, prompts, prompt_ids, steps, work / f"trl{tag}.json", python)
-    if tp.wait() != 0:
+    try:
+        _wait_trl(tp, work / f"trl{tag}.json", limit_s, python)
+    except BaseException:
         vp.kill()
-        raise RuntimeError(f"TRL run failed with exit code {tp.returncode} (is {python} the TRL venv? "
-                           f"bash benchmarks/e2e/setup_trl_env.sh)")
+        raise
     stopped = vp.poll() is None
     if stopped:  # TRL is done: verl's later steps would run on a machine TRL no longer loads
         time.sleep(1.0)
@@ -331,6 +349,8 @@ def main() -> None:
     mode.add_argument("--full", action="store_true", help="tiny: 8 TRL steps x 3 rounds plus scaling over 1, 2, 4")
     ap.add_argument("--steps", type=int, default=None, help="TRL steps per round (smollm2-gsm8k default: 3)")
     ap.add_argument("--rounds", type=int, default=None, help="side-by-side rounds (smollm2-gsm8k default: 1)")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="stop a round after this long and time the steps both sides finished (a loaded machine)")
     ap.add_argument("--trl-python", default="/root/.cache/verl-trl/bin/python")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -342,7 +362,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         assets = build_assets(work, wl)
-        runs = [side_by_side(wl, assets, steps, work, str(r), args.trl_python) for r in range(rounds)]
+        limit = None if args.max_minutes is None else 60 * args.max_minutes
+        runs = [side_by_side(wl, assets, steps, work, str(r), args.trl_python, limit) for r in range(rounds)]
         verl_runs, trl_runs = [v for v, _ in runs], [t for _, t in runs]
         result = {"config": {"workload": wl.name, "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": wl.new_tokens,
                              "ignore_eos": wl.ignore_eos, "trl_steps": steps, "rounds": rounds, "threads": 1,
