@@ -55,13 +55,15 @@ class StepTimer(TrainerCallback):
     the benchmark's time limit still reports the steps it finished."""
 
     def __init__(self, dump):
-        self.starts, self.ends, self.dump = [], [], dump
+        self.starts, self.ends, self.cpu, self.dump = [], [], [], dump
 
     def on_step_begin(self, args, state, control, **kw):
         self.starts.append(time.time())
+        self.cpu.append(time.process_time())
 
     def on_step_end(self, args, state, control, **kw):
         self.ends.append(time.time())
+        self.cpu[-1] = time.process_time() - self.cpu[-1]
         self.dump()
 
 
@@ -168,7 +170,8 @@ def main(spec: dict) -> None:
             rec["update_s"] = s - rec["generate_s"] - rec["logprob_s"] - rec["other_scoring_s"]
         lengths = [r["response_tokens"] / (len(rows) * n) for r in recs]
         with open(spec["out"] + ".tmp", "w") as f:
-            json.dump({"step_s": step_s, "step_end": timer.ends, "mean_response_length": lengths, "steps": recs}, f)
+            json.dump({"step_s": step_s, "step_end": timer.ends, "step_cpu_s": timer.cpu[:len(step_s)],
+                       "mean_response_length": lengths, "steps": recs}, f)
         os.replace(spec["out"] + ".tmp", spec["out"])
 
     timer = StepTimer(dump)

@@ -150,6 +150,7 @@ def _verl_result(proc: subprocess.Popen, out: Path, nproc: int = 1, stopped: boo
     recs = [r for r in recs if "perf/step_time_s" in r]
     keep = ("timing/", "rollout/padded_share", "actor/padded_share", "response/length", "reward/mean")
     return {"step_s": [r["perf/step_time_s"] for r in recs], "step_end": [r["perf/wall_time"] for r in recs],
+            "step_cpu_s": [r.get("perf/cpu_time_s") for r in recs],
             "nproc": nproc, "mean_response_length": [r["response/length"] for r in recs],
             "steps": [{k: v for k, v in r.items() if k.startswith(keep)} for r in recs]}
 
@@ -210,25 +211,37 @@ def side_by_side(wl: Workload, assets, steps, work: Path, tag: str, python: str,
     for side in (verl, trl):
         side["overlap"] = [k for k, (s, e) in enumerate(zip(side["step_s"], side["step_end"]))
                            if k >= first and lo <= e - s and e <= hi]
+    if not verl["overlap"] or not trl["overlap"]:
+        # minutes-long steps on a loaded machine: no step of one side fits inside the other's; every step of
+        # both then counts (they still ran at the same time), and the per-CPU-second figures are the fair ones
+        print("no step lies wholly inside the window both sides trained in: timing every step", flush=True)
+        for side in (verl, trl):
+            side["overlap"], side["all_steps_timed"] = list(range(first, len(side["step_s"]))), True
     return verl, trl
 
 
 def summarise(wl: Workload, runs: list[dict], nproc: int = 1, key: str = "overlap") -> dict:
-    """Median s/step and tokens/s over the counted steps of all runs; tokens = the step's response tokens."""
-    steps, tokens = [], []
+    """Median s/step and tokens/s over the counted steps of all runs; tokens = the step's response tokens. Also
+    per CPU second of the process (its own cost, whatever else loads the machine), where recorded."""
+    steps, tokens, cpu = [], [], []
     for run in runs:
         lengths = run.get("mean_response_length") or [wl.new_tokens] * len(run["step_s"])
         for k in run[key]:
             steps.append(run["step_s"][k])
             tokens.append(PROMPTS * SAMPLES * nproc * lengths[k])
+            cpu.append((run.get("step_cpu_s") or [None] * len(run["step_s"]))[k])
     if not steps:
         raise RuntimeError("no steps to time (the two sides never trained at the same time); use --full")
     rates = [t / s for t, s in zip(tokens, steps)]
-    return {"s_per_step": statistics.median(steps), "s_per_step_min": min(steps),
-            "tokens_per_s": statistics.median(rates), "tokens_per_s_best": max(rates),
-            "tokens_per_s_per_process": statistics.median(rates) / nproc,
-            "mean_response_length": statistics.mean(t / (PROMPTS * SAMPLES * nproc) for t in tokens),
-            "steps_timed": len(steps)}
+    out = {"s_per_step": statistics.median(steps), "s_per_step_min": min(steps),
+           "tokens_per_s": statistics.median(rates), "tokens_per_s_best": max(rates),
+           "tokens_per_s_per_process": statistics.median(rates) / nproc,
+           "mean_response_length": statistics.mean(t / (PROMPTS * SAMPLES * nproc) for t in tokens),
+           "steps_timed": len(steps)}
+    if all(c is not None for c in cpu):
+        out["cpu_s_per_step"] = statistics.median(cpu)
+        out["tokens_per_cpu_s"] = statistics.median(t / c for t, c in zip(tokens, cpu))
+    return out
 
 
 def step_split(runs: list[dict], side: str) -> dict:
@@ -304,7 +317,12 @@ def markdown(result: dict) -> str:
                      f"{sp.get('other_s', 0):.1f} | {sp.get('padded_share_generate', float('nan')):.3f} | "
                      f"{sp.get('padded_share_update', float('nan')):.3f} | {r['steps_timed']} |")
     lines += ["", f"**ratio (tokens/s, median): {result['ratio_tokens_per_s']:.2f}x** "
-              f"(best step vs best step: {result['ratio_tokens_per_s_best']:.2f}x)", "",
+              f"(best step vs best step: {result['ratio_tokens_per_s_best']:.2f}x)"]
+    if "ratio_tokens_per_cpu_s" in result:
+        lines += ["", f"Per CPU second of each process (its own cost on the shared machine): verl "
+                  f"{result['verl']['tokens_per_cpu_s']:.1f}, TRL {result['trl']['tokens_per_cpu_s']:.1f} tokens/CPU-s, "
+                  f"ratio {result['ratio_tokens_per_cpu_s']:.2f}x"]
+    lines += ["",
               f"Compute floor: {f['gflop_per_step']:.0f} GFLOP/step of matmuls at {f['gemm_gflops_1thread']:.0f} "
               f"GFLOP/s (1 thread) = {f['floor_s_per_step']:.1f} s/step = {f['floor_tokens_per_s']:.1f} tokens/s; "
               f"the most any fp32 implementation could reach against TRL here: {f['max_ratio_vs_trl']:.2f}x; verl "
@@ -372,6 +390,8 @@ def main() -> None:
                   "trl": {**summarise(wl, trl_runs), "split": step_split(trl_runs, "trl"), "raw": trl_runs}}
         result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         result["ratio_tokens_per_s_best"] = result["verl"]["tokens_per_s_best"] / result["trl"]["tokens_per_s_best"]
+        if "tokens_per_cpu_s" in result["verl"] and "tokens_per_cpu_s" in result["trl"]:
+            result["ratio_tokens_per_cpu_s"] = result["verl"]["tokens_per_cpu_s"] / result["trl"]["tokens_per_cpu_s"]
         length = statistics.mean([result["verl"]["mean_response_length"], result["trl"]["mean_response_length"]])
         floor = compute_floor(assets[0], assets[2], length)
         floor["max_ratio_vs_trl"] = floor["floor_tokens_per_s"] / result["trl"]["tokens_per_s"]

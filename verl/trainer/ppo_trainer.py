@@ -236,7 +236,7 @@ class PPOTrainer:
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the step's prompts, the same on every rank
         # a pure function of the step (and the row, inside the rollout worker): a resumed run samples exactly
         # what the uninterrupted one did, whatever the generation layout
@@ -249,7 +249,10 @@ class PPOTrainer:
         if self.cfg.trainer.trace_step == self.step + 1:
             trace = str(self.out_dir / f"trace_step_{self.step + 1}.json")
         out = self.flow.run(inputs, hooks=[self], trace=trace)
-        return self._metrics(out, time.perf_counter() - t0)
+        m = self._metrics(out, time.perf_counter() - t0)
+        # this process's CPU seconds (all its threads): on a machine shared with other jobs, the step's own cost
+        m["perf/cpu_time_s"] = time.process_time() - cpu0
+        return m
 
     def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
         """The step's metrics, the same on every rank: each rank reports what its roles computed (the actor's
