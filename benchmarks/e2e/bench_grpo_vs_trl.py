@@ -244,7 +244,7 @@ def summarise(wl: Workload, runs: list[dict], nproc: int = 1, key: str = "overla
     return out
 
 
-def step_split(runs: list[dict], side: str) -> dict:
+def step_split(runs: list[dict], side: str, packed: bool = True) -> dict:
     """Mean seconds per counted step of generate / log-prob / update (and the rest), and the padded shares."""
     recs = [run["steps"][k] for run in runs for k in run["overlap"] if k < len(run["steps"])]
     if not recs:
@@ -262,7 +262,8 @@ def step_split(runs: list[dict], side: str) -> dict:
     out["other_s"] = sum(timings.values())
     if "rollout/padded_share" in recs[0]:
         out["padded_share_generate"] = mean("rollout/padded_share")
-    out["padded_share_update"] = mean("actor/padded_share") if "actor/padded_share" in recs[0] else 0.0
+    # packed micro-batches (actor.padding_free) hold real tokens only; the padded layout's share is not logged
+    out["padded_share_update"] = 0.0 if packed else float("nan")
     return out
 
 
@@ -369,10 +370,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="side-by-side rounds (smollm2-gsm8k default: 1)")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="stop a round after this long and time the steps both sides finished (a loaded machine)")
+    ap.add_argument("--verl", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra overrides of verl's job (e.g. actor.padding_free=false)")
     ap.add_argument("--trl-python", default="/root/.cache/verl-trl/bin/python")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     wl = WORKLOADS[args.workload]
+    wl.verl_args = [*wl.verl_args, *args.verl]
     steps, rounds = ((8, 3) if args.full else (5, 2)) if wl.name == "tiny" else (3, 1)
     steps, rounds = args.steps or steps, args.rounds or rounds
     suffix = "" if wl.name == "tiny" else "_" + wl.name.split("-")[0]
@@ -386,7 +390,8 @@ def main() -> None:
         result = {"config": {"workload": wl.name, "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": wl.new_tokens,
                              "ignore_eos": wl.ignore_eos, "trl_steps": steps, "rounds": rounds, "threads": 1,
                              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])},
-                  "verl": {**summarise(wl, verl_runs), "split": step_split(verl_runs, "verl"), "raw": verl_runs},
+                  "verl": {**summarise(wl, verl_runs), "raw": verl_runs,
+                           "split": step_split(verl_runs, "verl", "actor.padding_free=false" not in wl.verl_args)},
                   "trl": {**summarise(wl, trl_runs), "split": step_split(trl_runs, "trl"), "raw": trl_runs}}
         result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
         result["ratio_tokens_per_s_best"] = result["verl"]["tokens_per_s_best"] / result["trl"]["tokens_per_s_best"]
