@@ -321,7 +321,8 @@ def markdown(result: dict) -> str:
               f"(best step vs best step: {result['ratio_tokens_per_s_best']:.2f}x)"]
     if "ratio_tokens_per_cpu_s" in result:
         lines += ["", f"Per CPU second of each process (its own cost on the shared machine): verl "
-                  f"{result['verl']['tokens_per_cpu_s']:.1f}, TRL {result['trl']['tokens_per_cpu_s']:.1f} tokens/CPU-s, "
+                  f"{result['verl']['tokens_per_cpu_s']:.1f}, TRL {result['trl']['tokens_per_cpu_s']:.1f} "
+                  f"tokens/CPU-s, "
                   f"ratio {result['ratio_tokens_per_cpu_s']:.2f}x"]
     lines += ["",
               f"Compute floor: {f['gflop_per_step']:.0f} GFLOP/step of matmuls at {f['gemm_gflops_1thread']:.0f} "
@@ -344,8 +345,8 @@ def plot(result: dict, path: Path) -> None:
                     label="compute floor (matmul FLOPs / GEMM rate)")
     axes[0].axhline(2 * vals[1], color="tab:green", linestyle=":", label="target: 2x TRL")
     axes[0].legend(fontsize=7, loc="lower right")
-    axes[0].set_title(f"{result['config']['workload']}: tokens/s, 1 proc 1 thread (x{result['ratio_tokens_per_s']:.2f})",
-                      fontsize=9)
+    axes[0].set_title(f"{result['config']['workload']}: tokens/s, 1 proc 1 thread "
+                      f"(x{result['ratio_tokens_per_s']:.2f})", fontsize=9)
     split = [(s, result[s].get("split", {})) for s in ("verl", "trl")]
     bottom = [0.0, 0.0]
     for part in ("generate_s", "log_prob_s", "update_s", "other_s"):

@@ -248,8 +248,8 @@ def job_main(args) -> int:
     tmp = tempfile.mkdtemp(prefix="verl-bench-engines-")
     rows = [_run(e, _interpreter(e, args.vllm_python), model_dir, size, 1, tmp) for e in args.engines]
     base = next((r for r in rows if r["engine"] == "torch" and "skipped" not in r), None)
-    print(f"{'engine':12} {'generate s':>10} {'tokens':>7} {'tokens/s':>9} {'tok/CPU-s':>9} {'mean len':>8} {'EOS %':>6} "
-          f"{'start s':>8} "
+    print(f"{'engine':12} {'generate s':>10} {'tokens':>7} {'tokens/s':>9} {'tok/CPU-s':>9} {'mean len':>8} "
+          f"{'EOS %':>6} {'start s':>8} "
           f"({size['prompts']} prompts x {size['n']} samples, <= {size['new']} tokens to EOS, T=1)")
     for r in rows:
         if "skipped" in r:

@@ -17,12 +17,13 @@ the ceiling this machine itself sets (cores, memory bandwidth), against which th
     verl bench scaling                  # 10 steps (9 measured), processes 1 2 4
     verl bench scaling --steps 8 --procs 1 2
     python benchmarks/scaling/bench_scaling.py --job grpo --steps 6    # bench_grpo_vs_trl.py's tiny GRPO job
-Writes benchmarks/results/bench_scaling.json and .png (--job grpo: bench_scaling_grpo.json and .png).
+Writes benchmarks/results/bench_scaling.json and .png (--job grpo: bench_scaling_grpo.json and .png). On a
+machine with fewer cores than processes the processes share cores (each runs one torch thread), and the
+efficiency says so.
 
 --job grpo scales the GRPO job of benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny instead: per process 8
 arithmetic prompts x 4 samples x 32 tokens (EOS ignored) on a 4-layer, 256-wide model, rule reward only, no
-critic, no reference model; colocated only (there is no second role to split off). On a machine with fewer cores than processes the
-processes share cores (each runs one torch thread), and the efficiency says so.
+critic, no reference model; colocated only (there is no second role to split off).
 """
 
 from __future__ import annotations
