@@ -143,16 +143,20 @@ def _launch_verl(wl: Workload, model_dir, prompts, steps, out: Path, nproc: int 
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-def _verl_result(proc: subprocess.Popen, out: Path, nproc: int = 1, stopped: bool = False) -> dict:
-    if proc.wait() != 0 and not stopped:
-        raise RuntimeError(f"verl run failed with exit code {proc.returncode}")
+def _read_verl(out: Path, nproc: int = 1) -> dict:
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "perf/step_time_s" in r]
-    keep = ("timing/", "rollout/padded_share", "actor/padded_share", "response/length", "reward/mean")
+    keep = ("timing/", "rollout/padded_share", "response/length", "reward/mean")
     return {"step_s": [r["perf/step_time_s"] for r in recs], "step_end": [r["perf/wall_time"] for r in recs],
             "step_cpu_s": [r.get("perf/cpu_time_s") for r in recs],
             "nproc": nproc, "mean_response_length": [r["response/length"] for r in recs],
             "steps": [{k: v for k, v in r.items() if k.startswith(keep)} for r in recs]}
+
+
+def _verl_result(proc: subprocess.Popen, out: Path, nproc: int = 1, stopped: bool = False) -> dict:
+    if proc.wait() != 0 and not stopped:
+        raise RuntimeError(f"verl run failed with exit code {proc.returncode}")
+    return _read_verl(out, nproc)
 
 
 def run_verl(wl: Workload, model_dir, prompts, steps, out: Path, nproc: int = 1) -> dict:
@@ -204,6 +208,12 @@ def side_by_side(wl: Workload, assets, steps, work: Path, tag: str, python: str,
         vp.terminate()
     verl = _verl_result(vp, work / f"verl{tag}", stopped=stopped)
     trl = json.loads((work / f"trl{tag}.json").read_text())
+    _time_window(wl, verl, trl)
+    return verl, trl
+
+
+def _time_window(wl: Workload, verl: dict, trl: dict) -> None:
+    """Marks each side's steps to time (`overlap`)."""
     # keep the steps (not a run's first, for short steps) that started and ended while the other side trained
     lo = max(verl["step_end"][0] - verl["step_s"][0], trl["step_end"][0] - trl["step_s"][0])
     hi = min(verl["step_end"][-1], trl["step_end"][-1])
@@ -217,6 +227,14 @@ def side_by_side(wl: Workload, assets, steps, work: Path, tag: str, python: str,
         print("no step lies wholly inside the window both sides trained in: timing every step", flush=True)
         for side in (verl, trl):
             side["overlap"], side["all_steps_timed"] = list(range(first, len(side["step_s"]))), True
+
+
+def collect(wl: Workload, work: Path, tag: str = "0") -> tuple[dict, dict]:
+    """A round whose two processes outlived the benchmark (stopped on a loaded machine to leave them running):
+    what they recorded so far in `work` (verl's metrics.jsonl, the TRL worker's per-step result)."""
+    verl = _read_verl(work / f"verl{tag}")
+    trl = json.loads((work / f"trl{tag}.json").read_text())
+    _time_window(wl, verl, trl)
     return verl, trl
 
 
@@ -361,6 +379,27 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def report(wl: Workload, args, assets, runs: list[tuple[dict, dict]], steps: int) -> dict:
+    """The result of the rounds: both sides' summaries, step splits and padded shares, ratios, compute floor."""
+    verl_runs, trl_runs = [v for v, _ in runs], [t for _, t in runs]
+    result = {"config": {"workload": wl.name, "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": wl.new_tokens,
+                         "ignore_eos": wl.ignore_eos, "trl_steps": steps, "rounds": len(runs), "threads": 1,
+                         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])},
+              "verl": {**summarise(wl, verl_runs), "raw": verl_runs,
+                       "split": step_split(verl_runs, "verl", "actor.padding_free=false" not in wl.verl_args)},
+              "trl": {**summarise(wl, trl_runs), "split": step_split(trl_runs, "trl"), "raw": trl_runs}}
+    result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
+    result["ratio_tokens_per_s_best"] = result["verl"]["tokens_per_s_best"] / result["trl"]["tokens_per_s_best"]
+    if "tokens_per_cpu_s" in result["verl"] and "tokens_per_cpu_s" in result["trl"]:
+        result["ratio_tokens_per_cpu_s"] = result["verl"]["tokens_per_cpu_s"] / result["trl"]["tokens_per_cpu_s"]
+    length = statistics.mean([result["verl"]["mean_response_length"], result["trl"]["mean_response_length"]])
+    floor = compute_floor(assets[0], assets[2], length)
+    floor["max_ratio_vs_trl"] = floor["floor_tokens_per_s"] / result["trl"]["tokens_per_s"]
+    floor["verl_fraction_of_floor"] = result["verl"]["tokens_per_s"] / floor["floor_tokens_per_s"]
+    result["compute_floor"] = floor
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
@@ -373,6 +412,9 @@ def main() -> None:
                     help="stop a round after this long and time the steps both sides finished (a loaded machine)")
     ap.add_argument("--verl", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra overrides of verl's job (e.g. actor.padding_free=false)")
+    ap.add_argument("--collect", metavar="WORKDIR", default=None,
+                    help="report on a round from its work directory (the benchmark stopped, its processes left "
+                         "running: on a loaded machine) instead of running one")
     ap.add_argument("--trl-python", default="/root/.cache/verl-trl/bin/python")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -382,33 +424,26 @@ def main() -> None:
     steps, rounds = args.steps or steps, args.rounds or rounds
     suffix = "" if wl.name == "tiny" else "_" + wl.name.split("-")[0]
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"e2e_grpo_vs_trl{suffix}")
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        assets = build_assets(work, wl)
-        limit = None if args.max_minutes is None else 60 * args.max_minutes
-        runs = [side_by_side(wl, assets, steps, work, str(r), args.trl_python, limit) for r in range(rounds)]
-        verl_runs, trl_runs = [v for v, _ in runs], [t for _, t in runs]
-        result = {"config": {"workload": wl.name, "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": wl.new_tokens,
-                             "ignore_eos": wl.ignore_eos, "trl_steps": steps, "rounds": rounds, "threads": 1,
-                             "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])},
-                  "verl": {**summarise(wl, verl_runs), "raw": verl_runs,
-                           "split": step_split(verl_runs, "verl", "actor.padding_free=false" not in wl.verl_args)},
-                  "trl": {**summarise(wl, trl_runs), "split": step_split(trl_runs, "trl"), "raw": trl_runs}}
-        result["ratio_tokens_per_s"] = result["verl"]["tokens_per_s"] / result["trl"]["tokens_per_s"]
-        result["ratio_tokens_per_s_best"] = result["verl"]["tokens_per_s_best"] / result["trl"]["tokens_per_s_best"]
-        if "tokens_per_cpu_s" in result["verl"] and "tokens_per_cpu_s" in result["trl"]:
-            result["ratio_tokens_per_cpu_s"] = result["verl"]["tokens_per_cpu_s"] / result["trl"]["tokens_per_cpu_s"]
-        length = statistics.mean([result["verl"]["mean_response_length"], result["trl"]["mean_response_length"]])
-        floor = compute_floor(assets[0], assets[2], length)
-        floor["max_ratio_vs_trl"] = floor["floor_tokens_per_s"] / result["trl"]["tokens_per_s"]
-        floor["verl_fraction_of_floor"] = result["verl"]["tokens_per_s"] / floor["floor_tokens_per_s"]
-        result["compute_floor"] = floor
-        if args.full and wl.name == "tiny":
-            result["scaling"] = []
-            for nproc in (1, 2, 4):
-                r = run_verl(wl, assets[0], assets[1], steps, work / f"scale{nproc}", nproc=nproc)
-                r["all"] = list(range(1, len(r["step_s"])))
-                result["scaling"].append({"nproc": nproc, **summarise(wl, [r], nproc, key="all")})
+    if args.collect:  # the processes of a stopped run, still running or done: time what they recorded
+        work = Path(args.collect)
+        from verl.rollout.tokenizer import Tokenizer
+        tok = Tokenizer.from_pretrained(str(work / "model"))
+        rows = [json.loads(line) for line in (work / "prompts.jsonl").read_text().splitlines()]
+        assets = (work / "model", work / "prompts.jsonl", [tok.encode_prompt(r["prompt"]) for r in rows])
+        result = report(wl, args, assets, [collect(wl, work)], steps)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            assets = build_assets(work, wl)
+            limit = None if args.max_minutes is None else 60 * args.max_minutes
+            runs = [side_by_side(wl, assets, steps, work, str(r), args.trl_python, limit) for r in range(rounds)]
+            result = report(wl, args, assets, runs, steps)
+            if args.full and wl.name == "tiny":
+                result["scaling"] = []
+                for nproc in (1, 2, 4):
+                    r = run_verl(wl, assets[0], assets[1], steps, work / f"scale{nproc}", nproc=nproc)
+                    r["all"] = list(range(1, len(r["step_s"])))
+                    result["scaling"].append({"nproc": nproc, **summarise(wl, [r], nproc, key="all")})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     out.with_suffix(".md").write_text(markdown(result))
