@@ -15,6 +15,13 @@ that says why. vLLM runs from its own environment (`bash scripts/setup_env.sh vl
     verl bench engines                 # --quick (default): 16 prompts x 48 tokens, ~3M parameters
     verl bench engines --full          # 32 prompts x 128 tokens, ~24M parameters
 Writes benchmarks/results/bench_engines.json and .png.
+
+    python benchmarks/engines/bench_engines.py --workload smollm2-gsm8k --engines torch torch-model hf vllm
+The example job's generation (examples/smollm2_gsm8k.yaml): SmolLM2-135M-Instruct, 8 gsm_symbolic chat prompts x
+4 samples, temperature 1 with a fixed seed, up to 256 tokens ending at EOS, one batch, one call per engine
+(after a short warm-up). torch-model is the torch engine on the model's own forward (rollout.decoder=model)
+instead of its fast decoder. Lengths differ between engines that sample differently (hf), so compare tokens/s.
+Writes benchmarks/results/bench_engines_smollm2.json.
 """
 
 from __future__ import annotations
@@ -33,9 +40,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-ENGINES = ("torch", "vllm", "sglang", "hf")
+ENGINES = ("torch", "vllm", "sglang", "hf", "torch-model")
 SIZES = {"quick": dict(hidden=256, layers=4, heads=8, kv_heads=4, ffn=688, prompts=16, new=48),
-         "full": dict(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1376, prompts=32, new=128)}
+         "full": dict(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1376, prompts=32, new=128),
+         "smollm2-gsm8k": dict(prompts=8, n=4, new=256)}
+
+
+def run_job_worker(engine: str, model_dir: str, size: dict, out_path: str) -> None:
+    """The smollm2-gsm8k generation: n seeded samples per chat prompt, to EOS, one timed call."""
+    import torch
+
+    from verl.utils.metrics import peak_memory_mb
+    torch.set_num_threads(1)
+    from verl.data import make_task
+    from verl.rollout import RolloutConfig, SamplingParams, build_rollout, engine_available
+    from verl.rollout.tokenizer import Tokenizer
+    name, decoder = ("torch", "model") if engine == "torch-model" else (engine, "fast")
+    ok, why = engine_available(name)
+    if not ok:
+        json.dump({"engine": engine, "skipped": why}, open(out_path, "w"))
+        return
+    t0 = time.perf_counter()
+    eng = build_rollout(RolloutConfig(engine=name, decoder=decoder, dtype="float32",
+                                      max_batch_size=size["prompts"] * size["n"], kv_cache_memory_mb=1024),
+                        model_path=model_dir)
+    startup = time.perf_counter() - t0
+    tok = Tokenizer.from_pretrained(model_dir)
+    prompts = [tok.encode_prompt(r["prompt"]) for r in make_task("gsm_symbolic", size["prompts"], seed=0)]
+    eng.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
+    params = SamplingParams(n=size["n"], max_new_tokens=size["new"], temperature=1.0, seed=1234)
+    t, cpu = time.perf_counter(), time.process_time()
+    outs = eng.generate(prompts, params)
+    took, cpu = time.perf_counter() - t, time.process_time() - cpu
+    lengths = [len(o.token_ids) for o in outs]
+    json.dump({"engine": engine, "startup_s": startup, "generate_s": took, "tokens": sum(lengths),
+               # this process's CPU seconds (vLLM's engine core runs in a process of its own: not counted)
+               "cpu_s": cpu, "tokens_per_cpu_s": sum(lengths) / cpu,
+               "tokens_per_s": sum(lengths) / took, "mean_length": sum(lengths) / len(lengths),
+               "stopped_at_eos": sum(o.finish_reason == "stop" for o in outs) / len(outs),
+               "peak_memory_mb": peak_memory_mb(), "sampled": [o.token_ids for o in outs]}, open(out_path, "w"))
 
 
 def _prompts(n: int) -> list[str]:
@@ -135,7 +178,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16 prompts x 48 tokens (default)")
     ap.add_argument("--full", action="store_true", help="32 prompts x 128 tokens, a bigger model")
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--workload", choices=["tiny", "smollm2-gsm8k"], default="tiny",
+                    help="tiny: a random Llama, fixed-length (default); smollm2-gsm8k: the example job's generation")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES[:4]), choices=ENGINES)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="smollm2-gsm8k: below the job's 256 (faster)")
     ap.add_argument("--repeats", type=int, default=3, help="timed generate() calls per engine")
     ap.add_argument("--vllm-python", default=None, help="interpreter of the vLLM environment (found if unset)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -145,8 +191,14 @@ def main() -> int:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        run_worker(args.worker, args.model, json.loads(args.size_json), args.repeats, args.result)
+        size = json.loads(args.size_json)
+        if "n" in size:
+            run_job_worker(args.worker, args.model, size, args.result)
+        else:
+            run_worker(args.worker, args.model, size, args.repeats, args.result)
         return 0
+    if args.workload == "smollm2-gsm8k":
+        return job_main(args)
     size_name = "full" if args.full else "quick"
     size = SIZES[size_name]
     from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
@@ -185,6 +237,39 @@ def main() -> int:
         json.dump(res, f, indent=2)
     _plot(rows, os.path.join(args.out, "bench_engines.png"),
           f"{size['prompts']} prompts x {size['new']} tokens, fp32, 1 thread")
+    return 0
+
+
+def job_main(args) -> int:
+    """--workload smollm2-gsm8k: every engine on the example job's generation, in turn, one process each."""
+    from verl.models.pretrained import resolve_model_path
+    model_dir = str(resolve_model_path("smollm2-135m-instruct"))
+    size = dict(SIZES["smollm2-gsm8k"], new=args.max_new_tokens or SIZES["smollm2-gsm8k"]["new"])
+    tmp = tempfile.mkdtemp(prefix="verl-bench-engines-")
+    rows = [_run(e, _interpreter(e, args.vllm_python), model_dir, size, 1, tmp) for e in args.engines]
+    base = next((r for r in rows if r["engine"] == "torch" and "skipped" not in r), None)
+    print(f"{'engine':12} {'generate s':>10} {'tokens':>7} {'tokens/s':>9} {'tok/CPU-s':>9} {'mean len':>8} "
+          f"{'EOS %':>6} {'start s':>8} "
+          f"({size['prompts']} prompts x {size['n']} samples, <= {size['new']} tokens to EOS, T=1)")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['engine']:12} skipped: {r['skipped']}")
+            continue
+        if base is not None:
+            r["tokens_per_s_vs_torch"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["tokens_per_cpu_s_vs_torch"] = r["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
+            r["sampled_agreement_with_torch"] = _agreement(base["sampled"], r["sampled"])
+        print(f"{r['engine']:12} {r['generate_s']:10.1f} {r['tokens']:7d} {r['tokens_per_s']:9.1f} "
+              f"{r['tokens_per_cpu_s']:9.1f} {r['mean_length']:8.1f} {100 * r['stopped_at_eos']:5.0f}% "
+              f"{r['startup_s']:8.1f}")
+    import torch
+    res = {"benchmark": "engines", "workload": "smollm2-gsm8k", "model": "smollm2-135m-instruct (float32)",
+           "job": size, "rows": [{k: v for k, v in r.items() if k != "sampled"} for r in rows],
+           "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 torch thread "
+           "per engine, engines run one after another", "command": " ".join(sys.argv)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_engines_smollm2.json"), "w") as f:
+        json.dump(res, f, indent=2)
     return 0
 
 

@@ -16,8 +16,14 @@ the ceiling this machine itself sets (cores, memory bandwidth), against which th
 
     verl bench scaling                  # 10 steps (9 measured), processes 1 2 4
     verl bench scaling --steps 8 --procs 1 2
-Writes benchmarks/results/bench_scaling.json and .png. On a machine with fewer cores than processes the
-processes share cores (each runs one torch thread), and the efficiency says so.
+    python benchmarks/scaling/bench_scaling.py --job grpo --steps 6    # bench_grpo_vs_trl.py's tiny GRPO job
+Writes benchmarks/results/bench_scaling.json and .png (--job grpo: bench_scaling_grpo.json and .png). On a
+machine with fewer cores than processes the processes share cores (each runs one torch thread), and the
+efficiency says so.
+
+--job grpo scales the GRPO job of benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny instead: per process 8
+arithmetic prompts x 4 samples x 32 tokens (EOS ignored) on a 4-layer, 256-wide model, rule reward only, no
+critic, no reference model; colocated only (there is no second role to split off).
 """
 
 from __future__ import annotations
@@ -37,8 +43,23 @@ if ROOT not in sys.path:
 PROMPTS_PER_PROCESS = 8
 
 
-def job(nproc: int, placement: str, reward_model: str, out_dir: str, steps: int) -> list[str]:
+def grpo_job(nproc: int, out_dir: str, steps: int) -> list[str]:
+    """bench_grpo_vs_trl.py's tiny GRPO job, with every process bringing its 8 prompts x 4 samples."""
+    prompts = PROMPTS_PER_PROCESS * nproc
+    return ["model.tiny.hidden_size=256", "model.tiny.num_layers=4", "model.tiny.num_heads=4",
+            "model.tiny.num_kv_heads=2", "model.tiny.intermediate_size=512", "data.task=arithmetic",
+            f"data.train_batch_size={prompts}", f"actor.mini_batch_size={prompts}", "actor.micro_batch_size=32",
+            "rollout.n=4", "rollout.max_new_tokens=32", "rollout.ignore_eos=true", "algorithm.adv_estimator=grpo",
+            "actor.use_kl_loss=false", "actor.optim.lr=1e-4", "data.max_prompt_length=64", "warmup.steps=0",
+            f"trainer.total_steps={steps}", "trainer.threads=1", "trainer.device=cpu", "trainer.save_final=false",
+            "trainer.export_hf=false", "trainer.plot=false", "trainer.progress_bar=false",
+            "trainer.tensorboard=false", f"trainer.output_dir={out_dir}"]
+
+
+def job(nproc: int, placement: str, reward_model: str, out_dir: str, steps: int, kind: str = "ppo") -> list[str]:
     """The overrides of one run: the same model, task, sampling and per-process work everywhere."""
+    if kind == "grpo":
+        return grpo_job(nproc, out_dir, steps)
     prompts = PROMPTS_PER_PROCESS * nproc
     actor_ranks = nproc // 2 if placement == "split" else nproc
     n = 4
@@ -67,9 +88,10 @@ def make_reward_model(path: str) -> None:
     tok.save_pretrained(path)
 
 
-def _launch(nproc: int, placement: str, reward_model: str, out: str, steps: int, port: int) -> subprocess.Popen:
+def _launch(nproc: int, placement: str, reward_model: str, out: str, steps: int, port: int,
+            kind: str = "ppo") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port", str(port),
-           "-m", "verl.trainer.main_ppo", *job(nproc, placement, reward_model, out, steps)]
+           "-m", "verl.trainer.main_ppo", *job(nproc, placement, reward_model, out, steps, kind)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -79,11 +101,11 @@ def _measured(out: str) -> list[dict]:
     return [r for r in rows if "perf/tokens_per_s" in r][1:]  # the first step pays for start-up
 
 
-def control(nproc: int, reward_model: str, work: str, steps: int) -> dict:
+def control(nproc: int, reward_model: str, work: str, steps: int, kind: str = "ppo") -> dict:
     """The machine's own ceiling: `nproc` independent one-process jobs at once (no communication at all), so
     the efficiency of a real run can be read against what sharing the machine alone costs."""
     outs = [os.path.join(work, f"control_{nproc}_{i}") for i in range(nproc)]
-    procs = [_launch(1, "colocated", reward_model, o, steps, 29700 + 10 * nproc + i) for i, o in enumerate(outs)]
+    procs = [_launch(1, "colocated", reward_model, o, steps, 29700 + 10 * nproc + i, kind) for i, o in enumerate(outs)]
     errors = [p.communicate(timeout=3600)[1] for p in procs]
     if any(p.returncode for p in procs):
         return {"processes": nproc, "placement": "independent", "error": "\n".join(errors)[-2000:]}
@@ -92,9 +114,10 @@ def control(nproc: int, reward_model: str, work: str, steps: int) -> dict:
             "tokens_per_s_per_process": sum(per) / nproc}
 
 
-def run(nproc: int, placement: str, reward_model: str, work: str, steps: int) -> dict:
+def run(nproc: int, placement: str, reward_model: str, work: str, steps: int, kind: str = "ppo") -> dict:
     out = os.path.join(work, f"{placement}_{nproc}")
-    proc = _launch(nproc, placement, reward_model, out, steps, 29500 + nproc + (50 if placement == "split" else 0))
+    proc = _launch(nproc, placement, reward_model, out, steps, 29500 + nproc + (50 if placement == "split" else 0),
+                   kind)
     _, err = proc.communicate(timeout=3600)
     if proc.returncode != 0:
         return {"processes": nproc, "placement": placement, "error": err[-2000:]}
@@ -109,7 +132,7 @@ def run(nproc: int, placement: str, reward_model: str, work: str, steps: int) ->
             "communication_share": comm / step if step else 0.0, "reward_mean": mean("reward/mean")}
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def _plot(rows: list[dict], path: str, job: str = "ppo") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -119,7 +142,7 @@ def _plot(rows: list[dict], path: str) -> None:
         if pts:
             ax[0].plot([r["processes"] for r in pts], [r["tokens_per_s"] for r in pts], marker=marker, label=placement)
             ax[1].plot([r["processes"] for r in pts], [r["efficiency"] for r in pts], marker=marker, label=placement)
-    ax[0].set(xlabel="processes", ylabel="tokens/s (total)", title="PPO throughput")
+    ax[0].set(xlabel="processes", ylabel="tokens/s (total)", title=f"{job.upper()} throughput")
     ax[1].set(xlabel="processes", ylabel="per-process tokens/s vs 1 process", title="per-process efficiency",
               ylim=(0, 1.2))
     for a in ax:
@@ -135,6 +158,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="the default settings (kept for the suite runner)")
     ap.add_argument("--no-control", action="store_true", help="skip the independent-processes ceiling rows")
+    ap.add_argument("--job", choices=["ppo", "grpo"], default="ppo",
+                    help="ppo: the article's PPO dataflow (default); grpo: bench_grpo_vs_trl's tiny GRPO job")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     rows = []
@@ -142,12 +167,12 @@ def main() -> int:
         rm = os.path.join(work, "reward_model")
         make_reward_model(rm)
         for nproc in args.procs:
-            for placement in ("colocated", "split") if nproc > 1 else ("colocated",):
-                row = run(nproc, placement, rm, work, args.steps)
+            for placement in ("colocated", "split") if nproc > 1 and args.job == "ppo" else ("colocated",):
+                row = run(nproc, placement, rm, work, args.steps, args.job)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if nproc > 1 and not args.no_control:
-                rows.append(control(nproc, rm, work, args.steps))
+                rows.append(control(nproc, rm, work, args.steps, args.job))
                 print(json.dumps(rows[-1]), flush=True)
     base = next((r["tokens_per_s_per_process"] for r in rows if r["processes"] == 1 and "error" not in r), None)
     ceiling = {r["processes"]: r["tokens_per_s_per_process"] for r in rows
@@ -169,10 +194,12 @@ def main() -> int:
               f"{r.get('vs_ceiling', float('nan')):>10.2f}")
     os.makedirs(args.out, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "machine": platform.machine(), "prompts_per_process": PROMPTS_PER_PROCESS,
-            "steps": args.steps, "note": "weak scaling; communication = batch redistribution + weight sync"}
-    with open(os.path.join(args.out, "bench_scaling.json"), "w") as f:
+            "steps": args.steps, "note": "weak scaling; communication = batch redistribution + weight sync",
+            "job": args.job, "command": " ".join(sys.argv)}
+    name = "bench_scaling" if args.job == "ppo" else "bench_scaling_grpo"
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    _plot(rows, os.path.join(args.out, "bench_scaling.png"))
+    _plot(rows, os.path.join(args.out, f"{name}.png"), args.job)
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -126,3 +126,49 @@ def test_engine_output_is_the_same_with_and_without_the_fast_decoder(temperature
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_selected_rows_decode_as_if_prefilled_alone():
+    """select() repeats a prefilled row (a group's shared prompt) and drops rows (finished ones): the next
+    steps match the transformers forward on exactly those rows."""
+    model = MODELS["llama-gqa"]()
+    ids, mask = _left_padded([5, 3], 64)
+    dec = LlamaFamilyDecoder(model)
+    dec.start(2, ids.shape[1] + 4)
+    dec.step(ids, mask)
+    rows = torch.tensor([1, 0, 1])  # row 1 twice: one prompt, two samples
+    dec.select(rows)
+    ids, mask = ids[rows], mask[rows]
+    nxt = torch.tensor([[7], [9], [11]])
+    ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+    torch.testing.assert_close(dec.step(nxt, mask), _hf_last_logits(model, ids, mask), atol=1e-5, rtol=1e-5)
+    keep = torch.tensor([2, 0])  # the middle row finished
+    dec.select(keep)
+    ids, mask = ids[keep], mask[keep]
+    nxt = torch.tensor([[5], [6]])
+    ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    torch.testing.assert_close(dec.step(nxt, mask), _hf_last_logits(model, ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_that_stop_early_leave_the_batch_with_the_same_samples():
+    """EOS-terminated rows of different lengths: the fast decoder (shared prefill, finished rows dropped)
+    samples exactly what the model's own forward (every row to the end) samples, and computes fewer padded
+    positions."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tokenizer=tok, intermediate_size=96, initializer_range=0.2)
+    sp = SamplingParams(max_new_tokens=24, n=4, temperature=1.0, seed=3, logprobs=True,
+                        stop_token_ids=list(range(5, 25)))  # a third of the vocabulary stops a row
+    prompts = ["the quick brown", "what", "one two three four five six"]
+    fast_engine = TorchRollout(model, tok, RolloutConfig(decoder="fast"))
+    slow_engine = TorchRollout(model, tok, RolloutConfig(decoder="model"))
+    fast, slow = fast_engine.generate(prompts, sp), slow_engine.generate(prompts, sp)
+    lengths = [len(o.token_ids) for o in slow]
+    assert len(set(lengths)) > 3 and max(lengths) < 24  # rows stop at EOS at many different steps
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    fast_share = fast_engine.take_metrics()["rollout/padded_share"]
+    slow_share = slow_engine.take_metrics()["rollout/padded_share"]
+    assert 0 <= fast_share < slow_share
+    assert fast_engine.take_metrics() == {}  # the count restarts after each read

@@ -12,8 +12,8 @@ import torch
 from verl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, TinyModelConfig
 from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch
-from verl.workers.packing import (_split_to, block_causal_mask, micro_batch_slices, pack, padded_token_share,
-                                  token_budget_slices)
+from verl.workers.packing import (_split_to, block_causal_mask, micro_batch_slices, pack, pack_shared,
+                                  padded_token_share, token_budget_slices)
 
 SHAPE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 R = 12
@@ -331,3 +331,67 @@ def test_model_without_masking_utils_is_refused_for_packing():
     with pytest.raises(VerlConfigError, match="Trunk .* does not build its attention mask.*padding_free=false"):
         check_varlen_attention(Trunk())
     assert check_varlen_attention(_model()) == "sdpa"
+
+
+# ------------------------------------------------------------------------------ shared prompt prefix (GRPO groups)
+
+def make_group_batch(prompt_lengths: list[int], response_lengths: list[int], n: int, seed: int = 0) -> RolloutBatch:
+    """Groups of n consecutive rows with the same (left-padded) prompt and their own responses."""
+    batch = make_batch([(prompt_lengths[i // n], r) for i, r in enumerate(response_lengths)], seed=seed)
+    P = batch.prompt_length
+    for i in range(len(response_lengths)):
+        batch.input_ids[i, :P] = batch.input_ids[i - i % n, :P]
+    return batch
+
+
+def test_pack_shared_keeps_one_prompt_per_group_and_the_padded_targets():
+    batch = make_group_batch([3, 5], [4, 0, 12, 1, 2, 6, 1, 3], n=4)
+    shared, plain = pack_shared(batch), pack(batch)
+    assert shared.num_tokens == plain.num_tokens - 3 * 3 - 3 * 5  # each prompt once instead of four times
+    for key in ("rows", "cols", "targets"):
+        assert torch.equal(getattr(shared, key), getattr(plain, key))
+    # every response position predicts from the same token at the same position as in its own row
+    assert torch.equal(shared.input_ids[0, shared.src], plain.input_ids[0, plain.src])
+    assert torch.equal(shared.position_ids[0, shared.src], plain.position_ids[0, plain.src])
+    att = shared.attention[0, 0]
+    r0, r2, r3 = slice(3, 7), slice(7, 19), slice(19, 20)  # responses of rows 0, 2 (row 1's is empty), 3
+    assert att[r0, :3].all() and att[r2, :3].all() and att[r3, :3].all()  # every response sees the whole prompt
+    assert not att[r2, r0].any() and not att[r3, r2].any()  # and no other response
+    assert att[r2, r2].equal(torch.ones(12, 12, dtype=torch.bool).tril())
+    assert not att[20:, :20].any() and shared.position_ids[0, 20:23].tolist() == [0, 1, 2]  # group 2: its own
+
+
+@pytest.mark.parametrize("micro", [3, 8])  # a group split over micro-batches; two groups in one
+def test_actor_shared_prefix_equals_padded_log_probs_losses_and_gradients(micro):
+    """The update's outputs, loss and gradients with each group's prompt packed once equal the padded path's."""
+    from verl.distributed import init_placement
+    from verl.workers import ActorWorker, TorchEngine
+    placement = init_placement("cpu")
+    model, batch = _model(), make_group_batch([3, 6], [5, 1, 0, 12, 3, 9, 7, 2], n=4)
+    inputs = _inputs(batch, 0)
+    out = {}
+    for name, overrides in {"padded": dict(padding_free=False),
+                            "shared": dict(padding_free=True, share_prompt_prefix=True)}.items():
+        cfg = ActorConfig(micro_batch_size=micro, optim=OptimConfig(lr=1e-2), use_kl_loss=True, entropy_coeff=0.01,
+                          **overrides)
+        engine = TorchEngine(copy.deepcopy(model), OptimConfig(lr=1e-2), placement, head="lm", total_steps=5)
+        actor = ActorWorker(engine, cfg, temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
+        grads = _capture_grads(actor.engine)
+        lp, ent = actor.compute_log_probs(batch)
+        stats = actor.update(batch, lp.detach() - 0.05 * batch.response_mask, inputs["adv"], inputs["ref"])
+        out[name] = (lp, ent, stats["actor/pg_loss"], dict(grads))
+    (lp, ent, loss, grads), (lp2, ent2, loss2, grads2) = out["padded"], out["shared"]
+    torch.testing.assert_close(lp2, lp, **TOL)
+    torch.testing.assert_close(ent2, ent, **TOL)
+    assert loss2 == pytest.approx(loss, rel=1e-5, abs=1e-7) and loss != 0
+    assert grads.keys() == grads2.keys() and grads
+    for n in grads:
+        torch.testing.assert_close(grads2[n], grads[n], **TOL, msg=n)
+
+
+def test_shared_prefix_needs_padding_free_and_a_module_engine():
+    from verl.config.base import ConfigValueError
+    with pytest.raises(ConfigValueError, match="padding_free"):
+        ActorConfig(padding_free=False, share_prompt_prefix=True).check()
+    with pytest.raises(ConfigValueError, match="megatron"):
+        ActorConfig(engine="megatron", share_prompt_prefix=True).check()

@@ -219,6 +219,13 @@ class ActorConfig:
     per-response position ids and attention kept within responses (verl/workers/packing.py), so no compute goes
     to padding; the same outputs, losses and gradients as the padded batch up to float rounding. The reference
     model follows the actor's setting."""
+    share_prompt_prefix: bool = False
+    """With padding_free, on the torch and fsdp engines: the responses of one prompt (consecutive rows with the
+    same prompt tokens, as GRPO's groups of rollout.n are) are packed around one copy of the prompt and attend to
+    it through an explicit [T, T] mask, so the prompt's share of the log-prob and update passes runs once per
+    group instead of once per response. The same outputs and gradients up to float rounding. Wins when prompts
+    are a large share of the tokens and the attention is not flash-attention's varlen kernel (a dense mask);
+    measured in benchmarks/e2e/bench_grpo_vs_trl.py --workload smollm2-gsm8k."""
     policy_loss: str = "vanilla"
     """Registered policy loss (verl.algos: vanilla / ppo, gspo, reinforce, cispo, sapo, gpg, dppo_tv, dppo_kl,
     clip_cov, kl_cov, geo_mean / gmpo, dro, or your own)."""
@@ -282,6 +289,11 @@ class ActorConfig:
         require(self.entropy_coeff >= 0, "entropy_coeff", self.entropy_coeff,
                 "must be >= 0 (0 disables the entropy bonus)")
         require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        require(self.padding_free or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
+                "needs actor.padding_free=true (the shared prompt is a packed layout)")
+        require(self.engine != "megatron" or not self.share_prompt_prefix, "share_prompt_prefix",
+                self.share_prompt_prefix, "is not supported on actor.engine=megatron (its packed attention is "
+                "block-diagonal); use actor.engine=torch or fsdp, or set it to false")
 
 
 

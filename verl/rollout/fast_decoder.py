@@ -72,7 +72,8 @@ class LlamaFamilyDecoder:
 
     Usage per batch: `start(batch, max_len)`, then `step(ids, mask)` with the prompt (left-padded [B, P]) and
     afterwards one token per row ([B, 1]); `mask` [B, L] covers every position so far (0 = padding or a
-    finished row). Returns the last position's logits [B, V]. `finish()` frees the cache.
+    finished row). Returns the last position's logits [B, V]. `select(rows)` between steps changes which rows
+    the cache holds (the mask must follow). `finish()` frees the cache.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -107,6 +108,14 @@ class LlamaFamilyDecoder:
         cos, sin = self.base.rotary_emb(emb[:1, None], positions)
         self.cos, self.sin = cos[0], sin[0]
         self.length = 0
+
+    @torch.no_grad()
+    def select(self, rows: torch.Tensor) -> None:
+        """Keeps the cache rows `rows` (an index: rows may be dropped, reordered or repeated); later steps take
+        len(rows) rows. Repeating a prefilled row gives a GRPO group's samples their shared prompt without
+        prefilling it n times; dropping finished rows stops paying for their decode steps."""
+        for L in self.layers:
+            L["k"], L["v"] = L["k"].index_select(0, rows), L["v"].index_select(0, rows)
 
     def finish(self) -> None:
         """Drops the KV buffers and fused weights (the memory goes back before training runs)."""

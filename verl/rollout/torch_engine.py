@@ -74,6 +74,7 @@ class TorchRollout(RolloutEngine):
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None
         self._fast = None
+        self.stats = {"positions": 0, "valid_positions": 0}  # token positions computed, and the non-padding ones
         if self.config.decoder == "fast" and self.config.kv_cache:
             from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
             reason = unsupported_reason(model)
@@ -119,10 +120,7 @@ class TorchRollout(RolloutEngine):
         return ids
 
     def _generate_batch(self, batch, prompt_ids, params: SamplingParams, width: int | None) -> list[GenerationOutput]:
-        dev = self._input_device()
         prompts = [prompt_ids[i] for i, _ in batch]
-        ids, mask = self.tokenizer.pad(prompts, side="left", width=width)
-        ids, mask = ids.to(dev), mask.to(dev)
         gens = [None if params.seed is None else torch.Generator().manual_seed(params.sample_seed(i, j))
                 for i, j in batch]
         stop_ids = self._stop_ids(params)
@@ -132,40 +130,91 @@ class TorchRollout(RolloutEngine):
         done = [False] * B
         reasons = ["length"] * B
         budgets = [self.budget(len(p), params) for p in prompts]
-        steps = max(budgets)
-        forward = self._forward_fn(B, ids, params)
+        rows = list(range(B))  # the batch row of each row the decoder computes (finished rows leave it)
         try:
-            step_ids, full_ids = ids, ids
-            for step in range(steps):
-                logits = forward(step_ids if self.config.kv_cache else full_ids, mask)
+            forward, logits, mask = self._prefill(prompts, params, width)
+            for _ in range(max(budgets)):
                 processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
-                nxt = sample_tokens(processed, params, gens)
+                nxt = sample_tokens(processed, params, [gens[r] for r in rows])
                 if params.logprobs:
                     lp = getattr(forward, "logprobs", lambda _t: None)(nxt)
                     lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist() if lp is None else lp
-                for r, t in enumerate(nxt.tolist()):
+                for k, (r, t) in enumerate(zip(rows, nxt.tolist())):
                     if done[r]:
                         continue
                     tokens[r].append(t)
                     if params.logprobs:
-                        lps[r].append(lp[r])
+                        lps[r].append(lp[k])
                     if t in stop_ids or self._hit_stop_string(tokens[r], params):
                         done[r], reasons[r] = True, "stop"
                     elif len(tokens[r]) >= budgets[r]:
                         done[r] = True
                 if all(done):
                     break
-                live = ~torch.tensor(done)
+                nxt, mask, rows = self._drop_finished(nxt, mask, rows, done)
+                live = ~torch.tensor([done[r] for r in rows])
+                self.stats["positions"] += len(rows)
+                self.stats["valid_positions"] += int(live.sum())
                 nxt = torch.where(live, nxt, torch.tensor(self.tokenizer.pad_token_id))
-                step_ids = nxt[:, None].to(dev)
-                if not self.config.kv_cache:
-                    full_ids = torch.cat([full_ids, step_ids], 1)
-                mask = torch.cat([mask, live.long()[:, None].to(dev)], 1)
+                mask = torch.cat([mask, live.long()[:, None].to(mask.device)], 1)
+                logits = forward(nxt[:, None].to(mask.device), mask)
         finally:
             if self._fast is not None:
                 self._fast.finish()  # the KV buffers go back before anything else (training) runs
         return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
                              params.stop) for r, (i, j) in enumerate(batch)]
+
+    def _prefill(self, prompts: list[list[int]], params: SamplingParams, width: int | None):
+        """(forward, the prompts' last logits [B, V], mask [B, P]). The fast decoder prefills each distinct
+        prompt once and repeats its cache rows for the group's other samples (a GRPO group of n shares one
+        prompt: n - 1 of n prefills would be the same arithmetic again)."""
+        dev = self._input_device()
+        if self._fast is None:
+            ids, mask = self.tokenizer.pad(prompts, side="left", width=width)
+            ids, mask = ids.to(dev), mask.to(dev)
+            forward = self._forward_fn(len(prompts), ids, params)
+            full_ids = ids
+            if not self.config.kv_cache and self.config.decoder != "train":  # the whole sequence at every step
+                inner = forward
+
+                def forward(step_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                    nonlocal full_ids
+                    full_ids = full_ids if step_ids is full_ids else torch.cat([full_ids, step_ids], 1)
+                    return inner(full_ids, mask)
+            self._count_prefill(mask)
+            return forward, forward(ids, mask), mask
+        first: dict[tuple[int, ...], int] = {}
+        which = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        ids, mask = self.tokenizer.pad([list(p) for p in first], side="left")
+        ids, mask = ids.to(dev), mask.to(dev)
+        self._fast.start(len(first), ids.shape[1] + params.max_new_tokens)
+        logits = self._fast.step(ids, mask)
+        self._count_prefill(mask)
+        index = torch.tensor(which, device=dev)
+        self._fast.select(index)
+        return self._fast.step, logits[index], mask[index]
+
+    def _drop_finished(self, nxt: torch.Tensor, mask: torch.Tensor, rows: list[int], done: list[bool]):
+        """Drops finished rows from the fast decoder's batch once they are an eighth of it: each drop copies
+        the KV cache, so finished rows ride along (masked) until that copy costs less than computing them."""
+        finished = sum(done[r] for r in rows)
+        if self._fast is None or finished == 0 or 8 * finished < len(rows):
+            return nxt, mask, rows
+        keep = [k for k, r in enumerate(rows) if not done[r]]
+        index = torch.tensor(keep)
+        self._fast.select(index.to(mask.device))
+        return nxt[index], mask[index.to(mask.device)], [rows[k] for k in keep]
+
+    def _count_prefill(self, mask: torch.Tensor) -> None:
+        self.stats["positions"] += mask.numel()
+        self.stats["valid_positions"] += int(mask.sum())
+
+    def take_metrics(self) -> dict[str, float]:
+        """rollout/padded_share: the share of the positions the decoder computed since the last call that were
+        padding or finished rows (prefill and decode together); resets the count."""
+        pos, valid = self.stats["positions"], self.stats["valid_positions"]
+        self.stats = {"positions": 0, "valid_positions": 0}
+        return {"rollout/padded_share": 1.0 - valid / pos} if pos else {}
 
     def _hit_stop_string(self, tokens: list[int], params: SamplingParams) -> bool:
         if not params.stop:
@@ -175,13 +224,10 @@ class TorchRollout(RolloutEngine):
         return any(s in tail for s in params.stop)
 
     def _forward_fn(self, batch: int, prompt_ids: torch.Tensor, params: SamplingParams):
-        """`forward(ids, mask) -> last logits [B, V]` for one batch: the fast decoder, the training forward
-        (decoder=train), or the model's forward with the cache it returns threaded through."""
+        """`forward(ids, mask) -> last logits [B, V]` for one batch: the training forward (decoder=train), or
+        the model's forward with the cache it returns threaded through (the fast decoder: `_prefill`)."""
         if self.config.decoder == "train":
             return _TrainForward(self.model, prompt_ids, params, self.tokenizer.pad_token_id)
-        if self._fast is not None:
-            self._fast.start(batch, prompt_ids.shape[1] + params.max_new_tokens)
-            return self._fast.step
         cache = None
 
         def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

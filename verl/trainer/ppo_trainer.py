@@ -274,7 +274,7 @@ class PPOTrainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step of the actor. Under one_step_off / async the first call also runs the prologue:
         `lag` runs that only generate (the training nodes wait for a batch from an earlier run)."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         while self.flow_state is not None and self.flow_state.runs < self.lag:
             self._run_flow(trace=None)
         trace = None
@@ -282,7 +282,10 @@ class PPOTrainer:
             trace = str(self.out_dir / f"trace_step_{self.step + 1}.json")
         self.node_seconds.clear()
         out = self._run_flow(trace)
-        return self._metrics(out, time.perf_counter() - t0)
+        m = self._metrics(out, time.perf_counter() - t0)
+        # this process's CPU seconds (all its threads): on a machine shared with other jobs, the step's own cost
+        m["perf/cpu_time_s"] = time.process_time() - cpu0
+        return m
 
     def _run_flow(self, trace: str | None) -> dict:
         """One run of the dataflow: generates the next batch and (past the prologue) trains on the batch
@@ -316,6 +319,8 @@ class PPOTrainer:
                 m["actor/kl"] = m["actor/ppo_kl"]
         elif self.rollout is not None:  # a rollout on its own ranks reports what it received
             m.update(out["sync_metrics"])
+        if self.rollout is not None:  # engines that count their padded positions (torch) report the share
+            m.update(getattr(self.rollout.engine, "take_metrics", dict)())
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
         if self.reward_fn is not None and len(self.reward_fn.sources) > 1:

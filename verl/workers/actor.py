@@ -64,6 +64,8 @@ class ActorWorker:
         self.weight_link = None
         """A `verl.workers.rollout.WeightLink` when the rollout runs on other ranks: where this actor sends its
         weights (set by the trainer)."""
+        if cfg.share_prompt_prefix:  # only engines that pack through verl/workers/engine.py take it (config check)
+            self._micro["share_prefix"] = True
 
     def onload(self, device: torch.device) -> None:
         """cpu_offload: the dataflow runtime calls this before the role's node, `offload` after it."""

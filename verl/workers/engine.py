@@ -32,7 +32,7 @@ from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
 from verl.workers.batch import MicroLossFn, RolloutBatch
-from verl.workers.packing import PackedBatch, check_varlen_attention, micro_batch_slices, pack
+from verl.workers.packing import PackedBatch, check_varlen_attention, micro_batch_slices, pack, pack_shared
 
 __all__ = ["ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
            "packed_head_outputs"]
@@ -101,10 +101,11 @@ def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
     that predict response tokens through the head; scattered back to [b, R]."""
     check_varlen_attention(module)
     if head == "value":
-        values = module(packed.input_ids, None, packed.position_ids)
+        values = module(packed.input_ids, packed.attention, packed.position_ids)
         return {"values": packed.unpack(values[0, packed.src])}
-    hidden = module.base_model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
-                               use_cache=False).last_hidden_state[0, packed.src]
+    # packed.attention: a shared-prompt layout's own mask (transformers takes a 4D mask as given)
+    hidden = module.base_model(input_ids=packed.input_ids, attention_mask=packed.attention,
+                               position_ids=packed.position_ids, use_cache=False).last_hidden_state[0, packed.src]
     scale, cap = logit_head(getattr(module, "config", None))
     lm_head = module.get_output_embeddings()
     if loss_head is not None and cap is None and getattr(lm_head, "bias", None) is None:
@@ -157,28 +158,30 @@ class ModuleEngine:
         """Called before each micro-batch's backward: engines that reduce in backward skip all but the last."""
 
     # -- forward --------------------------------------------------------------------------------------------
-    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int, padding_free: bool):
-        """(row slice, micro-batch, its packed form or None) per micro-batch (verl/workers/packing.py)."""
+    def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int, padding_free: bool,
+                       share_prefix: bool = False):
+        """(row slice, micro-batch, its packed form or None) per micro-batch (verl/workers/packing.py);
+        share_prefix: responses of one prompt packed around one copy of it (`pack_shared`)."""
         group = self.placement.dp if self.placement.distributed else None
         for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, group):
             mb = batch.select(sl)
-            yield sl, mb, pack(mb) if padding_free else None
+            yield sl, mb, (pack_shared(mb) if share_prefix else pack(mb)) if padding_free else None
 
     @torch.no_grad()
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,
-                padding_free: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
+                padding_free: bool = False, max_tokens: int = 0, share_prefix: bool = False) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] (0 on padding): log-probs and entropy, or values."""
-        parts = [self._forward(mb, temperature, packed)
-                 for _, mb, packed in self._micro_batches(batch, micro_batch_size, max_tokens, padding_free)]
+        parts = [self._forward(mb, temperature, packed) for _, mb, packed
+                 in self._micro_batches(batch, micro_batch_size, max_tokens, padding_free, share_prefix)]
         return {k: torch.cat([p[k] for p in parts]) * batch.response_mask for k in parts[0]}
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
                    extra: dict[str, torch.Tensor], *, temperature: float = 1.0, padding_free: bool = False,
-                   max_tokens: int = 0) -> tuple[list[dict], OptimizerStep]:
+                   max_tokens: int = 0, share_prefix: bool = False) -> tuple[list[dict], OptimizerStep]:
         """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step (`step`).
         Returns each micro-batch's statistics (floats) and what the step did."""
         stats, losses = [], []
-        micro = list(self._micro_batches(batch, micro_batch_size, max_tokens, padding_free))
+        micro = list(self._micro_batches(batch, micro_batch_size, max_tokens, padding_free, share_prefix))
         for i, (sl, mb, packed) in enumerate(micro):
             self._gradient_sync(i == len(micro) - 1)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}

@@ -35,7 +35,7 @@ from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch, micro_slices
 
 __all__ = ["PackedBatch", "block_causal_mask", "check_varlen_attention", "micro_batch_slices", "pack",
-           "padded_token_share", "token_budget_slices"]
+           "pack_shared", "padded_token_share", "token_budget_slices"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,6 +62,9 @@ class PackedBatch:
     """[N] long, the response token it predicts."""
     shape: tuple[int, int]
     """(b, R): the response layout `unpack` fills."""
+    attention: torch.Tensor | None = None
+    """[1, 1, T, T] bool (True = attends) when the layout is not one causal block per sequence (`pack_shared`:
+    responses of one prompt share its tokens); None: the position ids say where sequences start."""
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +101,48 @@ def pack(mb: RolloutBatch, multiple: int = 1) -> PackedBatch:
     return PackedBatch(input_ids=ids[None], position_ids=pos[None], seq_ids=seq, cu_seqlens=cu,
                        max_seqlen=int(lengths.max()) if len(lengths) else 0, src=index[rows, P - 1 + cols],
                        rows=rows, cols=cols, targets=mb.input_ids[rows, P + cols], shape=(b, S - P))
+
+
+def pack_shared(mb: RolloutBatch) -> PackedBatch:
+    """`pack` with each run of consecutive rows that have the same real prompt tokens (a GRPO group: rollout
+    output is prompt-major) sharing one copy of the prompt: [prompt, response 1, response 2, ...], every response
+    at the positions it has in its own row, attending to the prompt and to itself (`attention`), so the prompt's
+    forward and backward run once per group instead of once per response. Outputs, losses and gradients are the
+    padded batch's up to float rounding; the prompt's last output predicts every response's first token."""
+    keep = mb.attention_mask.bool()
+    b, S = keep.shape
+    P = mb.prompt_length
+    running = keep.long().cumsum(-1) - 1
+    index = torch.zeros(b, S, dtype=torch.long, device=keep.device)
+    ids, pos, group, seq = [], [], [], []
+    n, prompt, g = 0, None, -1
+    for r in range(b):
+        row_prompt = mb.input_ids[r, :P][keep[r, :P]]
+        if prompt is None or not torch.equal(row_prompt, prompt):
+            prompt, g, start = row_prompt, g + 1, n
+            ids.append(row_prompt)
+            pos.append(running[r, :P][keep[r, :P]])
+            group.append(torch.full_like(row_prompt, g))
+            seq.append(torch.full_like(row_prompt, -1))  # -1: a prompt token, seen by every response of the group
+            n += len(row_prompt)
+        index[r, :P][keep[r, :P]] = start + torch.arange(len(row_prompt), device=keep.device)
+        real = keep[r, P:]
+        m = int(real.sum())
+        ids.append(mb.input_ids[r, P:][real])
+        pos.append(running[r, P:][real])
+        group.append(torch.full((m,), g, dtype=torch.long, device=keep.device))
+        seq.append(torch.full((m,), r, dtype=torch.long, device=keep.device))
+        index[r, P:][real] = n + torch.arange(m, device=keep.device)
+        n += m
+    group, seq = torch.cat(group), torch.cat(seq)
+    causal = torch.ones(n, n, dtype=torch.bool, device=keep.device).tril()
+    attends = causal & (group[:, None] == group[None, :]) & ((seq[None, :] == -1) | (seq[:, None] == seq[None, :]))
+    valid = keep[:, P:] & keep[:, P - 1:S - 1]
+    rows, cols = valid.nonzero(as_tuple=True)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=keep.device)
+    return PackedBatch(input_ids=torch.cat(ids)[None], position_ids=torch.cat(pos)[None], seq_ids=seq.clamp(min=0),
+                       cu_seqlens=cu, max_seqlen=n, src=index[rows, P - 1 + cols], rows=rows, cols=cols,
+                       targets=mb.input_ids[rows, P + cols], shape=(b, S - P), attention=attends[None, None])
 
 
 def block_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
