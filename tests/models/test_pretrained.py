@@ -21,6 +21,8 @@ def test_shipped_model_converts_to_the_ggufs_weights_and_tokenizer(smollm2_dir):
     gguf = pytest.importorskip("gguf")
     from safetensors import safe_open
     assert json.loads((smollm2_dir / "verl_converted.json").read_text())["model_type"] == "llama"
+    # plain float32 weights: no GGUF quantization_config, which would make transformers' Trainer refuse them
+    assert "quantization_config" not in json.loads((smollm2_dir / "config.json").read_text())
     reader = gguf.GGUFReader(str(shipped_gguf("smollm2-135m-instruct")))
     by_name = {t.name: t for t in reader.tensors}
     pairs = {"token_embd.weight": "model.embed_tokens.weight",
@@ -42,6 +44,17 @@ def test_shipped_model_converts_to_the_ggufs_weights_and_tokenizer(smollm2_dir):
                                                                add_generation_prompt=True)
     # the second call finds the cached conversion (the marker file) and returns at once
     assert resolve_model_path("smollm2-135m-instruct") == smollm2_dir
+
+
+def test_cached_conversion_drops_a_quantization_config(tmp_path):
+    """A directory converted before the entry was dropped is fixed up when it is found again."""
+    from verl.models.pretrained import _converted
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "verl_converted.json").write_text("{}")
+    (out / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"quant_method": "gguf"}}))
+    assert _converted(tmp_path / "unused.gguf", out, progress=False) == out
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "llama"}
 
 
 def _write_gguf(path, arch: str) -> None:

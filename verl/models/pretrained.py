@@ -20,6 +20,7 @@ complete directory).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.metadata
 import json
@@ -108,11 +109,20 @@ _SUPPORTED = (f"model.path takes a Hugging Face model directory, a .gguf file, o
 
 def _converted(gguf: Path, out: Path, progress: bool) -> Path:
     if (out / _MARKER).is_file():
+        _drop_quantization_config(out / "config.json")  # directories converted before the entry was dropped
         return out
     if out.exists():  # not ours or incomplete (the marker is the last file a conversion writes)
         raise VerlConfigError(f"{out} exists but is not a complete conversion of {gguf.name} (no {_MARKER}); "
                               f"remove it and run again to convert anew")
     return convert_gguf(gguf, out, progress=progress)
+
+
+def _drop_quantization_config(config_json: Path) -> None:
+    data = json.loads(config_json.read_text())
+    if data.pop("quantization_config", None) is not None:
+        tmp = config_json.with_name(f".{config_json.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, config_json)
 
 
 def _check_gguf(gguf: Path) -> None:
@@ -153,8 +163,13 @@ def convert_gguf(gguf: Path, out: Path, *, progress: bool = True) -> Path:
     finally:
         if not progress:
             hf_logging.enable_progress_bar()
-    # transformers refuses save_pretrained on a GGUF-loaded model: copy its weights into a plain one
-    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model: copy its weights into a plain one, whose
+    # config must not keep the GGUF's quantization_config (transformers' Trainer, e.g. TRL's, would then refuse
+    # to fine-tune the float32 weights as a quantized model)
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if not _tied(plain, k)]:
         raise VerlConfigError(f"converting {gguf}: tensors missing {missing} / unexpected {unexpected} for the "
