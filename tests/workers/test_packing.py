@@ -14,6 +14,7 @@ from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch
 from verl.workers.packing import (_split_to, block_causal_mask, micro_batch_slices, pack, pack_shared,
                                   padded_token_share, token_budget_slices)
+from verl.workers.varlen_attention import VARLEN
 
 SHAPE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 R = 12
@@ -330,7 +331,118 @@ def test_model_without_masking_utils_is_refused_for_packing():
             self.w = torch.nn.Linear(2, 2)
     with pytest.raises(VerlConfigError, match="Trunk .* does not build its attention mask.*padding_free=false"):
         check_varlen_attention(Trunk())
-    assert check_varlen_attention(_model()) == "sdpa"
+    assert check_varlen_attention(_model()) == VARLEN
+
+
+# ---------------------------------------------------------------------- per-sequence (varlen) attention, no [T, T] mask
+
+FAMILIES = {"llama": dict(family="llama", num_kv_heads=4), "qwen2_gqa": dict(family="qwen2", num_kv_heads=1),
+            "mistral_window": dict(family="mistral", sliding_window=4)}
+
+
+def _outputs_and_grads(model, batch, packed) -> tuple[torch.Tensor, torch.Tensor, float, dict]:
+    """(log-probs, entropy [b, R], a loss over both, its parameter gradients), padded or from `packed`."""
+    from verl.workers.engine import head_outputs, packed_head_outputs
+    model.zero_grad(set_to_none=True)
+    if packed is None:
+        out = head_outputs(model, "lm", batch.input_ids, batch.attention_mask, batch.position_ids, batch.responses,
+                           batch.prompt_length, 0.9)
+    else:
+        out = packed_head_outputs(model, "lm", packed, 0.9)
+    m = batch.response_mask  # the padded path's outputs at padding columns are not defined
+    lp, ent = out["log_probs"] * m, out["entropy"] * m
+    loss = (lp * torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype).view_as(lp) + 0.1 * ent).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach(), ent.detach(), loss.item(), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_varlen_attention_equals_padded_without_a_mask(family, monkeypatch):
+    """float64: the packed forward through verl's per-sequence attention gives the padded batch's log-probs,
+    entropy, loss and gradients; no mask reaches it or is built (transformers' SDPA mask builder is not called,
+    every SDPA call is one sequence's, unmasked unless the sliding window cuts it), and the model's own attention
+    implementation is back afterwards."""
+    import transformers.masking_utils as mu
+
+    import verl.workers.varlen_attention as va
+    from verl.testing.tiny import tiny_model
+    model = tiny_model(SHAPE, noise=0.1, seed=3, vocab_size=96, **FAMILIES[family]).double()
+    batch = make_batch(LENGTHS[0])
+    batch.response_mask = batch.response_mask.double()
+    lp, ent, loss, grads = _outputs_and_grads(model, batch, None)
+
+    seen, calls = [], []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        seen.append((attention_mask, kw.get("cu_seq_lens_q"), kw.get("sliding_window")))
+        return va.varlen_sdpa_attention(module, query, key, value, attention_mask, **kw)
+
+    def sdpa_spy(q, k, v, attn_mask=None, **kw):
+        calls.append((q.shape[2], None if attn_mask is None else tuple(attn_mask.shape), kw["is_causal"]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    def no_mask_builder(*args, **kwargs):
+        raise AssertionError("transformers built an SDPA mask for a packed row")
+    monkeypatch.setitem(va.AttentionInterface._global_mapping, VARLEN, spy)
+    monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", no_mask_builder)
+    monkeypatch.setattr(va.F, "scaled_dot_product_attention", sdpa_spy)
+    packed = pack(batch)
+    lp2, ent2, loss2, grads2 = _outputs_and_grads(model, batch, packed)
+
+    assert len(seen) == SHAPE.num_layers and all(m is None for m, _, _ in seen)
+    assert all(torch.equal(cu, packed.cu_seqlens) for _, cu, _ in seen)
+    lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
+    assert [n for n, _, _ in calls] == [n for n in lengths if n] * SHAPE.num_layers
+    window = FAMILIES[family].get("sliding_window")
+    assert all((mask is None and causal) == (window is None or n <= window) for n, mask, causal in calls)
+    assert all(mask in (None, (n, n)) for n, mask, _ in calls) and max(n for n, _, _ in calls) < packed.num_tokens
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(lp2, lp, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(ent2, ent, rtol=1e-9, atol=1e-10)
+    assert loss2 == pytest.approx(loss, rel=1e-10) and abs(loss) > 1
+    assert grads.keys() == grads2.keys() and len(grads) > 10
+    for n in grads:
+        torch.testing.assert_close(grads2[n], grads[n], rtol=1e-9, atol=1e-10, msg=n)
+
+
+def test_varlen_attention_function_against_a_block_mask():
+    """The registered function alone: GQA heads, a sliding window, an empty sequence; and what it refuses."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from verl.workers.varlen_attention import varlen_sdpa_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 11, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 3, 9, 11], dtype=torch.int32)
+    module = torch.nn.Module()
+    seq = torch.repeat_interleave(torch.arange(4), cu[1:] - cu[:-1])
+    i = torch.arange(11)
+    for window in (None, 2):
+        allowed = (seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None])
+        if window:
+            allowed &= i[None, :] > i[:, None] - window
+        ref = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=allowed)
+        out, _ = varlen_sdpa_attention(module, q, k, v, None, sliding_window=window, cu_seq_lens_q=cu)
+        torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="softcap"):
+        varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, softcap=30.0)
+    with pytest.raises(ValueError, match="no attention mask"):
+        varlen_sdpa_attention(module, q, k, v, torch.ones(1, 1, 11, 11, dtype=torch.bool), cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match="rise from 0 to the packed length 11"):
+        varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 3, 10]))
+
+
+def test_varlen_attention_stands_in_only_where_it_is_exact():
+    """Soft-capped logits keep the block mask (warned once, with the fix); flash and flex attention keep theirs."""
+    from verl.workers.packing import check_varlen_attention
+    model = _model()
+    model.config.attn_logit_softcapping = 30.0
+    with pytest.warns(UserWarning, match="soft-capped.*block-diagonal \\[T, T\\] mask.*padding_free=false"):
+        assert check_varlen_attention(model) == "sdpa"
+    model.config.attn_logit_softcapping = None
+    model.config._attn_implementation = "flex_attention"
+    assert check_varlen_attention(model) == "flex_attention"
 
 
 # ------------------------------------------------------------------------------ shared prompt prefix (GRPO groups)

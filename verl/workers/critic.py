@@ -84,9 +84,10 @@ class ValueModel(torch.nn.Module):
         model.value_head.load_state_dict(head)
         return model.to(dtype)
 
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, position_ids, **attention_kwargs) -> torch.Tensor:
+        """attention_kwargs: the trunk's attention arguments beyond the mask (packed rows' cu_seq_lens_q, ...)."""
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
+                            use_cache=False, **attention_kwargs).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 

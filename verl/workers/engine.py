@@ -32,7 +32,7 @@ from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
 from verl.workers.batch import MicroLossFn, RolloutBatch
-from verl.workers.packing import PackedBatch, check_varlen_attention, micro_batch_slices, pack, pack_shared
+from verl.workers.packing import PackedBatch, micro_batch_slices, pack, pack_shared, packed_attention
 
 __all__ = ["ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
            "packed_head_outputs"]
@@ -96,16 +96,15 @@ def head_outputs(module: torch.nn.Module, head: str, input_ids: torch.Tensor, at
 
 def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
                         temperature: float, loss_head=None) -> dict[str, torch.Tensor]:
-    """`head_outputs` of a packed micro-batch (verl/workers/packing.py): one row of real tokens, no attention
-    mask (transformers keeps attention within the rows from the restarting position ids), only the positions
-    that predict response tokens through the head; scattered back to [b, R]."""
-    check_varlen_attention(module)
-    if head == "value":
-        values = module(packed.input_ids, packed.attention, packed.position_ids)
-        return {"values": packed.unpack(values[0, packed.src])}
-    # packed.attention: a shared-prompt layout's own mask (transformers takes a 4D mask as given)
-    hidden = module.base_model(input_ids=packed.input_ids, attention_mask=packed.attention,
-                               position_ids=packed.position_ids, use_cache=False).last_hidden_state[0, packed.src]
+    """`head_outputs` of a packed micro-batch (verl/workers/packing.py): one row of real tokens, attention kept
+    within its sequences (`packed_attention`), only the positions that predict response tokens through the head;
+    scattered back to [b, R]."""
+    with packed_attention(module, packed) as attention:
+        if head == "value":
+            values = module(packed.input_ids, position_ids=packed.position_ids, **attention)
+            return {"values": packed.unpack(values[0, packed.src])}
+        hidden = module.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                                   **attention).last_hidden_state[0, packed.src]
     scale, cap = logit_head(getattr(module, "config", None))
     lm_head = module.get_output_embeddings()
     if loss_head is not None and cap is None and getattr(lm_head, "bias", None) is None:

@@ -5,10 +5,14 @@ Packing (`pack`): the tokens of a `RolloutBatch` micro-batch where `attention_ma
 one sequence [1, T] (T = real tokens, no padding). Each original row keeps its own position ids (the running
 count of its real tokens, as `RolloutBatch.position_ids` defines them, restarting at 0), and attention stays
 within a row:
-  - Hugging Face models get `attention_mask=None` and the restarting `position_ids`; transformers (>= 4.56,
-    `masking_utils.find_packed_sequence_indices`) then builds a block-diagonal causal mask for SDPA / eager /
-    flex attention, and flash-attention 2/3 runs varlen attention from the same position ids. Exact: the same
-    keys, the same RoPE positions as the padded batch.
+  - Hugging Face models get `attention_mask=None` and the restarting `position_ids` (the same RoPE positions
+    as the padded batch); `packed_attention` says how their attention stays within a row: flash-attention 2/3
+    runs its varlen kernels from the position ids; SDPA and eager attention are replaced, for the packed
+    forward, by verl's per-sequence SDPA (verl/workers/varlen_attention.py, fed the row's `cu_seqlens`), so no
+    [T, T] mask is built; where that cannot stand in (soft-capped or sink logits, gradient checkpointing,
+    composite models) and for flex attention, transformers (`masking_utils.find_packed_sequence_indices`)
+    builds a block-diagonal causal mask from the position ids. `pack_shared`'s layout is not one causal block
+    per sequence: its own [T, T] mask goes to the model as given.
   - megatron gets a block-diagonal causal `[1, 1, T, T]` mask (`block_causal_mask`) for its local attention
     (megatron-core's `PackedSeqParams` / thd format needs Transformer Engine's attention; the local
     DotProductAttention refuses it).
@@ -26,6 +30,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +39,10 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch, micro_slices
+from verl.workers.varlen_attention import VARLEN, varlen_attention, varlen_unsupported
 
 __all__ = ["PackedBatch", "block_causal_mask", "check_varlen_attention", "micro_batch_slices", "pack",
-           "pack_shared", "padded_token_share", "token_budget_slices"]
+           "pack_shared", "packed_attention", "padded_token_share", "token_budget_slices"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,10 +221,11 @@ _MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
 
 
 def check_varlen_attention(module: torch.nn.Module) -> str:
-    """The attention a packed forward of this Hugging Face model (or `ValueModel`) runs. Refused when its
-    modeling code does not build masks with transformers' masking_utils (the packed rows would attend to each
-    other); warned about once when it is the block-diagonal [T, T] mask on a GPU (flash-attention's varlen
-    kernels need neither the mask nor its memory)."""
+    """The attention a packed forward of this Hugging Face model (or `ValueModel`) runs: flash-attention's
+    varlen kernels, `VARLEN` in place of SDPA / eager attention, or else the model's own implementation over
+    transformers' block-diagonal [T, T] mask (warned about once per reason and device: it costs T² per layer,
+    with T the micro-batch's tokens). Refused when its modeling code does not build masks with transformers'
+    masking_utils (the packed rows would attend to each other)."""
     trunk = getattr(module, "trunk", module)
     modeling = sys.modules.get(type(trunk).__module__)
     if not any(hasattr(modeling, name) for name in _MASK_BUILDERS):
@@ -226,16 +234,38 @@ def check_varlen_attention(module: torch.nn.Module) -> str:
                               f"row would attend to each other; set actor.padding_free=false and "
                               f"critic.padding_free=false for this model")
     impl = str(getattr(getattr(trunk, "config", None), "_attn_implementation", None) or "sdpa")
-    device = next(module.parameters()).device
-    if impl.startswith("flash_attention") or device.type != "cuda":
+    if impl not in ("sdpa", "eager"):
         return impl
-    key = f"{impl}:{device}"
+    reason = varlen_unsupported(trunk)
+    if reason is None:
+        return VARLEN
+    device = next(module.parameters()).device
+    key = f"{impl}:{device}:{reason}"
     if key not in _WARNED:
         _WARNED.add(key)
         fix = ("load the model with attn_implementation='flash_attention_2'"
                if importlib.util.find_spec("flash_attn") is not None
                else "flash-attn is not installed: `pip install flash-attn --no-build-isolation`, then load the model "
                     "with attn_implementation='flash_attention_2'")
-        warnings.warn(f"padding-free training with attn_implementation={impl!r} on {device}: each packed micro-batch "
-                      f"attends through a block-diagonal [T, T] mask; for varlen attention {fix}", stacklevel=3)
+        if device.type != "cuda":
+            fix = "set actor.padding_free=false and critic.padding_free=false where the mask costs more than padding"
+        warnings.warn(f"padding-free training with attn_implementation={impl!r} on {device}: verl's per-sequence "
+                      f"attention cannot stand in because {reason}, so each packed micro-batch attends through a "
+                      f"block-diagonal [T, T] mask; {fix}", stacklevel=3)
     return impl
+
+
+@contextmanager
+def packed_attention(module: torch.nn.Module, packed: PackedBatch) -> Iterator[dict]:
+    """The attention arguments of a packed forward of `module` (a Hugging Face model or `ValueModel`), to be run
+    inside the block: `VARLEN` attention from the row's `cu_seqlens` where `check_varlen_attention` chooses it,
+    else the position ids alone (flash-attention, or transformers' block mask); `pack_shared`'s mask as given."""
+    impl = check_varlen_attention(module)
+    if impl != VARLEN or packed.attention is not None:
+        yield {"attention_mask": packed.attention}
+        return
+    # host-side boundaries: the attention slices the row by them in every layer without a device sync
+    cu = packed.cu_seqlens.cpu()
+    with varlen_attention(getattr(module, "trunk", module)):
+        yield {"attention_mask": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": packed.max_seqlen,
+               "max_length_k": packed.max_seqlen}
