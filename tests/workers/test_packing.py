@@ -357,12 +357,13 @@ def _outputs_and_grads(model, batch, packed) -> tuple[torch.Tensor, torch.Tensor
     return lp.detach(), ent.detach(), loss.item(), grads
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["per_sequence", "batched"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_varlen_attention_equals_padded_without_a_mask(family, monkeypatch):
-    """float64: the packed forward through verl's per-sequence attention gives the padded batch's log-probs,
-    entropy, loss and gradients; no mask reaches it or is built (transformers' SDPA mask builder is not called,
-    every SDPA call is one sequence's, unmasked unless the sliding window cuts it), and the model's own attention
-    implementation is back afterwards."""
+def test_varlen_attention_equals_padded_without_a_mask(family, batched, monkeypatch):
+    """float64: the packed forward through verl's varlen attention (one SDPA call per sequence, or one over the
+    sequences right-padded to the longest) gives the padded batch's log-probs, entropy, loss and gradients; no
+    mask reaches it or is built (transformers' SDPA mask builder is not called, no SDPA call spans sequences,
+    a mask only where the sliding window cuts a sequence), and the model's own attention is back afterwards."""
     import transformers.masking_utils as mu
 
     import verl.workers.varlen_attention as va
@@ -376,11 +377,11 @@ def test_varlen_attention_equals_padded_without_a_mask(family, monkeypatch):
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(module, query, key, value, attention_mask, **kw):
-        seen.append((attention_mask, kw.get("cu_seq_lens_q"), kw.get("sliding_window")))
+        seen.append((attention_mask, kw.get("cu_seq_lens_q")))
         return va.varlen_sdpa_attention(module, query, key, value, attention_mask, **kw)
 
     def sdpa_spy(q, k, v, attn_mask=None, **kw):
-        calls.append((q.shape[2], None if attn_mask is None else tuple(attn_mask.shape), kw["is_causal"]))
+        calls.append((q.shape[0], q.shape[2], None if attn_mask is None else tuple(attn_mask.shape), kw["is_causal"]))
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
     def no_mask_builder(*args, **kwargs):
@@ -388,16 +389,18 @@ def test_varlen_attention_equals_padded_without_a_mask(family, monkeypatch):
     monkeypatch.setitem(va.AttentionInterface._global_mapping, VARLEN, spy)
     monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", no_mask_builder)
     monkeypatch.setattr(va.F, "scaled_dot_product_attention", sdpa_spy)
+    monkeypatch.setattr(va, "batch_sequences", lambda lengths: batched)
     packed = pack(batch)
     lp2, ent2, loss2, grads2 = _outputs_and_grads(model, batch, packed)
 
-    assert len(seen) == SHAPE.num_layers and all(m is None for m, _, _ in seen)
-    assert all(torch.equal(cu, packed.cu_seqlens) for _, cu, _ in seen)
-    lengths = (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist()
-    assert [n for n, _, _ in calls] == [n for n in lengths if n] * SHAPE.num_layers
+    assert len(seen) == SHAPE.num_layers and all(m is None for m, _ in seen)
+    assert all(torch.equal(cu, packed.cu_seqlens) for _, cu in seen)
+    lengths = [n for n in (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).tolist() if n]
+    rows = [(len(lengths), max(lengths))] if batched else [(1, n) for n in lengths]
+    assert [(b, n) for b, n, _, _ in calls] == rows * SHAPE.num_layers and max(lengths) < packed.num_tokens
     window = FAMILIES[family].get("sliding_window")
-    assert all((mask is None and causal) == (window is None or n <= window) for n, mask, causal in calls)
-    assert all(mask in (None, (n, n)) for n, mask, _ in calls) and max(n for n, _, _ in calls) < packed.num_tokens
+    assert all((mask is None and causal) == (window is None or n <= window) for _, n, mask, causal in calls)
+    assert all(mask in (None, (n, n)) for _, n, mask, _ in calls)
     assert model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(lp2, lp, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(ent2, ent, rtol=1e-9, atol=1e-10)
@@ -407,11 +410,13 @@ def test_varlen_attention_equals_padded_without_a_mask(family, monkeypatch):
         torch.testing.assert_close(grads2[n], grads[n], rtol=1e-9, atol=1e-10, msg=n)
 
 
-def test_varlen_attention_function_against_a_block_mask():
+@pytest.mark.parametrize("batched", [False, True], ids=["per_sequence", "batched"])
+def test_varlen_attention_function_against_a_block_mask(batched, monkeypatch):
     """The registered function alone: GQA heads, a sliding window, an empty sequence; and what it refuses."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    from verl.workers.varlen_attention import varlen_sdpa_attention
+    import verl.workers.varlen_attention as va
+    monkeypatch.setattr(va, "batch_sequences", lambda lengths: batched)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 11, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     cu = torch.tensor([0, 3, 3, 9, 11], dtype=torch.int32)
@@ -423,14 +428,20 @@ def test_varlen_attention_function_against_a_block_mask():
         if window:
             allowed &= i[None, :] > i[:, None] - window
         ref = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=allowed)
-        out, _ = varlen_sdpa_attention(module, q, k, v, None, sliding_window=window, cu_seq_lens_q=cu)
+        out, _ = va.varlen_sdpa_attention(module, q, k, v, None, sliding_window=window, cu_seq_lens_q=cu)
         torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="softcap"):
-        varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, softcap=30.0)
+        va.varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=cu, softcap=30.0)
     with pytest.raises(ValueError, match="no attention mask"):
-        varlen_sdpa_attention(module, q, k, v, torch.ones(1, 1, 11, 11, dtype=torch.bool), cu_seq_lens_q=cu)
+        va.varlen_sdpa_attention(module, q, k, v, torch.ones(1, 1, 11, 11, dtype=torch.bool), cu_seq_lens_q=cu)
     with pytest.raises(ValueError, match="rise from 0 to the packed length 11"):
-        varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 3, 10]))
+        va.varlen_sdpa_attention(module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 3, 10]))
+
+
+def test_batch_sequences_bounds_the_padded_attention_work():
+    from verl.workers.varlen_attention import batch_sequences
+    assert batch_sequences([48, 40, 56, 44]) and not batch_sequences([8, 8, 1, 17, 7, 11, 13, 5])
+    assert not batch_sequences([30])
 
 
 def test_varlen_attention_stands_in_only_where_it_is_exact():

@@ -1,7 +1,8 @@
 """Per-sequence ("varlen") attention for packed rows without flash-attn: transformers' SDPA path would run a
 packed row [1, T] through one block-diagonal [T, T] mask, which costs T² per layer however short the sequences
-are; this runs `scaled_dot_product_attention(is_causal=True)` once per sequence of the row instead (Σ L² per
-layer), and never builds a mask.
+are; this runs `scaled_dot_product_attention(is_causal=True)` per sequence of the row instead (Σ L² per layer;
+or, where that is cheaper, once over the sequences right-padded to the longest: `batch_sequences`), and never
+builds a [T, T] mask.
 
 It is registered with transformers as the attention implementation `VARLEN` (`AttentionInterface`), with a
 mask function (`AttentionMaskInterface`) that returns None, and reads the sequence boundaries from the
@@ -11,6 +12,7 @@ layers. `varlen_attention(module)` switches a model to it for the forward it wra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from verl.errors import VerlConfigError
 
-__all__ = ["VARLEN", "varlen_attention", "varlen_sdpa_attention", "varlen_unsupported"]
+__all__ = ["VARLEN", "batch_sequences", "varlen_attention", "varlen_sdpa_attention", "varlen_unsupported"]
 
 VARLEN = "verl_varlen"
 """The attention implementation's name in transformers' registries."""
@@ -62,17 +64,43 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError(f"{VARLEN} attention: cu_seq_lens_k differs from cu_seq_lens_q (self-attention only)")
     bounds = _bounds(cu_seq_lens_q, query.shape[2])
-    gqa = query.shape[1] != key.shape[1]
-    dropout = dropout if module.training else 0.0
+    spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout if module.training else 0.0,
+                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    if not spans:
+        return query.transpose(1, 2).contiguous(), None
+    longest = max(b - a for a, b in spans)
+    if batch_sequences([b - a for a, b in spans]):
+        return _batched(sdpa, query, key, value, spans, longest, sliding_window), None
     out = []
-    for start, end in zip(bounds, bounds[1:]):
-        if end == start:
-            continue
+    for start, end in spans:
         band = _band(end - start, sliding_window, query.device)
-        out.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=band, dropout_p=dropout,
-            is_causal=band is None, scale=scaling, enable_gqa=gqa))
+        out.append(sdpa(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=band,
+                        is_causal=band is None))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+def batch_sequences(lengths: list[int]) -> bool:
+    """One SDPA call over the sequences right-padded to the longest (n·L_max² attention) rather than one call per
+    sequence (Σ L², n calls): where that at most doubles the attention's work, the calls' fixed cost (Python,
+    kernel launches) is the larger one for the short sequences of a packed micro-batch."""
+    return len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= 2 * sum(n * n for n in lengths)
+
+
+def _batched(sdpa, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: list[tuple[int, int]],
+             longest: int, window: int | None) -> torch.Tensor:
+    """[1, T, H, D]: the sequences gathered into [n, H, L_max, D] rows, right-padded with whatever tokens follow
+    them (a causal query at a real position never sees a key after it, so the filler only reaches padding
+    queries, whose outputs, and so gradients, are dropped)."""
+    device, T = query.device, query.shape[2]
+    starts = torch.tensor([a for a, _ in spans], device=device)
+    lengths = torch.tensor([b - a for a, b in spans], device=device)
+    offsets = torch.arange(longest, device=device)
+    index = (starts[:, None] + offsets).clamp(max=T - 1)
+    rows = [x[0][:, index].transpose(0, 1) for x in (query, key, value)]  # [n, heads, L_max, D]
+    band = _band(longest, window, device)
+    out = sdpa(*rows, attn_mask=band, is_causal=band is None)
+    return out.transpose(1, 2)[offsets < lengths[:, None]][None].contiguous()
 
 
 def _no_mask(*args, **kwargs) -> None:
