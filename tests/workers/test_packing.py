@@ -444,9 +444,11 @@ def test_batch_sequences_bounds_the_padded_attention_work():
     assert not batch_sequences([30])
 
 
-def test_varlen_attention_stands_in_only_where_it_is_exact():
+def test_varlen_attention_stands_in_only_where_it_is_exact(monkeypatch):
     """Soft-capped logits keep the block mask (warned once, with the fix); flash and flex attention keep theirs."""
+    import verl.workers.packing as packing
     from verl.workers.packing import check_varlen_attention
+    monkeypatch.setattr(packing, "_WARNED", set())
     model = _model()
     model.config.attn_logit_softcapping = 30.0
     with pytest.warns(UserWarning, match="soft-capped.*block-diagonal \\[T, T\\] mask.*padding_free=false"):
