@@ -259,9 +259,9 @@ class ActorConfig:
     benchmarks/kernels/bench_logprob.py --loss (CPU, N=4096) it takes 0.58x / 0.76x eager's time at H=896 / 2048,
     V=32k (0.73x / 0.90x torch.compile's) and 0.061x / 0.125x its peak memory; at H=2048 that peak is the
     gradient outputs (grad_W, grad_hidden: 0.112x eager's peak, which eager holds too) plus 34 MiB. At V=152k:
-    0.59x eager's time and 0.055x its memory at H=896; 0.85x eager's time (0.98x torch.compile's) at H=2048 (N=2048
-    here), where the gradient outputs alone are 0.20x eager's peak, so 1/8 is out of reach for any op returning
-    them (benchmarks/results/bench_loss_head.json)."""
+    0.59x eager's time and 0.055x its memory at H=896; at H=2048 0.85x eager's time (0.98x torch.compile's,
+    timed at N=2048) and 0.113x its peak memory at N=4096 (the gradient outputs alone: 0.103x)
+    (benchmarks/results/bench_loss_head.json)."""
 
     def loss_params(self):
         """The params dataclass of `policy_loss` filled from `policy_loss_params` (typed, with its own check()),
