@@ -17,7 +17,7 @@ from typing import Any
 
 from verl.dataflow.config import NodeConfig, make_config, world_size_now
 from verl.dataflow.node import Node, NodeEntry, as_node
-from verl.dataflow.runtime import RunState, execute
+from verl.dataflow.runtime import RunState, execute, reachable
 from verl.errors import VerlConfigError, nearest
 
 RESERVED_DICT_KEYS = ("dependencies", "configs", "inputs")
@@ -370,29 +370,17 @@ def _check_placement(df: Dataflow) -> None:
 
 # ------------------------------------------------------------------------------------------------------------
 def _ancestors(df: Dataflow, name: str) -> set[str]:
-    pred: dict[str, list[str]] = {}
+    pred: dict[str, set[str]] = {}
     for u, v in df._edges:
-        pred.setdefault(v, []).append(u)
-    out, stack = set(), [name]
-    while stack:
-        for p in pred.get(stack.pop(), ()):
-            if p not in out:
-                out.add(p)
-                stack.append(p)
-    return out
+        pred.setdefault(v, set()).add(u)
+    return reachable(pred, name)
 
 
 def _descendants(df: Dataflow, name: str) -> set[str]:
-    succ: dict[str, list[str]] = {}
+    succ: dict[str, set[str]] = {}
     for u, v in df._edges:
-        succ.setdefault(u, []).append(v)
-    out, stack = set(), [name]
-    while stack:
-        for s in succ.get(stack.pop(), ()):
-            if s not in out:
-                out.add(s)
-                stack.append(s)
-    return out
+        succ.setdefault(u, set()).add(v)
+    return reachable(succ, name)
 
 
 def inject_node(base_dataflow: Dataflow | Mapping[str, Any], node: Node, after: str, before: str, *,

@@ -402,7 +402,7 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         steps.append(_Step(entry=entry, fn=node.fn, arg_names=node.input_keys if node.by_keyword else None,
                            arg_slots=tuple(arg_slots), out_slots=tuple(outs), ctx=ctx, runs_here=rank in ranks,
                            group_size=len(ranks), control=control, transfers=transfers, lagged=tuple(lagged),
-                           below=frozenset(_reachable(succ, name))))
+                           below=frozenset(reachable(succ, name))))
     # A rank needs only the inputs of the nodes it runs (in split placement the scorer's ranks never see
     # the prompts).
     needed = {s for st in steps if st.runs_here for s in st.arg_slots}
@@ -418,7 +418,8 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
                  carry_transfers)
 
 
-def _reachable(succ: Mapping[str, set[str]], name: str) -> set[str]:
+def reachable(succ: Mapping[str, set[str]], name: str) -> set[str]:
+    """Every node reachable from `name` along `succ` (`name` itself only through a cycle)."""
     out, stack = set(), [name]
     while stack:
         for v in succ.get(stack.pop(), ()):
