@@ -109,18 +109,10 @@ def _head_variants(h, w, y, mask, adv, old, ref, compile_: bool):
     import torch
 
     import verl.ops as O
-    kw = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, kl_coef=0.001, entropy_coeff=0.01)
+    from bench_logprob import LOSS_KW as kw, eager_rl_loss  # the same eager baseline as the CPU bench
 
     def eager(hd, wt):
-        logp = torch.log_softmax((hd @ wt.t()).float() / 0.9, dim=-1)  # the usual upcast of the logits
-        lp = logp.gather(-1, y.reshape(-1, 1)).view(mask.shape)
-        ent = -(logp.exp() * logp).sum(-1).view(mask.shape)
-        ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
-        clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - kw["clip_low"], 1 + kw["clip_high"]))
-        pg = torch.where(adv < 0, torch.minimum(clipped, -adv * kw["clip_c"]), clipped)
-        dr = torch.clamp(ref - lp, -20.0, 20.0)
-        kl = torch.clamp(dr.exp() - dr - 1, -10.0, 10.0)
-        return ((pg + kw["kl_coef"] * kl - kw["entropy_coeff"] * ent) * mask).sum() / mask.sum()
+        return eager_rl_loss(hd, wt, y, mask, adv, old, ref, 0.9)[0]
 
     def fused(hd, wt):
         return O.linear_rl_loss(hd, wt, y, mask, adv, old_logprob=old, ref_logprob=ref, temperature=0.9, **kw).loss

@@ -145,6 +145,28 @@ def _steps(variant: str, x: dict, temperature: float):
     return train_step, forward_only
 
 
+LOSS_KW = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, kl_coef=0.001, entropy_coeff=0.01)
+"""The loss head's settings in every loss benchmark (here and benchmarks/kernels/bench_gpu.py)."""
+
+
+def eager_rl_loss(hd, w, y, mask, adv, old, ref, temperature: float):
+    """The actor's loss as eager PyTorch writes it (the baseline, and what torch.compile compiles): logits,
+    log-softmax, PPO dual clip, k3 KL to the reference and the entropy bonus, token-mean over `mask`.
+    Returns (loss, masked log-probs [B, T])."""
+    import torch
+    kw = LOSS_KW
+    logp = torch.log_softmax((hd @ w.t()).float() / temperature, dim=-1)  # the usual upcast (no-op in fp32)
+    lp = logp.gather(-1, y.reshape(-1, 1)).view(mask.shape)
+    ent = -(logp.exp() * logp).sum(-1).view(mask.shape)
+    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - kw["clip_low"], 1 + kw["clip_high"]))
+    pg = torch.where(adv < 0, torch.minimum(clipped, -adv * kw["clip_c"]), clipped)
+    dr = torch.clamp(ref - lp, -20.0, 20.0)
+    kl = torch.clamp(dr.exp() - dr - 1, -10.0, 10.0)
+    per_token = pg + kw["kl_coef"] * kl - kw["entropy_coeff"] * ent
+    return (per_token * mask).sum() / mask.sum(), lp * mask
+
+
 def _loss_steps(variant: str, x: dict, temperature: float):
     """(train_step, None) of one --loss variant: the actor's whole loss, forward + backward."""
     import torch
@@ -152,21 +174,10 @@ def _loss_steps(variant: str, x: dict, temperature: float):
     import verl.ops as O
     mask, adv, old, ref = x["mask"], x["adv"], x["old"], x["ref"]
     labels = x["labels"].view(mask.shape)
-    kw = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, kl_coef=0.001, entropy_coeff=0.01)
+    kw = LOSS_KW
 
     def eager(hd, w, y):
-        logits = hd @ w.t()
-        logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        lp = logp.gather(-1, y.reshape(-1, 1)).view(mask.shape)
-        ent = -(logp.exp() * logp).sum(-1).view(mask.shape)
-        ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
-        clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - kw["clip_low"], 1 + kw["clip_high"]))
-        pg = torch.where(adv < 0, torch.minimum(clipped, -adv * kw["clip_c"]), clipped)
-        dr = torch.clamp(ref - lp, -20.0, 20.0)
-        kl = torch.clamp(dr.exp() - dr - 1, -10.0, 10.0)
-        per_token = pg + kw["kl_coef"] * kl - kw["entropy_coeff"] * ent
-        return (per_token * mask).sum() / mask.sum(), lp * mask
+        return eager_rl_loss(hd, w, y, mask, adv, old, ref, temperature)
 
     def fused(hd, w, y):
         out = O.linear_rl_loss(hd, w, y, mask, adv, old_logprob=old, ref_logprob=ref, temperature=temperature,
