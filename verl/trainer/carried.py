@@ -7,12 +7,12 @@ lists, dicts: the prompts' rows), a tensor becomes its dtype, shape and raw byte
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 from typing import Any
 
 import torch
 
+from verl.utils.checkpoint import b64_to_bytes, bytes_to_b64
 from verl.workers.batch import RolloutBatch
 
 _TENSOR, _BATCH = "__tensor__", "__rollout_batch__"
@@ -22,8 +22,8 @@ def encode(value: Any) -> Any:
     """`value` as JSON-able data (see the module docstring); raises TypeError for anything else."""
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {_TENSOR: base64.b64encode(raw).decode(), "dtype": str(t.dtype).removeprefix("torch."),
+        raw = bytes_to_b64(t.reshape(-1).view(torch.uint8)) if t.numel() else ""
+        return {_TENSOR: raw, "dtype": str(t.dtype).removeprefix("torch."),
                 "shape": list(t.shape)}
     if isinstance(value, RolloutBatch):
         return {_BATCH: {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
@@ -40,8 +40,8 @@ def decode(data: Any) -> Any:
     """The value `encode` described."""
     if isinstance(data, dict) and _TENSOR in data:
         dtype = getattr(torch, data["dtype"])
-        raw = bytearray(base64.b64decode(data[_TENSOR]))
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        raw = data[_TENSOR]
+        flat = b64_to_bytes(raw).view(dtype) if raw else torch.empty(0, dtype=dtype)
         return flat.reshape(data["shape"]).clone()
     if isinstance(data, dict) and _BATCH in data:
         return RolloutBatch(**{k: decode(v) for k, v in data[_BATCH].items()})

@@ -71,35 +71,37 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # -- RNG states as JSON (torch / CUDA states are byte tensors, Python's and NumPy's are integer tuples) ---------
-def _b64(t: torch.Tensor) -> str:
+def bytes_to_b64(t: torch.Tensor) -> str:
+    """A byte tensor (uint8) as base64 text, for the JSON files of a checkpoint."""
     return base64.b64encode(t.cpu().numpy().tobytes()).decode()
 
 
-def _unb64(s: str) -> torch.Tensor:
+def b64_to_bytes(s: str) -> torch.Tensor:
+    """The uint8 tensor `bytes_to_b64` wrote (writable: it owns its buffer)."""
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
 def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state = {"torch": _b64(torch.get_rng_state()),
+    state = {"torch": bytes_to_b64(torch.get_rng_state()),
              "python": {"version": version, "state": list(internal), "gauss_next": gauss},
              "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
                        "cached_gaussian": float(cached)}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        state["cuda"] = [bytes_to_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(_unb64(state["torch"]))
+    torch.set_rng_state(b64_to_bytes(state["torch"]))
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = state["numpy"]
     np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+        torch.cuda.set_rng_state_all([b64_to_bytes(s) for s in state["cuda"]])
 
 
 # -- reading DCP without running code ---------------------------------------------------------------------------
