@@ -173,6 +173,7 @@ class WeightLink:
     def __init__(self, group, actor_ranks: tuple[int, ...], rollout_ranks: tuple[int, ...]):
         self.group, self.actor_ranks, self.rollout_ranks = group, tuple(actor_ranks), tuple(rollout_ranks)
         self._hybrid = None
+        self._engine_bytes = 0  # what each sync hands this rank's engine (from the plan; 0 on the actor's ranks)
 
     def _plan(self, actor, rollout: RolloutWorker | None):
         from verl.hybrid_engine.module import hybrid_engine_across
@@ -192,15 +193,16 @@ class WeightLink:
         t0 = time.perf_counter()
         if self._hybrid is None:
             self._hybrid = self._plan(actor, rollout)
+            if rollout is not None:
+                self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(dist.get_rank(self.group)))
         local = {} if actor is None else actor.engine.local_params()
         stats = self._hybrid.sync(local, None if rollout is None else rollout.engine)
         m = {"perf/sync_s": time.perf_counter() - t0, "perf/sync_peak_bytes": float(stats.peak_bytes),
              "perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received), "perf/sync_shared": 0.0}
         if rollout is None:
             return {**m, "perf/sync_sent_bytes": float(stats.bytes_sent)}
-        rank = dist.get_rank(self.group)
-        engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(rank))
-        return {**m, "perf/sync_bytes": float(engine_bytes), "perf/sync_received_bytes": float(stats.bytes_received)}
+        return {**m, "perf/sync_bytes": float(self._engine_bytes),
+                "perf/sync_received_bytes": float(stats.bytes_received)}
 
 
 def sync_rollout_weights(actor, rollout: RolloutWorker | None) -> dict[str, float]:
