@@ -123,6 +123,10 @@ def plan_pieces(lengths: list[int], src: tuple[int, ...], dst: tuple[int, ...]) 
     return pieces
 
 
+def _device_of(group: Any) -> torch.device:
+    return comm_device() if group is None or dist.get_backend(group) != "gloo" else torch.device("cpu")
+
+
 # ---- the wire format -------------------------------------------------------------------------------------
 def flatten(v: Any, tensors: list[torch.Tensor]) -> Any:
     """A picklable skeleton of ``v``; its tensors are appended to ``tensors`` (sent separately)."""
@@ -192,24 +196,25 @@ def _tensor_specs(skel: Any, out: list) -> list:
     return out
 
 
-def send_value(v: Any, dst: int) -> None:
+def send_value(v: Any, dst: int, group: Any = None) -> None:
+    """``v`` to global rank ``dst`` over ``group`` (the default group: None); a gloo group sends from the CPU."""
     tensors: list[torch.Tensor] = []
     skel = flatten(v, tensors)
-    dist.send_object_list([skel], dst=dst)
-    dev = comm_device()
+    dist.send_object_list([skel], dst=dst, group=group)
+    dev = _device_of(group)
     for t in tensors:
-        dist.send(t.detach().to(dev).contiguous(), dst=dst)
+        dist.send(t.detach().to(dev).contiguous(), dst=dst, group=group)
 
 
-def recv_value(src: int) -> Any:
+def recv_value(src: int, group: Any = None) -> Any:
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=src)
+    dist.recv_object_list(box, src=src, group=group)
     skel = box[0]
-    dev = comm_device()
+    dev = _device_of(group)
     tensors = []
     for shape, dtype in _tensor_specs(skel, []):
         buf = torch.empty(shape, dtype=dtype, device=dev)
-        dist.recv(buf, src=src)
+        dist.recv(buf, src=src, group=group)
         tensors.append(buf)
     tensors.reverse()
     return unflatten(skel, tensors)

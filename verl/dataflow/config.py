@@ -57,6 +57,14 @@ class NodeConfig:
     made ``k`` runs ago (k >= 1) instead of this run's, so no ordering edge ties the two nodes within a run and a
     cycle through this input is allowed. The values are carried between runs by the `RunState` passed to
     ``run(..., state=...)``; while it holds fewer than ``k`` runs the node (and what depends on it) is skipped."""
+    queue: dict[str, int] = field(default_factory=dict)
+    """Inputs read through a bounded first-in-first-out queue: ``{key: size}``. The key's producer and this node
+    then run on disjoint ranks and stop waiting for each other's runs: the producer's ranks run ahead, with up to
+    ``size`` values waiting for this node, which takes them in the order they were made (its i-th run gets the
+    producer's i-th value, as ``lag`` would, without the lockstep). Each rank then runs only its own stage (the
+    nodes joined to it by ordinary inputs and dependencies), so the queues must split the graph; what flows
+    back to a producing stage (a rollout's weights) travels outside the dataflow. See `verl.dataflow.queue` for
+    what a failure or the end of the runs does to the other stage."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Overrides of the node's settings (its defaulted parameters)."""
 
@@ -143,23 +151,29 @@ def make_config(node_name: str, raw: Any, settings: Mapping[str, Any]) -> NodeCo
                               f"limit), got {timeout!r}")
     parsed = parse_device_map(node_name, kwargs.get("device_map"))
     lag = _parse_lag(node_name, kwargs.get("lag", {}))
+    queue = _parse_lag(node_name, kwargs.get("queue", {}), what="queue")
+    both = sorted(set(lag) & set(queue))
+    if both:
+        raise VerlConfigError(f"node '{node_name}': {both} appear in both lag and queue; read each input one way")
     replicated = kwargs.get("replicated_outputs", ())
     replicated = (replicated,) if isinstance(replicated, str) else tuple(replicated)
     return NodeConfig(device_map=parsed[0] if parsed else None, device_types=parsed[1] if parsed else None,
                       engine=engine, cpu_offload=cpu_offload, retries=retries,
                       retry_backoff_s=float(backoff), retry_on=retry_on, replicated_outputs=replicated,
-                      timeout_s=float(timeout), lag=lag, settings=merged)
+                      timeout_s=float(timeout), lag=lag, queue=queue, settings=merged)
 
 
-def _parse_lag(node_name: str, lag: Any) -> dict[str, int]:
+def _parse_lag(node_name: str, lag: Any, what: str = "lag") -> dict[str, int]:
+    """``lag`` ({key: runs back}) or ``queue`` ({key: size}): positive ints per input key."""
+    meaning = "runs back" if what == "lag" else "values the queue holds"
     if not isinstance(lag, Mapping):
-        raise VerlConfigError(f"node '{node_name}': lag must be a dict {{input key: runs back}}, e.g. "
-                              f"lag={{'batch': 1}}, got {lag!r}")
+        raise VerlConfigError(f"node '{node_name}': {what} must be a dict {{input key: {meaning}}}, e.g. "
+                              f"{what}={{'batch': 1}}, got {lag!r}")
     out = {}
     for key, k in lag.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise VerlConfigError(f"node '{node_name}': lag[{key!r}]={k!r} must be an int >= 1 (the number of runs "
-                                  f"back the value comes from); drop the entry to read this run's value")
+            raise VerlConfigError(f"node '{node_name}': {what}[{key!r}]={k!r} must be an int >= 1 (the number of "
+                                  f"{meaning}); drop the entry to read this run's value")
         out[str(key)] = k
     return out
 

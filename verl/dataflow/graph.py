@@ -17,7 +17,7 @@ from typing import Any
 
 from verl.dataflow.config import NodeConfig, make_config, world_size_now
 from verl.dataflow.node import Node, NodeEntry, as_node
-from verl.dataflow.runtime import RunState, execute, reachable
+from verl.dataflow.runtime import RunState, execute, flush, reachable
 from verl.errors import VerlConfigError, nearest
 
 RESERVED_DICT_KEYS = ("dependencies", "configs", "inputs")
@@ -30,7 +30,7 @@ class Dataflow:
     referenced, hence ``__weakref__``)."""
 
     __slots__ = ("_entries", "_index", "_bindings", "_edges", "_exports", "_order", "_world_size", "_inputs",
-                 "__weakref__")
+                 "_stages", "__weakref__")
 
     def __init__(self, entries: Sequence[NodeEntry], bindings: Mapping[str, Mapping[str, str | None]],
                  edges: Mapping[tuple[str, str], str], exports: Mapping[str, str], world_size: int,
@@ -45,6 +45,7 @@ class Dataflow:
         _check_lags(self)
         self._order = _topological_order(self)
         _check_placement(self)
+        self._stages = _stages(self)
         if inputs is not None:
             self.check_inputs(inputs)
 
@@ -118,6 +119,18 @@ class Dataflow:
                 p = self._bindings[e.name][key]
                 out[(p, key)] = max(k, out.get((p, key), 0))
         return out
+
+    @property
+    def queued(self) -> list[tuple[str, str, str, int]]:
+        """(producer, key, consumer, size) of every input read through a queue (`NodeConfig.queue`)."""
+        return [(self._bindings[e.name][k], k, e.name, size) for e in self._entries.values()
+                for k, size in e.config.queue.items()]
+
+    @property
+    def stages(self) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
+        """(nodes in run order, ranks) of each stage: the parts that queues split the dataflow into, each run by
+        its own ranks at its own pace. One stage (every node, ranks () meaning every rank) without queues."""
+        return self._stages
 
     @property
     def input_keys(self) -> tuple[str, ...]:
@@ -197,6 +210,11 @@ class Dataflow:
         """
         return execute(self, inputs, trace=trace, hooks=hooks, check_errors=check_errors, state=state)
 
+    def flush(self, timeout_s: float | None = None) -> None:
+        """After a queue producer's last run, on its ranks: waits until every value it made has been sent (see
+        `NodeConfig.queue`); at most ``timeout_s`` (default: the job's collective timeout)."""
+        flush(self, timeout_s)
+
 
 def _missing_key_message(node: str, key: str, produced: Mapping[str, str], available: set[str]) -> str:
     import difflib
@@ -267,7 +285,8 @@ def _build(nodes: Mapping[str, Node], configs, dependencies, *, inputs, world_si
     edges: dict[tuple[str, str], str] = {}
     for e in entries:
         for k, p in bindings[e.name].items():
-            if p is not None and k not in e.config.lag:  # a lagged value exists before the run starts
+            # a lagged value exists before the run starts; a queued one comes from the producer's own runs
+            if p is not None and k not in e.config.lag and k not in e.config.queue:
                 edges.setdefault((p, e.name), f"key '{k}'")
     for u, v in _explicit_edges(dependencies, nodes):
         edges.setdefault((u, v), f"dependencies['{v}']")
@@ -347,14 +366,63 @@ def _describe_cycle(df: Dataflow, stuck: set[str]) -> str:
 
 def _check_lags(df: Dataflow) -> None:
     for e in df._entries.values():
-        for key, k in e.config.lag.items():
-            if key not in e.node.input_keys:
-                raise VerlConfigError(f"node '{e.name}': lag names key '{key}', which is not one of its inputs "
-                                      f"{list(e.node.input_keys)}{nearest(key, e.node.input_keys, 'inputs')}")
-            if df._bindings[e.name][key] is None:
-                raise VerlConfigError(f"node '{e.name}' reads '{key}' with lag {k}, but no node produces '{key}' "
-                                      f"(it is a run input, given afresh every run); drop the lag, or add the node "
-                                      f"that produces it")
+        for what, entries in (("lag", e.config.lag), ("queue", e.config.queue)):
+            for key, k in entries.items():
+                if key not in e.node.input_keys:
+                    raise VerlConfigError(f"node '{e.name}': {what} names key '{key}', which is not one of its "
+                                          f"inputs {list(e.node.input_keys)}"
+                                          f"{nearest(key, e.node.input_keys, 'inputs')}")
+                if df._bindings[e.name][key] is None:
+                    raise VerlConfigError(f"node '{e.name}' reads '{key}' with {what} {k}, but no node produces "
+                                          f"'{key}' (it is a run input, given afresh every run); drop the {what}, "
+                                          f"or add the node that produces it")
+
+
+def _stages(df: Dataflow) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
+    """Connected components of the graph without its queued inputs. Each must run on ranks of its own: a rank
+    in two stages would have to run both at once."""
+    queued = df.queued
+    if not queued:
+        return ((df._order, ()),)
+    if any(e.config.lag for e in df._entries.values()):
+        raise VerlConfigError("a dataflow reads inputs both through queues and with lags; queues already let the "
+                              "producer run ahead: read the key through a queue only")
+    parent = {n: n for n in df._entries}
+
+    def root(n):
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+    for u, v in df._edges:  # every input read this run, and every dependency
+        parent[root(u)] = root(v)
+    groups: dict[str, list[str]] = {}
+    for n in df._order:
+        groups.setdefault(root(n), []).append(n)
+    out = []
+    for nodes in groups.values():
+        unplaced = [n for n in nodes if df._entries[n].config.device_map is None]
+        if unplaced:
+            raise VerlConfigError(f"node '{unplaced[0]}' has no device_map, but the dataflow has queues {_queues(df)}; "
+                                  f"every node of a dataflow with queues needs a device_map, because each stage "
+                                  f"runs on ranks of its own")
+        out.append((tuple(nodes), tuple(sorted({r for n in nodes for r in df._entries[n].config.device_map}))))
+    for i, (a_nodes, a) in enumerate(out):
+        for b_nodes, b in out[i + 1:]:
+            shared = sorted(set(a) & set(b))
+            if shared:
+                raise VerlConfigError(f"ranks {shared} run nodes of two stages joined by the queues {_queues(df)}: "
+                                      f"{list(a_nodes)} on {list(a)} and {list(b_nodes)} on {list(b)}; a queue "
+                                      f"lets both stages run at once, so give them disjoint device maps (or read "
+                                      f"the key with a lag instead)")
+    if len(out) == 1:
+        raise VerlConfigError(f"the queues {_queues(df)} do not split the dataflow: their producers and consumers "
+                              f"are also joined by ordinary inputs or dependencies; read the key with a lag instead")
+    return tuple(out)
+
+
+def _queues(df: Dataflow) -> list[str]:
+    return [f"{p} -[{k}]-> {c}" for p, k, c, _ in df.queued]
 
 
 def _check_placement(df: Dataflow) -> None:

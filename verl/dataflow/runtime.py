@@ -156,6 +156,12 @@ class _Plan:
     carry_transfers: list[_Transfer] = field(default_factory=list)
     """Transfers of earlier runs' values, done before the first node: the values exist when the run starts, so
     their producers' ranks are free at once for this run's work (a rollout generating the next batch)."""
+    members: tuple[int, ...] = ()
+    """The ranks that run with this one: its stage's (a dataflow with queues), else every rank."""
+    queues_in: list[tuple[Any, int]] = field(default_factory=list)
+    """(channel, slot) of each queued input this rank's nodes read: filled from the channel before the run."""
+    queues_out: list[tuple[Any, int]] = field(default_factory=list)
+    """(channel, slot) of each value this rank produces for a queue: put into the channel after the run."""
 
 
 class RunState:
@@ -363,7 +369,18 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         succ.setdefault(u, set()).add(v)
 
     # Groups are created collectively, so every rank creates the same ones in the same (plan) order.
-    world_control = comm.control_group(all_ranks) if distributed else None
+    stages = df.stages
+    members = all_ranks
+    if len(stages) > 1:  # each stage runs on its own: its agreements and status exchange stay among its ranks
+        controls = [comm.control_group(ranks) for _, ranks in stages]
+        mine = [i for i, (_, ranks) in enumerate(stages) if rank in ranks]
+        world_control = controls[mine[0]] if mine else None
+        members = stages[mine[0]][1] if mine else ()
+    else:
+        world_control = comm.control_group(all_ranks) if distributed else None
+    queued = {(c, k): (p, size) for p, k, c, size in df.queued}
+    channels: dict[tuple[str, str, tuple[int, ...]], Any] = {}
+    queues_in: list[tuple[Any, int]] = []
     steps = []
     for name in df.order:
         entry = df.entry(name)
@@ -376,6 +393,10 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
         arg_slots, transfers, lagged = [], [], []
         for key in entry.node.input_keys:
             producer = df.producer(name, key)
+            if (name, key) in queued:
+                arg_slots.append(_queue_slot(df, channels, queues_in, slot(producer, key), key, ranks,
+                                             queued[(name, key)][1], distributed, fresh, views, producer))
+                continue
             k = df.lag(name, key) if producer is not None else 0
             s = lag_slot(producer, key, k) if k else slot(producer, key)
             if producer is not None and layout[s] != ranks:
@@ -414,8 +435,28 @@ def _compile(df: Dataflow, rank: int, world: int, distributed: bool) -> _Plan:
     carried = [_Carried(p, key, slots[(p, key)], {k: s for (pp, kk, k), s in lag_slots.items() if (pp, kk) == (p, key)},
                         {k: s for (pp, kk, k), s in reads.items() if (pp, kk) == (p, key)})
                for p, key in df.carried]
+    queues_out = [(ch, slots[(ch.producer, ch.key)]) for ch in channels.values() if rank in ch.src]
     return _Plan(steps, external, exports, fresh(), rank, world, distributed, world_control, carried,
-                 carry_transfers)
+                 carry_transfers, members, [q for q in queues_in if rank in q[0].dst], queues_out)
+
+
+def _queue_slot(df: Dataflow, channels: dict, queues_in: list, src_slot: int, key: str, ranks: tuple[int, ...],
+                size: int, distributed: bool, fresh: Any, views: dict, producer: str) -> int:
+    """The slot a queued input lands in on the consumer's ranks: a view of the producer's slot, as a transfer's
+    would be (one channel per producer, key and consumer rank set; creating its group is collective, so every
+    rank makes it in plan order)."""
+    from verl.dataflow.queue import QueueChannel
+    from verl.distributed.placement import new_group
+    ck = (producer, key, ranks)
+    if ck not in channels:
+        src = df.entry(producer).config.device_map
+        union = sorted(set(src) | set(ranks))
+        group = new_group(union, backend="gloo") if distributed else None
+        channels[ck] = QueueChannel(producer, key, src, ranks, size, key in df.entry(producer).config.replicated_outputs,
+                                    group, comm.control_group(src) if distributed else None)
+        views[(src_slot, ranks)] = fresh()
+        queues_in.append((channels[ck], views[(src_slot, ranks)]))
+    return views[(src_slot, ranks)]
 
 
 def reachable(succ: Mapping[str, set[str]], name: str) -> set[str]:
@@ -706,7 +747,7 @@ class _Run:
         """All ranks exchange status (and trace events); returns events per rank on rank 0 when tracing."""
         f = self.failure
         mine = None if f is None else (f.node, f.rank, f.message, f.exc is not None)
-        statuses: list[Any] = [None] * self.plan.world_size
+        statuses: list[Any] = [None] * len(self.plan.members)
         dist.all_gather_object(statuses, mine, group=self.plan.control)
         origins = [s for s in statuses if s is not None and s[3]]
         if origins and (f is None or f.exc is None):
@@ -722,8 +763,9 @@ class _Run:
                 origins, key=lambda s: s[1]) if r != chosen)
         events = None
         if self.recorder is not None:
-            gathered: list[Any] | None = [None] * self.plan.world_size if self.plan.rank == 0 else None
-            dist.gather_object(self.recorder.events, gathered, dst=0, group=self.plan.control)
+            first = self.plan.members[0]
+            gathered: list[Any] | None = [None] * len(self.plan.members) if self.plan.rank == first else None
+            dist.gather_object(self.recorder.events, gathered, dst=first, group=self.plan.control)
             events = gathered
         return events
 
@@ -797,6 +839,8 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
         if state is not None:
             state._finish(plan, vals, skipped)
         return _result(plan, inputs, vals)
+    if not plan.members:  # a dataflow with queues, none of whose stages runs on this rank
+        return dict(inputs)
     try:
         vals = run.fill_inputs(inputs)
     except VerlConfigError as exc:
@@ -804,6 +848,11 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
         vals = [_MISSING] * plan.nslots
         run.failure = _Failure("<inputs>", plan.rank, str(exc), exc)
     _fill_carried(plan, state, vals)
+    for ch, s in plan.queues_in:  # the next value the producer's stage made (or its failure)
+        value, failed = run.collective(f"taking {ch.name}", ch.src, ch.get)
+        if failed is not None and run.failure is None:
+            run.failure = _Failure(failed[0], failed[1], failed[2])
+        vals[s] = value if failed is None else _MISSING
     for t in plan.carry_transfers:
         if t.src_slot not in unavailable and (plan.rank in t.src_ranks or plan.rank in t.dst_ranks):
             run.collective(f"moving '{t.key}' of an earlier run from '{t.producer}'",
@@ -820,15 +869,35 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
                            run.agree, step)
         if step.runs_here and run.failure is None:
             run.run_step(step, vals)
-    events = run.collective("exchanging the run's status at its end", range(plan.world_size),
-                            run.finish_distributed)
-    if recorder is not None and plan.rank == 0:
+    events = run.collective("exchanging the run's status at its end", plan.members, run.finish_distributed)
+    if recorder is not None and plan.rank == plan.members[0]:
         write_trace(trace, events, {"dataflow": list(df.order), "world_size": plan.world_size,
-                                    "run": recorder.run})
+                                    "ranks": list(plan.members), "run": recorder.run})
+    for ch, s in plan.queues_out:  # after the status exchange: a failure anywhere in the stage is queued instead
+        f = run.failure
+        run.collective(f"putting {ch.name}", ch.src, ch.put, vals[s],
+                       None if f is None else (f.node, f.rank, f.message))
+        if f is not None:  # the consumer learns of it before this process can end
+            try:
+                flush(df)
+            except VerlRuntimeError:
+                pass
     run.raise_failure()
     if state is not None:
         state._finish(plan, vals, skipped)
     return _result(plan, inputs, vals)
+
+
+def flush(df: Dataflow, timeout_s: float | None = None) -> None:
+    """On the ranks of a queue's producer: waits until every value its runs put has been sent (call it after the
+    producer's last run; the consumer must take them all). No-op elsewhere and for dataflows without queues."""
+    plans = _PLANS.get(df) or {}
+    if timeout_s is None:
+        from verl.distributed.placement import collective_timeout
+        timeout_s = collective_timeout().total_seconds()
+    for plan in plans.values():
+        for ch, _ in plan.queues_out:
+            ch.drain(timeout_s)
 
 
 def _prologue(plan: _Plan, state: RunState | None) -> tuple[set[str], set[int]]:
