@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl.errors import VerlRuntimeError
 from verl.rollout import GenerationOutput, RolloutConfig, SamplingParams, Tokenizer, TorchRollout, can_pause
 from verl.testing.tiny import tiny_model, tiny_tokenizer
 from verl.workers.batch import RolloutBatch, batch_from_outputs
@@ -147,3 +148,10 @@ def test_batch_from_outputs_carries_token_versions_and_the_oldest_per_row():
 def test_only_the_torch_engine_can_pause():
     assert can_pause("torch")
     assert not can_pause("vllm") and not can_pause("sglang") and not can_pause("hf")
+
+
+def test_a_hook_that_returns_no_version_is_named(tok):
+    engine = TorchRollout(_model(tok, 0), tok)
+    engine.pause_hook = lambda: None
+    with pytest.raises(VerlRuntimeError, match=r"pause_hook returned None; it must return the weight version"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=0))

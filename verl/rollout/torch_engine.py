@@ -17,6 +17,7 @@ kept or computed.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -191,7 +192,12 @@ class TorchRollout(RolloutEngine):
                params: SamplingParams):
         """Asks the pause hook for the weight version before a token is sampled; when the weights changed since
         the cache was computed, returns the rebuilt forward and fresh logits, else (forward, logits) as given."""
-        version = int(self.pause_hook())
+        returned = self.pause_hook()
+        try:
+            version = operator.index(returned)
+        except TypeError:
+            raise VerlRuntimeError(f"the torch engine's pause_hook returned {returned!r}; it must return the weight "
+                                   f"version (an int) the engine holds after the call") from None
         stale = (pause.version is not None and version != pause.version) or self._loads != pause.loads
         pause.version, pause.loads = version, self._loads
         return self._rebuild(forward, seq, mask, params, pause.cap) if stale else (forward, logits)
