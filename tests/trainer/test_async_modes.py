@@ -28,7 +28,7 @@ def _cfg(*overrides: str) -> PPOConfig:
      r"trainer.mode=one_step_off .* algorithm.max_staleness=0 forbids"),
     (["trainer.mode=async", "trainer.queue_size=15"],
      r"trainer.queue_size=15 responses cannot hold one batch of data.train_batch_size x rollout.n = 4 x 4 = 16"),
-    (["rollout.partial=true"], r"rollout.partial=true .* rollout.engine=torch cannot"),
+    (["rollout.partial=true", "rollout.engine=hf"], r"rollout.partial=true .* rollout.engine=hf cannot"),
 ])
 def test_bad_mode_settings_fail_when_the_config_is_read(overrides, match):
     with pytest.raises(VerlConfigError, match=match):

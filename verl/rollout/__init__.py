@@ -18,9 +18,11 @@ __all__ = ["ENGINES", "PAUSABLE", "RolloutConfig", "build_rollout", "can_pause",
            "RolloutEngine", "Tokenizer", "TorchRollout", "FINISH_REASONS"]
 
 
-PAUSABLE: tuple[str, ...] = ()
-"""Engines that can pause a generation in flight at a weight update and resume it with the new weights
-(rebuilding the KV cache), as rollout.partial needs. None of verl's engines can yet."""
+PAUSABLE: tuple[str, ...] = ("torch",)
+"""Engines that can pause a generation in flight at a weight update and resume it with the new weights, as
+rollout.partial needs: the torch engine calls its `pause_hook` between tokens, rebuilds the KV cache of every
+live row from the tokens so far when the weight version moved, and records each token's version
+(GenerationOutput.token_versions)."""
 
 
 def can_pause(engine: str) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +101,9 @@ class GenerationOutput:
     """"stop" (EOS, stop token or stop string) or "length" (max_new_tokens reached)."""
     logprobs: list[float] | None = field(default=None)
     """Log-probability of each generated token when SamplingParams.logprobs, else None."""
+    token_versions: list[int] | None = field(default=None)
+    """The weight version that produced each generated token (what the engine's `pause_hook` returned before
+    sampling it; same length as token_ids), or None when no hook was set (partial rollouts)."""
 
 
 class RolloutEngine(abc.ABC):
@@ -113,6 +116,13 @@ class RolloutEngine(abc.ABC):
         self.released = False
         self.max_model_len = max_model_len
         """Longest prompt + response (None: unbounded); every engine enforces it the same way (see budget)."""
+        self.pause_hook: Callable[[], int] | None = None
+        """Partial rollouts (rollout.partial): an engine that can pause (`verl.rollout.can_pause`) calls this
+        once per decode step, after the prefill and before sampling each generated token. It returns the weight
+        version the engine holds now and may first load newer weights through `update_weights`; when the
+        version differs from the previous token's, the engine rebuilds its KV cache from the tokens so far with
+        the current weights before sampling. Each token's version lands in GenerationOutput.token_versions.
+        Engines that cannot pause ignore it."""
 
     # -- the interface --------------------------------------------------------------------------------------
 
@@ -193,7 +203,8 @@ class RolloutEngine(abc.ABC):
                                    cause=e) from e
 
     def _finish(self, prompt_index: int, sample_index: int, prompt: list[int], tokens: list[int], reason: str,
-                logprobs: list[float] | None, stop: Sequence[str]) -> GenerationOutput:
+                logprobs: list[float] | None, stop: Sequence[str],
+                token_versions: list[int] | None = None) -> GenerationOutput:
         """Builds an output; cuts the text before the first stop string."""
         text = self.tokenizer.decode(tokens)
         for s in stop:
@@ -201,4 +212,5 @@ class RolloutEngine(abc.ABC):
             if at >= 0:
                 text, reason = text[:at], "stop"
         return GenerationOutput(prompt_index=prompt_index, sample_index=sample_index, prompt_token_ids=list(prompt),
-                                token_ids=list(tokens), text=text, finish_reason=reason, logprobs=logprobs)
+                                token_ids=list(tokens), text=text, finish_reason=reason, logprobs=logprobs,
+                                token_versions=token_versions)

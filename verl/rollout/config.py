@@ -54,8 +54,10 @@ class RolloutConfig:
     as perf/full_gather_s beside perf/sync_s, measured in the same run."""
     partial: bool = False
     """Partial rollouts (trainer.mode=one_step_off / async): generation in flight at a weight update is paused
-    and resumed with the new weights (KV cache rebuilt), recording per token the version that produced it. It
-    needs an engine that can pause (`verl.rollout.can_pause`); none can yet, so true is refused before step 1."""
+    and resumed with the new weights, recording per token the version that produced it. It needs an engine
+    that can pause (`verl.rollout.can_pause`): the torch engine calls its pause hook between tokens, rebuilds
+    the KV cache from the tokens so far when the weights moved, and records per-token versions (vllm, sglang
+    and hf cannot pause, so true with them is refused before step 1)."""
     seed: int = 0
     """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

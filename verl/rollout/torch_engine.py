@@ -6,12 +6,21 @@ module with the same call signature (verl's own models). Prompts are left-padded
 token sits in the last column; positions come from the attention mask, so padding never shifts RoPE.
 Models without a KV cache (`use_cache` unsupported) are run with `kv_cache=False`: the full sequence is
 recomputed each step (slow, but exact).
+
+Partial rollouts: with a `pause_hook` set (see RolloutEngine.pause_hook) the engine asks it for the weight
+version before sampling every token. When the version moved (or weights were loaded through update_weights
+meanwhile) it rebuilds the KV cache of every computed row by prefilling the ids fed so far with the current
+weights, samples from those fresh logits, and records each token's version. Without a hook nothing extra is
+kept or computed.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
 from verl.errors import VerlRuntimeError
@@ -66,6 +75,9 @@ class TorchRollout(RolloutEngine):
     """Batched KV-cache sampling on a causal LM (see the module docstring)."""
 
     name = "torch"
+    # successful update_weights calls (a class default: HFRollout skips this __init__); a load inside the pause
+    # hook's first call, which no earlier version can reveal, shows here
+    _loads: int = 0
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
         config = config or RolloutConfig(engine="torch")
@@ -74,7 +86,8 @@ class TorchRollout(RolloutEngine):
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None
         self._fast = None
-        self.stats = {"positions": 0, "valid_positions": 0}  # token positions computed, and the non-padding ones
+        # token positions computed, the non-padding ones, and KV rebuilds after a weight update mid-generation
+        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}
         if self.config.decoder == "fast" and self.config.kv_cache:
             from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
             reason = unsupported_reason(model)
@@ -131,9 +144,15 @@ class TorchRollout(RolloutEngine):
         reasons = ["length"] * B
         budgets = [self.budget(len(p), params) for p in prompts]
         rows = list(range(B))  # the batch row of each row the decoder computes (finished rows leave it)
+        versions: list[list[int]] | None = None if self.pause_hook is None else [[] for _ in range(B)]
         try:
-            forward, logits, mask = self._prefill(prompts, params, width)
+            forward, logits, mask, seq = self._prefill(prompts, params, width)
+            # only a pausable generation keeps the ids fed so far ([rows, L], aligned with mask) to rebuild from
+            pause = None if versions is None else _Pause(loads=self._loads, cap=mask.shape[1] + params.max_new_tokens)
+            seq = None if pause is None else seq
             for _ in range(max(budgets)):
+                if pause is not None:
+                    forward, logits = self._pause(pause, forward, logits, seq, mask, params)
                 processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
                 nxt = sample_tokens(processed, params, [gens[r] for r in rows])
                 if params.logprobs:
@@ -145,44 +164,70 @@ class TorchRollout(RolloutEngine):
                     tokens[r].append(t)
                     if params.logprobs:
                         lps[r].append(lp[k])
+                    if versions is not None:
+                        versions[r].append(pause.version)
                     if t in stop_ids or self._hit_stop_string(tokens[r], params):
                         done[r], reasons[r] = True, "stop"
                     elif len(tokens[r]) >= budgets[r]:
                         done[r] = True
                 if all(done):
                     break
-                nxt, mask, rows = self._drop_finished(nxt, mask, rows, done)
+                nxt, mask, rows, seq = self._drop_finished(nxt, mask, rows, done, seq)
                 live = ~torch.tensor([done[r] for r in rows])
                 self.stats["positions"] += len(rows)
                 self.stats["valid_positions"] += int(live.sum())
                 nxt = torch.where(live, nxt, torch.tensor(self.tokenizer.pad_token_id))
                 mask = torch.cat([mask, live.long()[:, None].to(mask.device)], 1)
+                if seq is not None:
+                    seq = torch.cat([seq, nxt[:, None].to(seq.device)], 1)
                 logits = forward(nxt[:, None].to(mask.device), mask)
         finally:
             if self._fast is not None:
                 self._fast.finish()  # the KV buffers go back before anything else (training) runs
         return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
-                             params.stop) for r, (i, j) in enumerate(batch)]
+                             params.stop, None if versions is None else versions[r])
+                for r, (i, j) in enumerate(batch)]
+
+    def _pause(self, pause: "_Pause", forward, logits: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor,
+               params: SamplingParams):
+        """Asks the pause hook for the weight version before a token is sampled; when the weights changed since
+        the cache was computed, returns the rebuilt forward and fresh logits, else (forward, logits) as given."""
+        returned = self.pause_hook()
+        try:
+            version = operator.index(returned)
+        except TypeError:
+            raise VerlRuntimeError(f"the torch engine's pause_hook returned {returned!r}; it must return the weight "
+                                   f"version (an int) the engine holds after the call") from None
+        stale = (pause.version is not None and version != pause.version) or self._loads != pause.loads
+        pause.version, pause.loads = version, self._loads
+        return self._rebuild(forward, seq, mask, params, pause.cap) if stale else (forward, logits)
+
+    def _rebuild(self, forward, seq: torch.Tensor, mask: torch.Tensor, params: SamplingParams, cap: int):
+        """(forward, last logits [rows, V]) from the current weights over the ids fed so far: the fast decoder
+        re-fuses the weights and prefills `seq` into a fresh cache, the model's forward starts a new cache; the
+        cache-less paths (kv_cache=false, decoder=train) recompute from the module at every step anyway and only
+        run their last forward again. Positions come from `mask`, so finished rows' masked columns are harmless."""
+        self.stats["rebuilds"] += 1
+        self._count_prefill(mask)
+        if isinstance(forward, _TrainForward):
+            return forward, forward.refresh()
+        if self._fast is not None:
+            self._fast.start(len(seq), cap)
+            return forward, self._fast.step(seq, mask)
+        forward = self._forward_fn(seq, params)
+        return forward, forward(seq, mask)
 
     def _prefill(self, prompts: list[list[int]], params: SamplingParams, width: int | None):
-        """(forward, the prompts' last logits [B, V], mask [B, P]). The fast decoder prefills each distinct
-        prompt once and repeats its cache rows for the group's other samples (a GRPO group of n shares one
+        """(forward, the prompts' last logits [B, V], mask [B, P], ids [B, P]). The fast decoder prefills each
+        distinct prompt once and repeats its cache rows for the group's other samples (a GRPO group of n shares one
         prompt: n - 1 of n prefills would be the same arithmetic again)."""
         dev = self._input_device()
         if self._fast is None:
             ids, mask = self.tokenizer.pad(prompts, side="left", width=width)
             ids, mask = ids.to(dev), mask.to(dev)
-            forward = self._forward_fn(len(prompts), ids, params)
-            full_ids = ids
-            if not self.config.kv_cache and self.config.decoder != "train":  # the whole sequence at every step
-                inner = forward
-
-                def forward(step_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-                    nonlocal full_ids
-                    full_ids = full_ids if step_ids is full_ids else torch.cat([full_ids, step_ids], 1)
-                    return inner(full_ids, mask)
+            forward = self._forward_fn(ids, params)
             self._count_prefill(mask)
-            return forward, forward(ids, mask), mask
+            return forward, forward(ids, mask), mask, ids
         first: dict[tuple[int, ...], int] = {}
         which = [first.setdefault(tuple(p), len(first)) for p in prompts]
         ids, mask = self.tokenizer.pad([list(p) for p in first], side="left")
@@ -192,18 +237,21 @@ class TorchRollout(RolloutEngine):
         self._count_prefill(mask)
         index = torch.tensor(which, device=dev)
         self._fast.select(index)
-        return self._fast.step, logits[index], mask[index]
+        return self._fast.step, logits[index], mask[index], ids[index]
 
-    def _drop_finished(self, nxt: torch.Tensor, mask: torch.Tensor, rows: list[int], done: list[bool]):
+    def _drop_finished(self, nxt: torch.Tensor, mask: torch.Tensor, rows: list[int], done: list[bool],
+                       seq: torch.Tensor | None):
         """Drops finished rows from the fast decoder's batch once they are an eighth of it: each drop copies
-        the KV cache, so finished rows ride along (masked) until that copy costs less than computing them."""
+        the KV cache, so finished rows ride along (masked) until that copy costs less than computing them.
+        `seq` (the ids fed so far, kept for a KV rebuild; None without a pause hook) follows the rows."""
         finished = sum(done[r] for r in rows)
         if self._fast is None or finished == 0 or 8 * finished < len(rows):
-            return nxt, mask, rows
+            return nxt, mask, rows, seq
         keep = [k for k, r in enumerate(rows) if not done[r]]
         index = torch.tensor(keep)
         self._fast.select(index.to(mask.device))
-        return nxt[index], mask[index.to(mask.device)], [rows[k] for k in keep]
+        return (nxt[index], mask[index.to(mask.device)], [rows[k] for k in keep],
+                None if seq is None else seq[index.to(seq.device)])
 
     def _count_prefill(self, mask: torch.Tensor) -> None:
         self.stats["positions"] += mask.numel()
@@ -211,10 +259,14 @@ class TorchRollout(RolloutEngine):
 
     def take_metrics(self) -> dict[str, float]:
         """rollout/padded_share: the share of the positions the decoder computed since the last call that were
-        padding or finished rows (prefill and decode together); resets the count."""
-        pos, valid = self.stats["positions"], self.stats["valid_positions"]
-        self.stats = {"positions": 0, "valid_positions": 0}
-        return {"rollout/padded_share": 1.0 - valid / pos} if pos else {}
+        padding or finished rows (prefill, decode and KV rebuilds together); rollout/partial_rebuilds: KV cache
+        rebuilds after a weight update mid-generation (when any). Resets the counts."""
+        pos, valid, rebuilds = self.stats["positions"], self.stats["valid_positions"], self.stats["rebuilds"]
+        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}
+        metrics = {"rollout/padded_share": 1.0 - valid / pos} if pos else {}
+        if rebuilds:
+            metrics["rollout/partial_rebuilds"] = float(rebuilds)
+        return metrics
 
     def _hit_stop_string(self, tokens: list[int], params: SamplingParams) -> bool:
         if not params.stop:
@@ -223,11 +275,20 @@ class TorchRollout(RolloutEngine):
         tail = self.tokenizer.decode(tokens[-(max(len(s) for s in params.stop) + 8):])
         return any(s in tail for s in params.stop)
 
-    def _forward_fn(self, batch: int, prompt_ids: torch.Tensor, params: SamplingParams):
-        """`forward(ids, mask) -> last logits [B, V]` for one batch: the training forward (decoder=train), or
-        the model's forward with the cache it returns threaded through (the fast decoder: `_prefill`)."""
+    def _forward_fn(self, prompt_ids: torch.Tensor, params: SamplingParams):
+        """`forward(ids, mask) -> last logits [B, V]` for one batch, first called on `prompt_ids`: the training
+        forward (decoder=train), the whole sequence so far at every step (kv_cache=false), or the model's forward
+        with the cache it returns threaded through (the fast decoder: `_prefill`)."""
         if self.config.decoder == "train":
             return _TrainForward(self.model, prompt_ids, params, self.tokenizer.pad_token_id)
+        if not self.config.kv_cache:
+            full_ids = prompt_ids
+
+            def recompute(step_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                nonlocal full_ids
+                full_ids = full_ids if step_ids is full_ids else torch.cat([full_ids, step_ids], 1)
+                return self._forward(full_ids, mask, None)[0]
+            return recompute
         cache = None
 
         def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -272,6 +333,7 @@ class TorchRollout(RolloutEngine):
             for dst, old in reversed(undo):
                 dst.copy_(old)
             raise
+        self._loads += 1
         return len(undo)
 
     def _checked_destination(self, params: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -306,6 +368,16 @@ class TorchRollout(RolloutEngine):
             self._offloaded = None
 
 
+@dataclass(slots=True)
+class _Pause:
+    """A pausable generation's weight bookkeeping: the version its cache holds (None until the first hook
+    call), the engine's load count when the cache was computed, and the fast decoder's cache length."""
+
+    loads: int
+    cap: int
+    version: int | None = None
+
+
 class _TrainForward:
     """decoder=train: every step runs the training forward (`base_model` over the whole [B, P + R] buffer,
     future columns masked, then the LM head over the R response positions) exactly as the actor's log-prob
@@ -324,10 +396,15 @@ class _TrainForward:
 
     def __call__(self, step_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         self.t += 1
-        P, t = self.P, self.t
-        if t > 0:
-            self.ids[:, P + t - 1] = step_ids[:, -1]
+        if self.t > 0:
+            self.ids[:, self.P + self.t - 1] = step_ids[:, -1]
         self.mask[:, :mask.shape[1]] = mask
+        return self.refresh()
+
+    def refresh(self) -> torch.Tensor:
+        """The current step's logits from the module's weights as they are now: nothing derived from the
+        weights is kept between steps, so after a weight update this is the whole KV rebuild."""
+        P, t = self.P, self.t
         pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model.base_model(input_ids=self.ids, attention_mask=self.mask, position_ids=pos, use_cache=False)
         self.hidden = out.last_hidden_state[:, P - 1:-1]

@@ -36,7 +36,11 @@ class RolloutBatch:
     """[B, R] log-probs of the sampled tokens under the rollout engine's sampling distribution (0 on padding)."""
     weight_version: torch.Tensor | None = None
     """[B] long: the policy version (actor optimizer steps taken) whose weights generated each sample; the
-    trainer compares it with the version that trains on it (rollout/staleness)."""
+    trainer compares it with the version that trains on it (rollout/staleness). With partial rollouts, the
+    oldest version among the sample's tokens."""
+    token_version: torch.Tensor | None = None
+    """[B, R] long: the policy version that produced each response token, -1 on padding (partial rollouts;
+    None when the engine recorded no per-token versions)."""
     prompts: list = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     response_texts: list[str] = field(default_factory=list)
@@ -61,6 +65,7 @@ class RolloutBatch:
                        group=self.group[idx],
                        rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
                        weight_version=None if self.weight_version is None else self.weight_version[idx],
+                       token_version=None if self.token_version is None else self.token_version[idx],
                        prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts))
 
     def __getitem__(self, idx: slice | torch.Tensor) -> "RolloutBatch":
@@ -82,13 +87,15 @@ class RolloutBatch:
         for b in pieces:
             groups.append(b.group - (b.group.min() if len(b) else 0) + offset)
             offset = int(groups[-1].max()) + 1 if len(b) else offset
-        lps, wvs = [b.rollout_log_probs for b in pieces], [b.weight_version for b in pieces]
+        lps, wvs, tvs = ([b.rollout_log_probs for b in pieces], [b.weight_version for b in pieces],
+                         [b.token_version for b in pieces])
         return cls(input_ids=torch.cat([left(b.input_ids, b, 0) for b in pieces]),
                    attention_mask=torch.cat([left(b.attention_mask, b, 0) for b in pieces]),
                    position_ids=torch.cat([left(b.position_ids, b, 0) for b in pieces]),
                    response_mask=torch.cat([b.response_mask for b in pieces]), group=torch.cat(groups),
                    rollout_log_probs=None if any(x is None for x in lps) else torch.cat(lps),
                    weight_version=None if any(x is None for x in wvs) else torch.cat(wvs),
+                   token_version=None if any(x is None for x in tvs) else torch.cat(tvs),
                    prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
                    response_texts=[x for b in pieces for x in b.response_texts])
 
@@ -104,7 +111,10 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
                        pad_id: int) -> RolloutBatch:
     """The training batch of `n` samples per row from an engine's outputs (prompt-major, as every engine returns
     them). Responses end where the engine stopped them (EOS or stop token included) and are right-padded to
-    `response_length` columns; prompts are left-padded to the longest."""
+    `response_length` columns; prompts are left-padded to the longest. When every output carries
+    token_versions (partial rollouts), `token_version` holds them and `weight_version` each row's oldest; a
+    row with no tokens takes the newest version in the batch (it adds no token to any loss, so only its
+    staleness reading depends on the choice). Otherwise both stay None and the caller sets weight_version."""
     if len(outputs) != len(rows) * n:
         raise ValueError(f"{len(outputs)} generation outputs for {len(rows)} prompts x n={n}")
     B, R = len(outputs), response_length
@@ -112,6 +122,7 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
     ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attn = torch.zeros((B, P + R), dtype=torch.long)
     logps = torch.zeros((B, R), dtype=torch.float32) if all(o.logprobs is not None for o in outputs) else None
+    tver = torch.full((B, R), -1, dtype=torch.long) if all(o.token_versions is not None for o in outputs) else None
     for b, o in enumerate(outputs):
         p, r = o.prompt_token_ids, o.token_ids[:R]
         ids[b, P - len(p):P] = torch.as_tensor(p, dtype=torch.long)
@@ -119,9 +130,20 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
         attn[b, P - len(p):P + len(r)] = 1
         if logps is not None:
             logps[b, :len(r)] = torch.as_tensor(o.logprobs[:R], dtype=torch.float32)
+        if tver is not None:
+            tver[b, :len(r)] = torch.as_tensor(o.token_versions[:R], dtype=torch.long)
     response_mask = attn[:, P:].float()
     return RolloutBatch(
         input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
         response_mask=response_mask, group=torch.arange(len(rows)).repeat_interleave(n), rollout_log_probs=logps,
+        token_version=tver, weight_version=None if tver is None else _oldest_versions(tver),
         prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
         response_texts=[o.text for o in outputs])
+
+
+def _oldest_versions(token_version: torch.Tensor) -> torch.Tensor:
+    """[B] each row's oldest token version (padding is -1); empty rows take the newest version present (0 when
+    no row has a token)."""
+    real = token_version >= 0
+    newest = int(token_version.max()) if bool(real.any()) else 0
+    return torch.where(real, token_version, newest).min(-1).values
