@@ -1,5 +1,5 @@
-"""trainer.mode (sync / one_step_off / async): the checks that fail before step 1, the lagged dataflow, and
-async with max_staleness=0 computing exactly what sync computes."""
+"""trainer.mode (sync / one_step_off / async): the checks that fail before step 1 and the flows each mode builds
+(the runs themselves: tests/trainer/test_one_step_off.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from verl.config import PPOConfig, load_config
-from verl.distributed import init_placement
 from verl.errors import VerlConfigError
 from verl.trainer.ppo_flow import build_ppo_dataflow
-from verl.trainer.ppo_trainer import PPOTrainer
 
 from tests.trainer.conftest import TINY
 
@@ -29,6 +27,9 @@ def _cfg(*overrides: str) -> PPOConfig:
     (["trainer.mode=async", "trainer.queue_size=15"],
      r"trainer.queue_size=15 responses cannot hold one batch of data.train_batch_size x rollout.n = 4 x 4 = 16"),
     (["rollout.partial=true", "rollout.engine=hf"], r"rollout.partial=true .* rollout.engine=hf cannot"),
+    (["rollout.partial=true"], r"rollout.partial=true .* only trainer.mode=async delivers \(trainer.mode=sync"),
+    (["trainer.mode=async", "rollout.tp=2", "rollout.engine=vllm"],
+     r"trainer.mode=async .* rollout.tp=2 .* set rollout.tp=1"),
 ])
 def test_bad_mode_settings_fail_when_the_config_is_read(overrides, match):
     with pytest.raises(VerlConfigError, match=match):
@@ -51,12 +52,13 @@ def test_generation_lag_follows_mode_staleness_and_queue():
     assert _cfg("trainer.mode=async", "algorithm.max_staleness=3").generation_lag == 3
     assert _cfg("trainer.mode=async", "algorithm.max_staleness=3", "trainer.queue_size=32").generation_lag == 2
     assert _cfg("trainer.mode=async", "algorithm.max_staleness=0").generation_lag == 0
-    _cfg("trainer.mode=async", "algorithm.max_staleness=0").validate_world(1)  # nothing overlaps: allowed
+    with pytest.raises(VerlConfigError, match="share ranks"):  # the stages still run at once: own ranks needed
+        _cfg("trainer.mode=async", "algorithm.max_staleness=0").validate_world(1)
 
 
 def test_one_step_off_flow_reads_the_batch_one_run_back():
     flow = build_ppo_dataflow(_cfg("trainer.mode=one_step_off", "algorithm.adv_estimator=gae"), world_size=1)
-    assert flow.carried == {("generate", "batch"): 1}
+    assert flow.carried == {("generate", "batch"): 1, ("generate", "gen_metrics"): 1}
     readers = [n for n in flow.order if "batch" in flow.entry(n).node.input_keys]
     assert readers and all(flow.lag(n, "batch") == 1 for n in readers)
     assert ("generate", "sync_weights") in flow.edges and ("generate", "reward") not in flow.edges
@@ -64,26 +66,14 @@ def test_one_step_off_flow_reads_the_batch_one_run_back():
     assert sync_flow.carried == {} and sync_flow.order == flow.order
 
 
-def _flat(module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def _train(out, *overrides: str):
-    trainer = PPOTrainer(_cfg(*overrides, f"trainer.output_dir={out}"), init_placement("cpu"))
-    history = trainer.fit()
-    return history, _flat(trainer.actor.engine.module)
-
-
-def test_async_with_max_staleness_0_equals_sync_exactly(tmp_path):
-    sync_hist, sync_w = _train(tmp_path / "sync")
-    async_hist, async_w = _train(tmp_path / "async", "trainer.mode=async", "algorithm.max_staleness=0")
-    assert torch.equal(sync_w, async_w)
-    assert len(sync_hist) == len(async_hist) == 3
-    for a, b in zip(sync_hist, async_hist):
-        keys = {k for k in a if not k.startswith(("timing/", "perf/"))}
-        assert keys == {k for k in b if not k.startswith(("timing/", "perf/"))}
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
-        assert a["rollout/staleness_max"] == 0.0
+def test_async_flow_queues_the_generated_batch_into_a_training_stage_of_its_own():
+    cfg = _cfg("trainer.mode=async", "algorithm.max_staleness=2", "trainer.placement=split", "actor.ranks=[0]",
+               "rollout.ranks=[1]", "reward.ranks=[0]")
+    flow = build_ppo_dataflow(cfg, world_size=2)
+    assert flow.stages[0] == (("generate",), (1,)) and flow.stages[1][1] == (0,)
+    assert "publish_weights" in flow.stages[1][0] and "sync_weights" not in flow.names
+    assert {(p, k) for p, k, _, size in flow.queued if size == 2} == {("generate", "batch"), ("generate", "gen_metrics")}
+    assert flow.carried == {}
 
 
 def test_carried_batches_round_trip_through_checkpoint_json():

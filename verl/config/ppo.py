@@ -429,10 +429,10 @@ class AlgorithmConfig:
     trainer.mode=one_step_off / async it also corrects for the staleness of each sample: the old log-probs are
     the trained policy's, the rollout log-probs those of the (older) version that generated the sample."""
     max_staleness: int = 1
-    """trainer.mode=async: how many weight versions generation runs ahead of training, i.e. the most optimizer
-    steps between the version that generated a sample and the one that trains on it. The lockstep runtime
-    generates exactly min(max_staleness, trainer.queue_size room) versions ahead, so no sample ever exceeds the
-    bound and none is dropped or down-weighted for age; rollout_correction corrects the off-policy gap. 0: no
+    """trainer.mode=async: the most optimizer steps between the weight version that generated a sample and the
+    one that trains on it. The rollout's ranks never start a batch with weights older than that allows (they wait
+    for the next version instead), so no sample exceeds the bound and none has to be dropped or down-weighted
+    for age; rollout_correction corrects the off-policy gap. Limited by trainer.queue_size's room. 0: no
     overlap, the run equals sync."""
 
     def check(self) -> None:
@@ -632,12 +632,16 @@ class TrainerConfig:
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     """How generation and training interleave. sync: each step generates with the current weights, then trains.
     one_step_off: the rollout's ranks generate batch k+1 with weights version k while the actor's ranks train
-    on batch k; the weights move at the step boundary (the sync_weights node). async: generation runs up to
-    algorithm.max_staleness versions ahead of training through a bounded queue (queue_size). Both overlap
-    engines, so they need the rollout on ranks of its own (rollout.ranks apart from actor.ranks). Each sample
-    carries the version that generated it (rollout/staleness_mean, rollout/staleness_max)."""
+    on batch k; the weights move at the step boundary (the sync_weights node), and a resumed run is exact.
+    async: the rollout's ranks stream batches into a bounded queue (queue_size) at their own pace and the actor's
+    ranks train on each as soon as it is there; new weights reach the rollout in the background and it takes
+    them between batches (between tokens with rollout.partial), waiting only when a batch would exceed
+    algorithm.max_staleness. A checkpoint drops the queue: the resumed run regenerates those batches from the
+    restored weights. Both modes overlap engines, so they need the rollout on ranks of its own (rollout.ranks
+    apart from actor.ranks). Each sample carries the version that generated it
+    (rollout/staleness_mean, rollout/staleness_max)."""
     queue_size: int = 0
-    """async: responses the queue of generated, not yet trained batches holds; generation runs
+    """async: responses the queue of generated, not yet trained batches holds; generation runs at most
     min(algorithm.max_staleness, queue_size / (data.train_batch_size x rollout.n)) versions ahead. 0: room for
     max_staleness batches."""
 
@@ -707,6 +711,11 @@ class PPOConfig:
         room = t.queue_size // self.batch_responses if t.queue_size else self.algorithm.max_staleness
         return min(self.algorithm.max_staleness, room)
 
+    @property
+    def streaming(self) -> bool:
+        """trainer.mode=async: the rollout and the actor run as two stages joined by a queue (not in lockstep)."""
+        return self.trainer.mode == "async"
+
     def _check_mode(self) -> None:
         t, a = self.trainer, self.algorithm
         if t.mode == "one_step_off" and a.max_staleness < 1:
@@ -719,17 +728,25 @@ class PPOConfig:
                                   f"{self.rollout.n} = {self.batch_responses}; use >= {self.batch_responses} "
                                   f"(x algorithm.max_staleness={a.max_staleness} to run that far ahead), or 0")
         if self.rollout.partial:
-            from verl.rollout import can_pause
+            from verl.rollout import PAUSABLE, can_pause
             if not can_pause(self.rollout.engine):
                 raise VerlConfigError(f"rollout.partial=true pauses generation at a weight update and resumes it "
                                       f"with the new weights, which rollout.engine={self.rollout.engine} cannot do "
-                                      f"(no engine here can pause yet); set rollout.partial=false")
+                                      f"(engines that can: {list(PAUSABLE)}); set rollout.partial=false")
+            if t.mode != "async":
+                raise VerlConfigError(f"rollout.partial=true takes new weights in the middle of a generation, which "
+                                      f"only trainer.mode=async delivers (trainer.mode={t.mode} moves them between "
+                                      f"batches); set trainer.mode=async or rollout.partial=false")
+        if self.streaming and self.rollout.tp > 1:
+            raise VerlConfigError(f"trainer.mode=async lets each rollout rank take new weight versions on its own, "
+                                  f"but rollout.tp={self.rollout.tp} spreads one generation replica over several "
+                                  f"ranks that would have to take them together; set rollout.tp=1")
 
     def _check_overlap(self, roles: dict[str, "Role"]) -> None:
         """Generation ahead of training needs engines that can run at once: rollout and actor on their own ranks."""
         lag, t = self.generation_lag, self.trainer
         shared = sorted(set(roles["rollout"].ranks) & set(roles["actor"].ranks))
-        if lag and shared:
+        if (lag or self.streaming) and shared:
             what = "one_step_off" if t.mode == "one_step_off" else \
                 f"async with algorithm.max_staleness={self.algorithm.max_staleness}"
             raise VerlConfigError(f"trainer.mode={what} generates while the actor trains, but rollout.ranks="

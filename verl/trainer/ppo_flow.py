@@ -3,11 +3,14 @@
     generate → reward → old log-probs, reference log-probs, values → token rewards (KL in reward)
              → advantage → update critic → update actor → sync weights
 
-Asynchronous modes are the same nodes with the generated batches read from earlier runs (`trainer.mode`):
-under one_step_off / async every node that consumes what the rollout made reads it with
-``lag=PPOConfig.generation_lag`` (a node config, see `verl.dataflow.config.NodeConfig.lag`), so the rollout's
-ranks generate the next batch while the actor's ranks train on an earlier one, and the weights move at the
-step boundary (sync_weights, which waits for both).
+Asynchronous modes are the same nodes with the generated batches read from earlier runs (`trainer.mode`).
+one_step_off: every node that consumes what the rollout made reads it with ``lag=1`` (a node config, see
+`verl.dataflow.config.NodeConfig.lag`), so the rollout's ranks generate the next batch while the actor's ranks
+train on an earlier one, and the weights move at the step boundary (sync_weights, which waits for both). async:
+those nodes read it through a queue (``NodeConfig.queue``), which splits the flow into two stages that run at
+their own pace: the rollout's ranks generate into the queue, the actor's ranks train on what it holds, and
+publish_weights hands each new version to a background stream (`verl.workers.rollout.WeightStream`) that the
+rollout takes from before each batch, waiting when it would exceed algorithm.max_staleness.
 
 GRPO, Dr.GRPO, RLOO, REINFORCE++ and ReMax are the same flow with another advantage node and no critic: the
 estimator's registration (`verl.algos.advantage_info`) says whether it needs a critic, a greedy baseline or
@@ -27,12 +30,16 @@ from verl.distributed.collectives import mean_over
 from verl.workers.rollout import sync_rollout_weights
 
 
-@DataflowNode(input_keys=["prompts", "rollout", "seed", "rollout_version"], output_keys=["batch"])
-def generate(prompts, rollout, seed, rollout_version):
-    """Each sample carries the policy version whose weights the rollout holds (rollout/staleness)."""
+@DataflowNode(input_keys=["prompts", "rollout", "seed", "rollout_version", "gen_stats"],
+              output_keys=["batch", "gen_metrics"])
+def generate(prompts, rollout, seed, rollout_version, gen_stats):
+    """Each sample carries the policy version whose weights generated it (rollout/staleness): the version the
+    rollout holds, or with partial rollouts the oldest of its tokens' versions. `gen_metrics` (the engine's
+    own, and `gen_stats` from the trainer on the rollout's ranks) travel with the batch to the actor's ranks."""
     batch = rollout.generate(prompts, seed=seed)
-    batch.weight_version = torch.full((len(batch),), rollout_version, dtype=torch.long)
-    return batch
+    if batch.token_version is None:
+        batch.weight_version = torch.full((len(batch),), rollout_version, dtype=torch.long)
+    return batch, {**getattr(rollout.engine, "take_metrics", dict)(), **gen_stats}
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["baseline_batch"])
@@ -152,6 +159,20 @@ def sync_weights(actor, rollout, actor_metrics):
     return sync_rollout_weights(actor, rollout)
 
 
+@DataflowNode(input_keys=["gen_metrics"], output_keys=["generation_metrics"])
+def generation_metrics(gen_metrics):
+    """What the rollout measured, on the actor's ranks, which log the step (in split placement and async the
+    rollout's ranks are elsewhere; in async they are never in step with the actor's)."""
+    return dict(gen_metrics)
+
+
+@DataflowNode(input_keys=["actor", "actor_metrics", "step"], output_keys=["sync_metrics"])
+def publish_weights(actor, actor_metrics, step):
+    """trainer.mode=async: version step + 1 goes to the rollout's ranks in the background (`WeightStream`); the
+    actor's ranks go on to the next batch at once."""
+    return actor.weight_stream.publish(actor, step + 1)
+
+
 def ppo_nodes(cfg: PPOConfig) -> list:
     """The nodes of the configured algorithm, in reading order. Nodes that only need the batch come first (the
     reward, the critic's values), so that in split placement the reward and critic ranks work on them while the
@@ -163,7 +184,7 @@ def ppo_nodes(cfg: PPOConfig) -> list:
     nodes += [kl_in_reward if cfg.algorithm.use_kl_in_reward else token_rewards]
     nodes += [critic_advantage, update_critic] if info.needs_critic else \
         [baseline_advantage if info.needs_baseline else group_advantage]
-    return nodes + [update_actor, sync_weights]
+    return nodes + [generation_metrics, update_actor, publish_weights if cfg.streaming else sync_weights]
 
 
 ROLE_OF = {"generate": "rollout", "generate_baseline": "rollout", "reward": "reward", "score_baseline": "reward",
@@ -194,7 +215,9 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
                           "cpu_offload": role.cpu_offload,
                           **settings.get(node.name, {})}
         lagged = {k: lag for k in node.input_keys if k in generated} if ROLE_OF.get(node.name) != "rollout" else {}
-        if lag and lagged:
+        if cfg.streaming and lagged:  # the rollout runs ahead on its own: batches queue up, at most `lag` waiting
+            out[node.name]["queue"] = {k: max(1, lag) for k in lagged}
+        elif lag and lagged:
             out[node.name]["lag"] = lagged
         if cfg.trainer.node_timeout_s > 0:
             out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
@@ -204,5 +227,6 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
 def build_ppo_dataflow(cfg: PPOConfig, world_size: int = 1):
     """The configured algorithm's dataflow, each node on its role's ranks (`PPOConfig.roles`)."""
     # the rollout's weights change only once it has generated (implied by the keys in sync mode)
-    return build_dataflow(nodes=ppo_nodes(cfg), configs=node_configs(cfg, cfg.roles(world_size)),
-                          dependencies={"sync_weights": ["generate"]})
+    return build_dataflow(nodes=ppo_nodes(cfg), configs=node_configs(cfg, cfg.roles(world_size)), world_size=world_size,
+                          dependencies={"update_actor": ["generation_metrics"],  # one stage with the update
+                                        **({} if cfg.streaming else {"sync_weights": ["generate"]})})

@@ -28,7 +28,7 @@ from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
 from verl.workers.engine import ModuleEngine
-from verl.workers.rollout import WeightLink, sync_rollout_weights
+from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
 
@@ -104,10 +104,13 @@ class PPOTrainer:
         self.reward_fn = build_reward(cfg.reward, placement.device) if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
-        # one_step_off / async: the generated batches waiting to be trained on (the bounded queue), kept
-        # between the flow's runs and in checkpoints
+        # one_step_off: the generated batches waiting to be trained on, kept between the flow's runs and in
+        # checkpoints. async: the flow's queue holds them, and the rollout's ranks run their own stage
         self.lag = cfg.generation_lag
-        self.flow_state = self.flow.new_state() if self.lag else None
+        self.flow_state = self.flow.new_state() if self.lag and not cfg.streaming else None
+        self.produces_only, self.metrics_world = False, placement
+        if cfg.streaming:
+            self._split_stages()
         self.out_dir = Path(cfg.trainer.output_dir)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints,
                                       trust=cfg.trainer.trust_checkpoint)
@@ -115,6 +118,19 @@ class PPOTrainer:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.node_seconds: dict[str, float] = {}
+
+    def _split_stages(self) -> None:
+        """async: the rollout's ranks only generate (`_produce`); the training stage's ranks reduce metrics among
+        themselves (a collective with the rollout would bring back the lockstep). Collective: every rank makes
+        the group."""
+        from verl.dataflow.comm import group_for
+        gen = next(ranks for nodes, ranks in self.flow.stages if "generate" in nodes)
+        train = tuple(r for r in range(self.placement.world_size) if r not in gen)
+        group = group_for(train)
+        me = self.placement.global_rank
+        self.produces_only = me in gen
+        if me in train:
+            self.metrics_world = self.placement.subset(train, group)
 
     def on_node_end(self, event) -> None:
         """Dataflow hook: per-node durations of the current step (logged as timing/<node>_s)."""
@@ -168,8 +184,11 @@ class PPOTrainer:
         """A rollout on its own ranks: the actor's ranks send it the weights over a group of both sets (created on
         every rank, as process groups are; the dataflow's weight-sync node gets the same one)."""
         from verl.dataflow.comm import group_for
+        from verl.distributed.placement import new_group
         actor, rollout = self.roles["actor"].ranks, self.roles["rollout"].ranks
-        link = WeightLink(group_for(tuple(sorted(actor + rollout))), actor, rollout)
+        both = tuple(sorted(actor + rollout))
+        # async: the stream's threads need a group no main-thread collective ever uses (group_for may be WORLD)
+        link = WeightLink(new_group(list(both)) if self.cfg.streaming else group_for(both), actor, rollout)
         if self.actor is not None:
             self.actor.weight_link = link
         if self.rollout is not None:
@@ -247,8 +266,9 @@ class PPOTrainer:
             return
         self.flow_state.load_state_dict(decode_state(state["flow_state"][self.placement.global_rank]))
 
-    def save(self) -> Path:
-        return self.ckpt.save(self.step, *self._checkpointed(), self._trainer_state())
+    def save(self, step: int | None = None) -> Path:
+        """Collective over every rank (`step`: the training step saved, when a streaming rollout joins)."""
+        return self.ckpt.save(self.step if step is None else step, *self._checkpointed(), self._trainer_state())
 
     def setup(self) -> dict[str, float]:
         """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up and first-sync metrics."""
@@ -268,7 +288,21 @@ class PPOTrainer:
             info["resumed_from_step"] = self.step
         if self.rollout is not None or self.actor is not None:  # both sides of a rollout on its own ranks
             sync_rollout_weights(self.actor, self.rollout)
+        if self.cfg.streaming:  # from here on new versions flow in the background
+            self._start_stream()
         return info
+
+    def _start_stream(self) -> None:
+        link = (self.actor.weight_link if self.actor is not None else
+                self.rollout.link if self.rollout is not None else None)
+        if link is None:
+            return
+        if self.actor is not None:
+            self.actor.weight_stream = WeightStream(link, self.actor, None, self.step)
+        if self.rollout is not None:
+            stream = self.rollout.stream = WeightStream(link, None, self.rollout, self.step)
+            if self.cfg.rollout.partial:  # new weights between tokens: the torch engine rebuilds its KV cache
+                self.rollout.engine.pause_hook = lambda: stream.take(self.rollout)
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -291,15 +325,50 @@ class PPOTrainer:
         """One run of the dataflow: generates the next batch and (past the prologue) trains on the batch
         generated `lag` runs ago (this run's in sync mode)."""
         generated = self.flow_state.runs if self.flow_state is not None else self.step  # batches generated so far
+        return self._run(trace, generated, self.step, {})
+
+    def _run(self, trace: str | None, generated: int, version: int, gen_stats: dict) -> dict:
         rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the batch's prompts, the same on every rank
         # a pure function of the batch's index (and the row, inside the rollout worker): a resumed run samples
         # exactly what the uninterrupted one did, whatever the generation layout or mode
         seed = self.cfg.rollout.seed + generated * len(rows) * self.cfg.rollout.n
-        # the rollout holds the weights of the last sync: after `step` updates (synced at each step's end)
-        inputs = {"prompts": rows, "seed": seed, "step": self.step, "rollout_version": self.step,
-                  "rollout": self.rollout, "reward_fn": self.reward_fn, "actor": self.actor, "ref": self.ref,
-                  "critic": self.critic, "kl_ctrl": self.kl_ctrl, "algo_cfg": self.cfg.algorithm}
+        # in lockstep the rollout holds the weights of the last sync: after `step` updates
+        inputs = {"prompts": rows, "seed": seed, "step": self.step, "rollout_version": version,
+                  "gen_stats": gen_stats, "rollout": self.rollout, "reward_fn": self.reward_fn,
+                  "actor": self.actor, "ref": self.ref, "critic": self.critic, "kl_ctrl": self.kl_ctrl,
+                  "algo_cfg": self.cfg.algorithm}
         return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
+
+    def _produce(self) -> None:
+        """async, on the rollout's ranks: generate every remaining batch into the flow's queue, each with the
+        newest weights received, waiting for a newer version only when batch b would otherwise be trained more
+        than `lag` versions after the one that generated it (batch b trains at step b, on version b). Joins each
+        checkpoint once it has made the batches the queue can hold by then (so nobody waits on the other)."""
+        cfg, stream, lag = self.cfg, self.rollout.stream, self.lag
+        timeout = cfg.trainer.collective_timeout_s
+        every, total = cfg.trainer.save_every, cfg.trainer.total_steps
+        saves = [k for k in range(self.step + 1, total + 1)
+                 if (every and k % every == 0) or (k == total and cfg.trainer.save_final)]
+        idle = None
+        for b in range(self.step, total):
+            t0 = time.perf_counter()
+            waited = stream.wait_for(self.rollout, b - lag, timeout)
+            stats = {"rollout/weight_wait_s": waited, "rollout/lead": float(b - stream.version)}
+            if idle is not None:  # the previous batch's cycle: this one's ends only after the batch has left
+                stats["perf/idle_share_rollout"] = idle
+            trace = None
+            if cfg.trainer.trace_step and b == cfg.trainer.trace_step - 1 + lag:  # made while that step trains
+                trace = str(self.out_dir / f"trace_step_{cfg.trainer.trace_step}_rollout.json")
+            self.node_seconds.clear()
+            self._run(trace, b, stream.version, stats)
+            cycle = time.perf_counter() - t0
+            idle = max(0.0, 1.0 - self.node_seconds.get("generate", 0.0) / cycle)
+            while saves and min(saves[0] + lag, total - 1) <= b:
+                self.save(saves.pop(0))
+        self.flow.flush(timeout)
+        for k in saves:
+            self.save(k)
+        stream.close(self.rollout, timeout)
 
     def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
         """The step's metrics, the same on every rank: each rank reports what its roles computed (the actor's
@@ -307,6 +376,7 @@ class PPOTrainer:
         m: dict[str, float] = {}
         if self.actor is not None:
             batch = out["batch"] if self.flow_state is None else self.flow_state.lagged("batch", self.lag)
+            gen = out.get("generation_metrics")
             scores, mask = out["scores"], batch.response_mask
             m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
                  "reward/min": float(scores.min()), "response/length": float(mask.sum(-1).mean()),
@@ -317,10 +387,9 @@ class PPOTrainer:
                  "perf/tokens": float(batch.num_tokens()), "perf/response_tokens": float(mask.sum())}
             if "actor/kl" not in m and "actor/ppo_kl" in m:
                 m["actor/kl"] = m["actor/ppo_kl"]
+            m.update(gen or {})  # the engine's own (torch: padded share), and in async the rollout's waits
         elif self.rollout is not None:  # a rollout on its own ranks reports what it received
             m.update(out["sync_metrics"])
-        if self.rollout is not None:  # engines that count their padded positions (torch) report the share
-            m.update(getattr(self.rollout.engine, "take_metrics", dict)())
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
         if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
@@ -331,7 +400,7 @@ class PPOTrainer:
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
         m.update(self._idle_shares(elapsed))
         m["perf/peak_memory_mb"] = peak_memory_mb()  # the largest process's
-        m = reduce_metrics(m, self.placement, maxed=MAXED, mined=("reward/min",))
+        m = reduce_metrics(m, self.metrics_world, maxed=MAXED, mined=("reward/min",))
         # model-parallel peers hold the same tokens: count each actor replica once
         dp = self.cfg.data_parallel_size(len(self.roles["actor"].ranks))
         m["perf/step_time_s"] = elapsed
@@ -352,6 +421,10 @@ class PPOTrainer:
     def fit(self) -> list[dict[str, float]]:
         cfg, p = self.cfg, self.placement
         info = self.setup()
+        if self.produces_only:  # async: the rollout's ranks run their own stage
+            self._produce()
+            self._finish()
+            return self.history
         logger = MetricsLogger(self.out_dir, enabled=p.is_main, tensorboard=cfg.trainer.tensorboard,
                                start_step=self.step)
         bar = None
@@ -375,6 +448,8 @@ class PPOTrainer:
                 every, last = cfg.trainer.save_every, self.step == cfg.trainer.total_steps
                 if (every and self.step % every == 0) or (last and cfg.trainer.save_final):
                     self.save()
+            if self.actor is not None and cfg.streaming:  # the last version, then the stream's end marker
+                self.actor.weight_stream.close(None, cfg.trainer.collective_timeout_s)
         finally:
             if bar is not None:
                 bar.close()

@@ -62,6 +62,7 @@ class ActorWorker:
         self.loss_params = cfg.loss_params()
         self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
         self.weight_link = None
+        self.weight_stream = None  # trainer.mode=async: publishes each new version (verl.workers.rollout.WeightStream)
         """A `verl.workers.rollout.WeightLink` when the rollout runs on other ranks: where this actor sends its
         weights (set by the trainer)."""
         if cfg.share_prompt_prefix:  # only engines that pack through verl/workers/engine.py take it (config check)

@@ -10,21 +10,26 @@ the actor's own module needs no copy at all and says so (`perf/sync_shared`).
 A rollout on its own ranks (rollout.ranks disjoint from actor.ranks) gets the weights over a `WeightLink`: one
 plan over a group of both rank sets, the actor's ranks sending (the sending spread over its data-parallel
 copies), the rollout's receiving its generation shards; `sync_rollout_weights` is the one call for both cases.
+Under trainer.mode=async the link streams instead: the actor publishes each new version without waiting for
+the rollout, a thread on each side moves it, and the rollout takes the newest it has received when it is ready
+(between batches, or between tokens with rollout.partial).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 from verl.distributed import Placement
-from verl.errors import VerlConfigError
+from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import RolloutConfig, RolloutEngine
 from verl.workers.batch import RolloutBatch, batch_from_outputs
 
-__all__ = ["RolloutWorker", "WeightLink", "sync_rollout_weights"]
+__all__ = ["RolloutWorker", "WeightLink", "WeightStream", "sync_rollout_weights"]
 
 
 def _chunk(n: int, parts: int, index: int) -> slice:
@@ -50,6 +55,8 @@ class RolloutWorker:
         self._engine_bytes = 0    # what each sync hands the engine on this rank (from the plan)
         self.link: WeightLink | None = None
         """Set when the rollout runs on its own ranks: where its weights come from."""
+        self.stream: WeightStream | None = None
+        """trainer.mode=async: the versions arriving over the link in the background."""
 
     @property
     def tokenizer(self):
@@ -203,6 +210,154 @@ class WeightLink:
             return {**m, "perf/sync_sent_bytes": float(stats.bytes_sent)}
         return {**m, "perf/sync_bytes": float(self._engine_bytes),
                 "perf/sync_received_bytes": float(stats.bytes_received)}
+
+
+class _Staged:
+    """One received version, held for the rollout's main thread (the engine may be generating meanwhile): the
+    receiving side of a hybrid-engine sync, copying each tensor out of the bucket it arrives in."""
+
+    def __init__(self, names: set[str] | None):
+        self.names = names
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def weight_names(self) -> set[str] | None:
+        return self.names
+
+    def update_weights(self, named_tensors) -> int:
+        self.tensors = [(name, t.clone()) for name, t in named_tensors]
+        return len(self.tensors)
+
+
+class WeightStream:
+    """trainer.mode=async: every version the actor publishes reaches the rollout's ranks in the background.
+
+    Over a `WeightLink` already planned (the first, blocking sync): on the actor's ranks `publish` snapshots the
+    local weights and hands them to a sender thread (it waits only while the previous version is still being
+    sent); on the rollout's ranks a receiver thread stages every version as it arrives, and the generating
+    thread `take`s the newest staged one into the engine when it can (between batches; between tokens as the
+    torch engine's pause hook under rollout.partial) or `wait_for`s a minimum version (the staleness bound).
+    Each version is announced by a one-int broadcast from the actor's first rank (-1 ends the stream), then moved
+    like a sync. Each rollout rank takes versions on its own, so a generation replica must be one rank
+    (rollout.tp=1). A failure on one side surfaces on the other at its next publish / take, or when the link's
+    group times out."""
+
+    def __init__(self, link: WeightLink, actor, rollout: RolloutWorker | None, version: int):
+        self.link, self.version = link, version
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._staged: dict[int, list] = {}
+        self._outbox: queue.Queue | None = queue.Queue(maxsize=1) if rollout is None else None
+        target = self._send_loop if rollout is None else self._receive_loop
+        self._thread = threading.Thread(target=target, args=(rollout,), name="verl-weight-stream", daemon=True)
+        self._thread.start()
+
+    def _announce(self, version: int) -> int:
+        header = torch.tensor([version], dtype=torch.int64, device=self._device())
+        dist.broadcast(header, src=self.link.actor_ranks[0], group=self.link.group)
+        return int(header.item())
+
+    def _device(self) -> torch.device:
+        from verl.distributed.placement import comm_device
+        return torch.device("cpu") if dist.get_backend(self.link.group) == "gloo" else comm_device()
+
+    def _send_loop(self, _rollout) -> None:
+        try:
+            while True:
+                version, params = self._outbox.get()
+                self._announce(version)
+                if version < 0:
+                    return
+                self.link._hybrid.sync(params, None)
+        except BaseException as exc:  # noqa: BLE001 - raised by the next publish in the main thread
+            self._error = exc
+
+    def _receive_loop(self, rollout: RolloutWorker) -> None:
+        names = rollout.engine.weight_names()
+        try:
+            while True:
+                version = self._announce(0)
+                if version < 0:
+                    return
+                staged = _Staged(names)
+                self.link._hybrid.sync({}, staged)
+                with self._cond:
+                    self._staged[version] = staged.tensors
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - raised by the next take in the main thread
+            self._error = exc
+            with self._cond:
+                self._cond.notify_all()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise VerlRuntimeError(f"the weight stream between actor ranks {list(self.link.actor_ranks)} and "
+                                   f"rollout ranks {list(self.link.rollout_ranks)} failed: "
+                                   f"{type(self._error).__name__}: {self._error}", rank=dist.get_rank(),
+                                   cause=self._error)
+
+    # -- the actor's side ---------------------------------------------------------------------------------------
+    def publish(self, actor, version: int) -> dict[str, float]:
+        """Hands version `version` of the actor's weights to the sender; returns perf/publish_* metrics."""
+        t0 = time.perf_counter()
+        params = {k: v.detach().clone() for k, v in actor.engine.local_params().items()}
+        copied = time.perf_counter()
+        while True:
+            self._check()
+            try:
+                self._outbox.put((version, params), timeout=0.2)
+                break
+            except queue.Full:  # the previous version is still on its way
+                continue
+        self.version = version
+        return {"perf/publish_s": time.perf_counter() - t0, "perf/publish_wait_s": time.perf_counter() - copied,
+                "perf/publish_bytes": float(sum(t.nbytes for t in params.values()))}
+
+    # -- the rollout's side -------------------------------------------------------------------------------------
+    def take(self, rollout: RolloutWorker) -> int:
+        """Loads the newest version received since the last take into the engine (older ones are skipped);
+        returns the version the engine now holds. Never waits."""
+        with self._cond:
+            newest = max(self._staged, default=-1)
+            tensors = self._staged.pop(newest) if newest > self.version else None
+            self._staged = {v: t for v, t in self._staged.items() if v > newest}
+        if tensors is not None:
+            if rollout.engine.released:
+                rollout.engine.resume()
+            rollout.engine.update_weights(iter(tensors))
+            self.version = newest
+        self._check()
+        return self.version
+
+    def wait_for(self, rollout: RolloutWorker, version: int, timeout_s: float) -> float:
+        """Takes the newest version, first waiting (at most `timeout_s`) until one >= `version` has arrived;
+        returns the seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while max(self._staged, default=self.version) < version and self._error is None \
+                    and self._thread.is_alive():
+                if time.perf_counter() - t0 > timeout_s:
+                    raise VerlRuntimeError(f"the rollout waited {timeout_s:g} s for weight version {version} (it "
+                                           f"holds {self.version}); the actor's ranks stopped publishing",
+                                           rank=dist.get_rank())
+                self._cond.wait(0.2)
+        self.take(rollout)
+        if self.version < version:
+            self._check()
+            raise VerlRuntimeError(f"the weight stream ended at version {self.version} while the rollout needed "
+                                   f"{version}", rank=dist.get_rank())
+        return time.perf_counter() - t0
+
+    def close(self, rollout: RolloutWorker | None, timeout_s: float) -> None:
+        """Ends the stream: the actor's side sends the end marker after its last version; the rollout's side
+        waits for it and takes the last version, so both engines end equal."""
+        if self._outbox is not None:
+            self._outbox.put((-1, None))
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise VerlRuntimeError(f"the weight stream did not end within {timeout_s:g} s", rank=dist.get_rank())
+        if rollout is not None:
+            self.take(rollout)
+        self._check()
 
 
 def sync_rollout_weights(actor, rollout: RolloutWorker | None) -> dict[str, float]:
