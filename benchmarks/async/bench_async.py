@@ -2,17 +2,20 @@
 
 Every run is `verl train` under torchrun on 4 CPU processes with split placement: the actor (with its
 reference and the rule reward) on ranks 0-1, the rollout on ranks 2-3, weights sent across by the
-3D-HybridEngine at each step boundary. Only `trainer.mode` / `algorithm.max_staleness` change between runs, and
-the modes are interleaved round by round (--rounds), so the machine's state is shared alike.
+3D-HybridEngine (at each step boundary in sync / one_step_off, streamed in the background in async). Only
+`trainer.mode` / `algorithm.max_staleness` / `rollout.partial` change between runs, and the modes are
+interleaved round by round (--rounds), so the machine's state is shared alike.
 
-Reported per mode (mean over the steps after the first, which pays for start-up and the prologue):
-tokens/s and its ratio to sync, step time, the idle share of each rank set (time outside its own nodes:
-waiting for data or for the other side at the weight sync), the mean staleness of the trained samples, and
-the reward of the last steps, so that a speedup is not bought with learning.
+Reported per mode, over the steps after the first (which pays for start-up and the prologue): tokens/s (the
+trained tokens of those steps over the wall-clock time they took, so runs that overlap differently are
+compared on equal work) and its ratio to sync, step time, the idle share of each rank set (time outside its
+own nodes: waiting for data, for weights, or for room in the queue), the mean staleness of the trained samples,
+and the reward of the first and last steps, so that a speedup is not bought with learning.
 
     verl bench async                          # 12 steps, 1 round, 4 modes
     verl bench async --steps 20 --rounds 2 --warmup 100
     verl bench async --procs 2 --max-new-tokens 24 --tag p2   # 1 + 1 processes, longer responses
+    verl bench async --procs 2 --config examples/smollm2_gsm8k.yaml --set data.train_batch_size=4 ...  # real model
 Writes benchmarks/results/bench_async[_TAG].json and .md. Each process runs one torch thread; on a machine with
 fewer cores than processes the overlapped modes share cores that sync leaves to one side at a time, so the
 table says how many cores there were (--procs 2 keeps one process per core on a 2-core machine).
@@ -31,15 +34,18 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = {"sync": ["trainer.mode=sync"], "one_step_off": ["trainer.mode=one_step_off"],
          "async_s1": ["trainer.mode=async", "algorithm.max_staleness=1"],
-         "async_s2": ["trainer.mode=async", "algorithm.max_staleness=2"]}
+         "async_s2": ["trainer.mode=async", "algorithm.max_staleness=2"],
+         "async_s2_partial": ["trainer.mode=async", "algorithm.max_staleness=2", "rollout.partial=true"]}
+DEFAULT_MODES = ["sync", "one_step_off", "async_s1", "async_s2"]
 
 
-def job(mode: str, out_dir: str, steps: int, warmup: int, procs: int, max_new_tokens: int) -> list[str]:
-    """The default job (verl/trainer/config/default.yaml) with the actor (and reference and reward) on the first
-    half of `procs` ranks and the rollout on the second, shortened to `steps`."""
+def job(mode: str, out_dir: str, steps: int, warmup: int, procs: int, max_new_tokens: int,
+        extra: list[str] = ()) -> list[str]:
+    """The default job (verl/trainer/config/default.yaml), or --config's, with the actor (and reference and
+    reward) on the first half of `procs` ranks and the rollout on the second, shortened to `steps`."""
     actor, rollout = list(range(procs // 2)), list(range(procs // 2, procs))
     length = [f"rollout.max_new_tokens={max_new_tokens}"] if max_new_tokens else []
-    return [*MODES[mode], *length, "trainer.placement=split", f"actor.ranks={actor}", f"rollout.ranks={rollout}",
+    return [*MODES[mode], *length, *extra, "trainer.placement=split", f"actor.ranks={actor}", f"rollout.ranks={rollout}",
             f"reward.ranks={actor}", f"warmup.steps={warmup}", f"trainer.total_steps={steps}", "trainer.threads=1",
             "trainer.device=cpu", "trainer.save_final=false", "trainer.save_every=0", "trainer.export_hf=false",
             "trainer.plot=false", "trainer.progress_bar=false", "trainer.tensorboard=false",
@@ -49,8 +55,9 @@ def job(mode: str, out_dir: str, steps: int, warmup: int, procs: int, max_new_to
 def run(mode: str, work: str, args: argparse.Namespace, port: int) -> dict:
     out = os.path.join(work, mode)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.procs}", "--master_port",
-           str(port), "-m", "verl.trainer.main_ppo",
-           *job(mode, out, args.steps, args.warmup, args.procs, args.max_new_tokens), "trainer.overwrite=true"]
+           str(port), "-m", "verl.trainer.main_ppo", *(["--config", args.config] if args.config else []),
+           *job(mode, out, args.steps, args.warmup, args.procs, args.max_new_tokens, args.set),
+           "trainer.overwrite=true"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -60,10 +67,13 @@ def run(mode: str, work: str, args: argparse.Namespace, port: int) -> dict:
     measured = rows[1:]
     mean = lambda k: sum(r.get(k, 0.0) for r in measured) / len(measured)  # noqa: E731
     last = rows[-3:]
-    return {"mode": mode, "steps_measured": len(measured), "tokens_per_s": mean("perf/tokens_per_s"),
+    tokens = sum(r["perf/tokens_per_s"] * r["perf/step_time_s"] for r in measured)
+    seconds = measured[-1]["perf/wall_time"] - rows[0]["perf/wall_time"]
+    return {"mode": mode, "steps_measured": len(measured), "tokens_per_s": tokens / seconds,
             "step_time_s": mean("perf/step_time_s"), "idle_share_rollout": mean("perf/idle_share_rollout"),
             "idle_share_actor": mean("perf/idle_share_actor"), "staleness_mean": mean("rollout/staleness_mean"),
-            "sync_s": mean("perf/sync_s"), "reward_last": sum(r["reward/mean"] for r in last) / len(last),
+            "sync_s": mean("perf/sync_s"), "weight_wait_s": mean("rollout/weight_wait_s"),
+            "token_staleness_mean": mean("rollout/token_staleness_mean"), "reward_last": sum(r["reward/mean"] for r in last) / len(last),
             "reward_first": rows[0]["reward/mean"], "load_avg_1min": os.getloadavg()[0]}
 
 
@@ -86,7 +96,7 @@ def combine(rounds: list[list[dict]], modes: list[str]) -> list[dict]:
 
 def markdown(rows: list[dict], meta: dict) -> str:
     half = meta["procs"] // 2
-    lines = [f"# verl bench async ({meta['cpus']} CPU cores, {meta['procs']} processes: actor ranks "
+    lines = [f"# verl bench async{' ' + meta['config'] if meta.get('config') else ''} ({meta['cpus']} CPU cores, {meta['procs']} processes: actor ranks "
              f"{list(range(half))}, rollout ranks {list(range(half, meta['procs']))}; {meta['steps']} steps, "
              f"{meta['rounds']} round(s), max_new_tokens {meta['max_new_tokens'] or 'as the default job'})", "",
              "| mode | tokens/s | vs sync | step s | idle rollout | idle actor | staleness | reward first -> last |",
@@ -112,7 +122,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=100, help="supervised warm-start steps before RL")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved repetitions of the four modes")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    ap.add_argument("--config", default=None, help="job config (default: the default job)")
+    ap.add_argument("--set", nargs="*", default=[], help="more overrides (key=value) for every mode")
     ap.add_argument("--procs", type=int, default=4, choices=[2, 4, 6, 8], help="processes (half actor, half rollout)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="response length (0: the default job's)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
@@ -129,11 +141,13 @@ def main() -> int:
             rounds.append(rows)
     table = combine(rounds, args.modes)
     meta = {"cpus": os.cpu_count(), "machine": platform.machine(), "steps": args.steps, "rounds": args.rounds,
-            "warmup": args.warmup, "procs": args.procs, "max_new_tokens": args.max_new_tokens, "command": "verl bench async " + " ".join(sys.argv[1:]),
-            "note": "tokens/s: trained tokens per second of step time (steps after the first). Idle share: the "
-                    "share of a step a rank set spends outside its own nodes (sync_weights excluded, since a "
-                    "side waits there for the other). With fewer cores than processes the overlapped modes "
-                    "compete for cores that sync uses one side at a time."}
+            "warmup": args.warmup, "procs": args.procs, "max_new_tokens": args.max_new_tokens, "config": args.config, "command": "verl bench async " + " ".join(sys.argv[1:]),
+            "note": "tokens/s: trained tokens of the steps after the first over the wall-clock time they took. "
+                    "Idle share: the share of a step a rank set spends outside its own nodes (sync_weights "
+                    "excluded, since a side waits there for the other; in async the rollout's is per batch it "
+                    "generates). Staleness: weight versions between a sample's generation and its training. "
+                    "With fewer cores than processes the overlapped modes compete for cores that sync uses "
+                    "one side at a time."}
     os.makedirs(args.out, exist_ok=True)
     name = "bench_async" + (f"_{args.tag}" if args.tag else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:

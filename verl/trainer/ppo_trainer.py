@@ -397,6 +397,10 @@ class PPOTrainer:
         if self.actor is not None and batch.weight_version is not None:
             stale = (self.step - batch.weight_version).float()
             m.update({"rollout/staleness_mean": float(stale.mean()), "rollout/staleness_max": float(stale.max())})
+            if batch.token_version is not None:  # partial rollouts: the versions of the tokens themselves
+                real = batch.response_mask > 0
+                tokens = (self.step - batch.token_version)[real].float()
+                m["rollout/token_staleness_mean"] = float(tokens.mean()) if tokens.numel() else 0.0
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
         m.update(self._idle_shares(elapsed))
         m["perf/peak_memory_mb"] = peak_memory_mb()  # the largest process's
