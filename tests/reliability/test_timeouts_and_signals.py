@@ -574,3 +574,49 @@ def test_behaves_verl_train_ctrl_c_exits_with_one_line(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["process_group", "rollout_rank"])
+def test_behaves_ctrl_c_in_async_mode_ends_both_stages(tmp_path, target):
+    """trainer.mode=async: the rollout's rank streams on its own, so neither side meets the other in a collective
+    each step; Ctrl-C (the terminal's, or on the rollout's rank alone) must still end every rank, far below the
+    collective timeout."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--monitor-interval=0.1",
+         "-m", "verl.trainer.main_ppo", "trainer.mode=async", "algorithm.max_staleness=2", "trainer.placement=split",
+         "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]", "warmup.steps=0", "trainer.total_steps=100000",
+         "trainer.progress_bar=false", "trainer.save_final=false", "trainer.collective_timeout_s=300",
+         f"trainer.output_dir={tmp_path}"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the job never reached step 3"
+            time.sleep(0.1)
+        ranks = _children(launcher.pid)
+        start = time.monotonic()
+        if target == "process_group":
+            os.killpg(launcher.pid, signal.SIGINT)
+        else:  # rank 1 alone: the rollout's
+            os.kill(next(p for p in ranks if b"RANK=1\0" in Path(f"/proc/{p}/environ").read_bytes()),
+                    signal.SIGINT)
+        try:
+            launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("HANG: torchrun still running 60 s after Ctrl-C in async mode")
+        while not all(_gone(p) for p in ranks) and time.monotonic() - start < 60:
+            time.sleep(0.05)
+        assert all(_gone(p) for p in ranks), "HANG: a rank outlived its launcher"
+        assert launcher.returncode != 0 and time.monotonic() - start < 60  # far below the 300 s timeout
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)

@@ -111,3 +111,13 @@ def test_the_one_step_off_example_validates_on_4_ranks():
     with pytest.raises(VerlConfigError, match="share ranks"):  # the same job with the rollout on the actor's ranks
         load_config(PPOConfig, Path(__file__).parents[2] / "examples/one_step_off.yaml",
                     ["rollout.ranks=[0,1]"]).validate_world(4)
+
+
+def test_the_async_example_validates_on_4_ranks():
+    from pathlib import Path
+
+    cfg = load_config(PPOConfig, Path(__file__).parents[2] / "examples/async.yaml")
+    cfg.validate_world(4)
+    flow = build_ppo_dataflow(cfg, world_size=4)
+    assert flow.stages[0] == (("generate",), (2, 3)) and flow.stages[1][1] == (0, 1)
+    assert all(size == 2 for *_, size in flow.queued)

@@ -98,8 +98,14 @@ def test_async_with_max_staleness_0_equals_sync_exactly(tmp_path):
 @pytest.mark.multiprocess
 def test_async_streams_within_the_staleness_bound_and_resumes_from_its_checkpoint(tmp_path, capfd):
     out = run_distributed(_run, 2, args=([*ASYNC, "algorithm.max_staleness=2", "trainer.save_every=2",
-                                          "algorithm.rollout_correction.is_level=token"], str(tmp_path / "a")),
-                          timeout=400)
+                                          "algorithm.rollout_correction.is_level=token", "trainer.trace_step=3"],
+                                         str(tmp_path / "a")), timeout=400)
+    # one timeline of both stages: the rollout's rank generating, the actor's training (each its own run count)
+    nodes = [e for e in json.loads((tmp_path / "a" / "trace_step_3.json").read_text())["traceEvents"]
+             if e.get("cat") == "node"]
+    assert {e["name"] for e in nodes if e["pid"] == 1} == {"generate"}
+    assert "update_actor" in {e["name"] for e in nodes if e["pid"] == 0}
+    assert not (tmp_path / "a" / "trace_step_3_rollout.json").exists()
     hist = out[0]["history"]
     stale = [h["rollout/staleness_max"] for h in hist]
     assert stale[0] == 0.0 and max(stale) <= 2.0, stale  # how far ahead depends on timing, never past the bound
@@ -135,3 +141,23 @@ def test_a_failing_trainer_stops_the_streaming_rollout_too(tmp_path):
     assert errors[0] is not None and "node 'reward'" in errors[0] and "bad sample" in errors[0]
     # the rollout's rank learns it from its weight stream or its queue (the actor's process has gone)
     assert errors[1] is not None and ("weight stream" in errors[1] or "queued from 'generate'" in errors[1]), errors[1]
+
+
+def _run_example(rank, world_size, path, out):
+    trainer = PPOTrainer(load_config(PPOConfig, path, ["warmup.steps=0", "trainer.total_steps=3",
+                                                       "trainer.save_final=false", "trainer.export_hf=false",
+                                                       "trainer.plot=false", f"trainer.output_dir={out}"]),
+                         init_placement("cpu"))
+    return trainer.fit()
+
+
+@pytest.mark.multiprocess
+def test_the_async_example_runs_on_4_processes(tmp_path):
+    from pathlib import Path
+    path = str(Path(__file__).parents[2] / "examples/async.yaml")
+    out = run_distributed(_run_example, 4, args=(path, str(tmp_path)), timeout=400)
+    hist = out[0]
+    assert len(hist) == 3 and out[2] == out[3] == []  # ranks 2-3 only generate
+    assert all(h["rollout/staleness_max"] <= 2.0 for h in hist)
+    # both actor ranks hold the same metrics, reduced over the training stage
+    assert [h["reward/mean"] for h in out[1]] == [h["reward/mean"] for h in hist]

@@ -69,10 +69,11 @@ def test_critic_free_estimators_run(tmp_path, tiny_args, estimator):
 def test_flow_is_chosen_by_config():
     names = lambda *o: [n.__name__ if hasattr(n, "__name__") else n.name for n in ppo_nodes(load_config(PPOConfig, None, list(o)))]  # noqa: E731
     assert names("algorithm.adv_estimator=gae") == ["generate", "reward", "values", "no_reference", "old_log_prob",
-                                                   "token_rewards", "critic_advantage", "update_critic", "update_actor",
-                                                   "sync_weights"]
+                                                   "token_rewards", "critic_advantage", "update_critic",
+                                                   "generation_metrics", "update_actor", "sync_weights"]
     assert names() == ["generate", "reward", "no_reference", "old_log_prob", "token_rewards", "group_advantage",
-                       "update_actor", "sync_weights"]
+                       "generation_metrics", "update_actor", "sync_weights"]
+    assert names("trainer.mode=async")[-1] == "publish_weights"
     assert "ref_log_prob" in names("actor.use_kl_loss=true") and "generate_baseline" in names("algorithm.adv_estimator=remax")
     # a newly registered estimator brings its needs: the flow takes the critic nodes without an edit
     assert names("algorithm.adv_estimator=test_critic_estimator") == names("algorithm.adv_estimator=gae")

@@ -872,7 +872,7 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
     events = run.collective("exchanging the run's status at its end", plan.members, run.finish_distributed)
     if recorder is not None and plan.rank == plan.members[0]:
         write_trace(trace, events, {"dataflow": list(df.order), "world_size": plan.world_size,
-                                    "ranks": list(plan.members), "run": recorder.run})
+                                    "ranks": list(plan.members), "run": recorder.run}, ranks=plan.members)
     for ch, s in plan.queues_out:  # after the status exchange: a failure anywhere in the stage is queued instead
         f = run.failure
         run.collective(f"putting {ch.name}", ch.src, ch.put, vals[s],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,10 +132,12 @@ class TraceRecorder:
                             "dur": (end_s - start_s) * 1e6, "pid": rank, "tid": 1, "args": {**args, "run": self.run}})
 
 
-def write_trace(path: str, events_per_rank: list[list[dict[str, Any]]], metadata: dict[str, Any]) -> str:
-    """Writes merged events as a Chrome trace-event JSON object; returns the path."""
+def write_trace(path: str, events_per_rank: list[list[dict[str, Any]]], metadata: dict[str, Any],
+                ranks: Sequence[int] | None = None) -> str:
+    """Writes merged events as a Chrome trace-event JSON object; returns the path. `ranks`: whose events each
+    list holds (default 0, 1, ...; a stage of a dataflow with queues names its own)."""
     events: list[dict[str, Any]] = []
-    for rank, evs in enumerate(events_per_rank):
+    for rank, evs in zip(ranks if ranks is not None else range(len(events_per_rank)), events_per_rank):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": "nodes"}})
@@ -149,3 +151,20 @@ def write_trace(path: str, events_per_rank: list[list[dict[str, Any]]], metadata
         json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}, f, indent=1)
     os.replace(tmp, path)
     return path
+
+
+def merge_traces(paths: Sequence[str], out: str) -> str:
+    """One Chrome trace from several written by `write_trace` (the stages of a dataflow with queues each write
+    their own; timestamps are wall-clock, so they line up). Returns `out`."""
+    events: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {"merged": []}
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        events += data["traceEvents"]
+        meta["merged"].append(data.get("otherData", {}))
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}, f, indent=1)
+    os.replace(tmp, out)
+    return out

@@ -53,7 +53,7 @@ class RolloutConfig:
     the whole model gathered to one rank, broadcast to the model-parallel group, loaded whole) and log its time
     as perf/full_gather_s beside perf/sync_s, measured in the same run."""
     partial: bool = False
-    """Partial rollouts (trainer.mode=one_step_off / async): generation in flight at a weight update is paused
+    """Partial rollouts (trainer.mode=async): generation in flight when a new weight version arrives is paused
     and resumed with the new weights, recording per token the version that produced it. It needs an engine
     that can pause (`verl.rollout.can_pause`): the torch engine calls its pause hook between tokens, rebuilds
     the KV cache from the tokens so far when the weights moved, and records per-token versions (vllm, sglang

@@ -15,6 +15,7 @@ from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
 from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_prompt_dataset, make_task, prompt_text,
                        task_corpus)
+from verl.dataflow.trace import merge_traces
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import Tokenizer, build_rollout, require_engine
@@ -357,7 +358,7 @@ class PPOTrainer:
             if idle is not None:  # the previous batch's cycle: this one's ends only after the batch has left
                 stats["perf/idle_share_rollout"] = idle
             trace = None
-            if cfg.trainer.trace_step and b == cfg.trainer.trace_step - 1 + lag:  # made while that step trains
+            if cfg.trainer.trace_step and b == min(cfg.trainer.trace_step - 1 + lag, total - 1):  # about then
                 trace = str(self.out_dir / f"trace_step_{cfg.trainer.trace_step}_rollout.json")
             self.node_seconds.clear()
             self._run(trace, b, stream.version, stats)
@@ -478,6 +479,12 @@ class PPOTrainer:
         if self.placement.is_main and self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
             plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
         barrier(self.placement)
+        step = self.cfg.trainer.trace_step
+        rollout_trace = out_dir / f"trace_step_{step}_rollout.json"
+        if self.placement.is_main and step and rollout_trace.is_file():  # async: one timeline of both stages
+            trace = out_dir / f"trace_step_{step}.json"
+            merge_traces([str(trace), str(rollout_trace)] if trace.is_file() else [str(rollout_trace)], str(trace))
+            rollout_trace.unlink()
 
 
 def role_placements(placement: Placement, roles: dict) -> dict[str, Placement | None]:
