@@ -55,7 +55,7 @@ def job(mode: str, out_dir: str, steps: int, warmup: int, procs: int, max_new_to
 def run(mode: str, work: str, args: argparse.Namespace, port: int) -> dict:
     out = os.path.join(work, mode)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.procs}", "--master_port",
-           str(port), "-m", "verl.trainer.main_ppo", *(["--config", args.config] if args.config else []),
+           str(port), "-m", "verl.trainer.main_ppo", *([args.config] if args.config else []),
            *job(mode, out, args.steps, args.warmup, args.procs, args.max_new_tokens, args.set),
            "trainer.overwrite=true"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
