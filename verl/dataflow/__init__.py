@@ -17,7 +17,8 @@
 
 Modules: `node` (decorators, NodeContext), `config` (NodeConfig), `graph` (building, validation,
 injection: the read-only description), `runtime` (compiling, caching and running plans), `comm`
-(redistribution between rank sets), `trace` (Chrome traces, hooks).
+(redistribution between rank sets), `queue` (queued inputs between stages that run at their own pace),
+`trace` (Chrome traces, hooks).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ before the first node (so a rollout's ranks start generating the next batch at o
 for want of such a value depends only on how many runs the state has seen, so every rank skips the same ones;
 after a successful run each producer's new value is appended to the state.
 
+Stages: a dataflow with queued inputs (``queue={key: size}``, `verl.dataflow.queue`) is split into stages, and a
+rank walks only its own stage's plan: the queued values are taken from their channel before the first node,
+the values a stage makes for a queue are put after the status exchange (the run's failure in their place), and
+agreements and the status exchange stay among the stage's ranks, so the stages never wait for each other's runs.
+
 Errors: a node failing on a rank becomes VerlRuntimeError(node, rank, cause chained). That rank stops running
 nodes but keeps walking the plan, sending error markers where data was expected; before each multi-rank node
 its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's GPU streams are never
