@@ -74,7 +74,8 @@ def run(mode: str, work: str, args: argparse.Namespace, port: int) -> dict:
             "idle_share_actor": mean("perf/idle_share_actor"), "staleness_mean": mean("rollout/staleness_mean"),
             "sync_s": mean("perf/sync_s"), "weight_wait_s": mean("rollout/weight_wait_s"),
             "token_staleness_mean": mean("rollout/token_staleness_mean"), "reward_last": sum(r["reward/mean"] for r in last) / len(last),
-            "reward_first": rows[0]["reward/mean"], "load_avg_1min": os.getloadavg()[0]}
+            "reward_first": rows[0]["reward/mean"], "load_avg_1min": os.getloadavg()[0],
+            "reward_curve": [r["reward/mean"] for r in rows]}
 
 
 def combine(rounds: list[list[dict]], modes: list[str]) -> list[dict]:
@@ -85,8 +86,10 @@ def combine(rounds: list[list[dict]], modes: list[str]) -> list[dict]:
         if not ok:
             out.append(next(r for rs in rounds for r in rs if r["mode"] == mode))
             continue
-        keys = [k for k in ok[0] if k != "mode"]
-        out.append({"mode": mode, "rounds": len(ok), **{k: sum(r[k] for r in ok) / len(ok) for k in keys}})
+        keys = [k for k in ok[0] if k not in ("mode", "reward_curve")]
+        curves = list(zip(*[r["reward_curve"] for r in ok]))  # per step, over the rounds
+        out.append({"mode": mode, "rounds": len(ok), **{k: sum(r[k] for r in ok) / len(ok) for k in keys},
+                    "reward_curve": [sum(c) / len(c) for c in curves]})
     base = next((r["tokens_per_s"] for r in out if r["mode"] == "sync" and "error" not in r), None)
     for r in out:
         if "error" not in r and base:
@@ -94,12 +97,20 @@ def combine(rounds: list[list[dict]], modes: list[str]) -> list[dict]:
     return out
 
 
+def _quarter(curve: list[float], which: int) -> float:
+    """The mean reward of the first (which=0) or last (-1) quarter of the steps (at least one step)."""
+    q = max(1, len(curve) // 4)
+    part = curve[:q] if which == 0 else curve[-q:]
+    return sum(part) / len(part)
+
+
 def markdown(rows: list[dict], meta: dict) -> str:
     half = meta["procs"] // 2
     lines = [f"# verl bench async{' ' + meta['config'] if meta.get('config') else ''} ({meta['cpus']} CPU cores, {meta['procs']} processes: actor ranks "
              f"{list(range(half))}, rollout ranks {list(range(half, meta['procs']))}; {meta['steps']} steps, "
              f"{meta['rounds']} round(s), max_new_tokens {meta['max_new_tokens'] or 'as the default job'})", "",
-             "| mode | tokens/s | vs sync | step s | idle rollout | idle actor | staleness | reward first -> last |",
+             "| mode | tokens/s | vs sync | step s | idle rollout | idle actor | staleness | reward, first -> last "
+             "quarter of the steps |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "error" in r:
@@ -108,7 +119,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r.get('speedup_vs_sync', float('nan')):.2f}x | "
                      f"{r['step_time_s']:.2f} | {100 * r['idle_share_rollout']:.0f}% | "
                      f"{100 * r['idle_share_actor']:.0f}% | {r['staleness_mean']:.2f} | "
-                     f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} |")
+                     f"{_quarter(r['reward_curve'], 0):.3f} -> {_quarter(r['reward_curve'], -1):.3f} |")
     loads = ", ".join(f"{r['mode']} {r['load_avg_1min']:.1f}" for r in rows if "load_avg_1min" in r)
     if loads:
         lines += ["", f"Machine load (1-minute load average after each mode, mean over rounds): {loads}, on "
