@@ -233,8 +233,9 @@ class WeightStream:
 
     Over a `WeightLink` already planned (the first, blocking sync): on the actor's ranks `publish` snapshots the
     local weights and hands them to a sender thread (it waits only while the previous version is still being
-    sent); on the rollout's ranks a receiver thread stages every version as it arrives, and the generating
-    thread `take`s the newest staged one into the engine when it can (between batches; between tokens as the
+    sent); on the rollout's ranks a receiver thread stages every version as it arrives (only the newest is
+    kept: at most two copies wait beside the engine's weights), and the generating thread `take`s the newest
+    staged one into the engine when it can (between batches; between tokens as the
     torch engine's pause hook under rollout.partial) or `wait_for`s a minimum version (the staleness bound).
     Each version is announced by a one-int broadcast from the actor's first rank (-1 ends the stream), then moved
     like a sync. Each rollout rank takes versions on its own, so a generation replica must be one rank
@@ -280,8 +281,8 @@ class WeightStream:
                     return
                 staged = _Staged(names)
                 self.link._hybrid.sync({}, staged)
-                with self._cond:
-                    self._staged[version] = staged.tensors
+                with self._cond:  # `take` loads only the newest: an older one not yet taken is dropped now
+                    self._staged = {version: staged.tensors}
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - raised by the next take in the main thread
             self._error = exc
