@@ -72,7 +72,8 @@ def test_async_flow_queues_the_generated_batch_into_a_training_stage_of_its_own(
     flow = build_ppo_dataflow(cfg, world_size=2)
     assert flow.stages[0] == (("generate",), (1,)) and flow.stages[1][1] == (0,)
     assert "publish_weights" in flow.stages[1][0] and "sync_weights" not in flow.names
-    assert {(p, k) for p, k, _, size in flow.queued if size == 2} == {("generate", "batch"), ("generate", "gen_metrics")}
+    queued = {(p, k) for p, k, _, size in flow.queued if size == 2}
+    assert queued == {("generate", "batch"), ("generate", "gen_metrics")}
     assert flow.carried == {}
 
 

@@ -457,8 +457,9 @@ def _queue_slot(df: Dataflow, channels: dict, queues_in: list, src_slot: int, ke
         src = df.entry(producer).config.device_map
         union = sorted(set(src) | set(ranks))
         group = new_group(union, backend="gloo") if distributed else None
-        channels[ck] = QueueChannel(producer, key, src, ranks, size, key in df.entry(producer).config.replicated_outputs,
-                                    group, comm.control_group(src) if distributed else None)
+        replicated = key in df.entry(producer).config.replicated_outputs
+        channels[ck] = QueueChannel(producer, key, src, ranks, size, replicated, group,
+                                    comm.control_group(src) if distributed else None)
         views[(src_slot, ranks)] = fresh()
         queues_in.append((channels[ck], views[(src_slot, ranks)]))
     return views[(src_slot, ranks)]
