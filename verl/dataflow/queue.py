@@ -44,8 +44,6 @@ class QueueChannel:
         self._items: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.put_wait_s = 0.0
-        """Seconds the last `put` waited for room in the queue (the consumer is behind)."""
 
     @property
     def name(self) -> str:
@@ -70,7 +68,6 @@ class QueueChannel:
             self._items = queue.Queue(maxsize=self.size)
             self._thread = threading.Thread(target=self._send_loop, name=f"verl-queue-{self.key}", daemon=True)
             self._thread.start()
-        start = time.monotonic()
         while True:
             self._raise_sender_error()
             try:
@@ -78,7 +75,6 @@ class QueueChannel:
                 break
             except queue.Full:
                 continue
-        self.put_wait_s = time.monotonic() - start
 
     def _messages(self, value: Any, infos: list) -> list[tuple[int, Any]]:
         """(consumer rank, message) for every consumer rank: exactly one each, so consumers know what to take."""
@@ -109,11 +105,18 @@ class QueueChannel:
                                    f"consumer's ranks stopped or died", rank=self.rank, cause=self._error)
 
     def drain(self, timeout_s: float) -> None:
-        """Waits until every value put has been sent (the producer's last run), then stops the sender."""
+        """Waits (at most `timeout_s`) until every value put has been sent (the producer's last run), then stops
+        the sender."""
         if self._thread is None:
             return
-        self._items.put(_STOP)
-        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self._thread.is_alive() and time.monotonic() < deadline:  # a dead sender never frees the room
+            try:
+                self._items.put(_STOP, timeout=0.2)
+                break
+            except queue.Full:
+                continue
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         self._raise_sender_error()
         if self._thread.is_alive():
             raise VerlRuntimeError(f"{self.name}: values still unsent after {timeout_s:g} s; the consumer took "

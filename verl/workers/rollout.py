@@ -351,9 +351,15 @@ class WeightStream:
     def close(self, rollout: RolloutWorker | None, timeout_s: float) -> None:
         """Ends the stream: the actor's side sends the end marker after its last version; the rollout's side
         waits for it and takes the last version, so both engines end equal."""
-        if self._outbox is not None:
-            self._outbox.put((-1, None))
-        self._thread.join(timeout_s)
+        deadline = time.perf_counter() + timeout_s
+        while self._outbox is not None and self._thread.is_alive() and time.perf_counter() < deadline:
+            try:  # a sender that died never frees the slot
+                self._outbox.put((-1, None), timeout=0.2)
+                break
+            except queue.Full:
+                continue
+        self._thread.join(max(0.0, deadline - time.perf_counter()))
+        self._check()
         if self._thread.is_alive():
             raise VerlRuntimeError(f"the weight stream did not end within {timeout_s:g} s", rank=dist.get_rank())
         if rollout is not None:
