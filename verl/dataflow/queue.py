@@ -19,17 +19,13 @@ the queue.
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from typing import Any
 
 import torch.distributed as dist
 
 from verl.dataflow import comm
+from verl.distributed.sender import Sender
 from verl.errors import VerlRuntimeError
-
-_STOP = object()
 
 
 class QueueChannel:
@@ -41,9 +37,7 @@ class QueueChannel:
         self.size, self.replicated = size, replicated
         self.group, self.control = group, control
         self.rank = dist.get_rank()
-        self._items: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._sender: Sender | None = None
 
     @property
     def name(self) -> str:
@@ -64,17 +58,9 @@ class QueueChannel:
             infos = [None] * len(self.src)
             dist.all_gather_object(infos, info, group=self.control)
         messages = self._messages(value, infos)
-        if self._thread is None:
-            self._items = queue.Queue(maxsize=self.size)
-            self._thread = threading.Thread(target=self._send_loop, name=f"verl-queue-{self.key}", daemon=True)
-            self._thread.start()
-        while True:
-            self._raise_sender_error()
-            try:
-                self._items.put(messages, timeout=0.2)
-                break
-            except queue.Full:
-                continue
+        if self._sender is None:
+            self._sender = Sender(self._send, self.size, f"verl-queue-{self.key}", self._send_failed)
+        self._sender.hand(messages)
 
     def _messages(self, value: Any, infos: list) -> list[tuple[int, Any]]:
         """(consumer rank, message) for every consumer rank: exactly one each, so consumers know what to take."""
@@ -88,40 +74,23 @@ class QueueChannel:
         return [(d, ("shard", value[slice(*pieces[(self.rank, d)])] if (self.rank, d) in pieces else None))
                 for d in self.dst]
 
-    def _send_loop(self) -> None:
-        try:
-            while True:
-                messages = self._items.get()
-                if messages is _STOP:
-                    return
-                for d, msg in messages:
-                    comm.send_value(msg, d, group=self.group)
-        except BaseException as exc:  # noqa: BLE001 - reported by the next put / drain in the main thread
-            self._error = exc
+    def _send(self, messages: list[tuple[int, Any]]) -> None:
+        for d, msg in messages:
+            comm.send_value(msg, d, group=self.group)
 
-    def _raise_sender_error(self) -> None:
-        if self._error is not None:
-            raise VerlRuntimeError(f"sending {self.name} failed: {type(self._error).__name__}: {self._error}; the "
-                                   f"consumer's ranks stopped or died", rank=self.rank, cause=self._error)
+    def _send_failed(self, exc: BaseException) -> VerlRuntimeError:
+        return VerlRuntimeError(f"sending {self.name} failed: {type(exc).__name__}: {exc}; the consumer's ranks "
+                                f"stopped or died", rank=self.rank, cause=exc)
 
     def drain(self, timeout_s: float) -> None:
         """Waits (at most `timeout_s`) until every value put has been sent (the producer's last run), then stops
         the sender."""
-        if self._thread is None:
+        if self._sender is None:
             return
-        deadline = time.monotonic() + timeout_s
-        while self._thread.is_alive() and time.monotonic() < deadline:  # a dead sender never frees the room
-            try:
-                self._items.put(_STOP, timeout=0.2)
-                break
-            except queue.Full:
-                continue
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        self._raise_sender_error()
-        if self._thread.is_alive():
-            raise VerlRuntimeError(f"{self.name}: values still unsent after {timeout_s:g} s; the consumer took "
-                                   f"fewer values than the producer made", rank=self.rank)
-        self._thread = None
+        self._sender.finish(timeout_s, VerlRuntimeError(f"{self.name}: values still unsent after {timeout_s:g} s; "
+                                                        f"the consumer took fewer values than the producer made",
+                                                        rank=self.rank))
+        self._sender = None
 
     # -- consumer side ------------------------------------------------------------------------------------
     def get(self) -> tuple[Any, tuple[str, int, str] | None]:

@@ -17,7 +17,6 @@ the rollout, a thread on each side moves it, and the rollout takes the newest it
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from verl.distributed import Placement
+from verl.distributed.sender import Sender
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import RolloutConfig, RolloutEngine
 from verl.workers.batch import RolloutBatch, batch_from_outputs
@@ -247,10 +247,14 @@ class WeightStream:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._staged: dict[int, list] = {}
-        self._outbox: queue.Queue | None = queue.Queue(maxsize=1) if rollout is None else None
-        target = self._send_loop if rollout is None else self._receive_loop
-        self._thread = threading.Thread(target=target, args=(rollout,), name="verl-weight-stream", daemon=True)
-        self._thread.start()
+        self._sender: Sender | None = None
+        self._thread: threading.Thread | None = None
+        if rollout is None:  # one version waits while the one before it is sent
+            self._sender = Sender(self._send, 1, "verl-weight-stream", self._failed)
+        else:
+            self._thread = threading.Thread(target=self._receive_loop, args=(rollout,), name="verl-weight-stream",
+                                            daemon=True)
+            self._thread.start()
 
     def _announce(self, version: int) -> int:
         header = torch.tensor([version], dtype=torch.int64, device=self._device())
@@ -261,16 +265,11 @@ class WeightStream:
         from verl.distributed.placement import comm_device
         return torch.device("cpu") if dist.get_backend(self.link.group) == "gloo" else comm_device()
 
-    def _send_loop(self, _rollout) -> None:
-        try:
-            while True:
-                version, params = self._outbox.get()
-                self._announce(version)
-                if version < 0:
-                    return
-                self.link._hybrid.sync(params, None)
-        except BaseException as exc:  # noqa: BLE001 - raised by the next publish in the main thread
-            self._error = exc
+    def _send(self, item: tuple[int, dict | None]) -> None:
+        version, params = item
+        self._announce(version)
+        if version >= 0:  # -1 ends the stream
+            self.link._hybrid.sync(params, None)
 
     def _receive_loop(self, rollout: RolloutWorker) -> None:
         names = rollout.engine.weight_names()
@@ -289,12 +288,14 @@ class WeightStream:
             with self._cond:
                 self._cond.notify_all()
 
+    def _failed(self, exc: BaseException) -> VerlRuntimeError:
+        return VerlRuntimeError(f"the weight stream between actor ranks {list(self.link.actor_ranks)} and rollout "
+                                f"ranks {list(self.link.rollout_ranks)} failed: {type(exc).__name__}: {exc}",
+                                rank=dist.get_rank(), cause=exc)
+
     def _check(self) -> None:
         if self._error is not None:
-            raise VerlRuntimeError(f"the weight stream between actor ranks {list(self.link.actor_ranks)} and "
-                                   f"rollout ranks {list(self.link.rollout_ranks)} failed: "
-                                   f"{type(self._error).__name__}: {self._error}", rank=dist.get_rank(),
-                                   cause=self._error)
+            raise self._failed(self._error)
 
     # -- the actor's side ---------------------------------------------------------------------------------------
     def publish(self, actor, version: int) -> dict[str, float]:
@@ -302,13 +303,7 @@ class WeightStream:
         t0 = time.perf_counter()
         params = {k: v.detach().clone() for k, v in actor.engine.local_params().items()}
         copied = time.perf_counter()
-        while True:
-            self._check()
-            try:
-                self._outbox.put((version, params), timeout=0.2)
-                break
-            except queue.Full:  # the previous version is still on its way
-                continue
+        self._sender.hand((version, params))
         self.version = version
         return {"perf/publish_s": time.perf_counter() - t0, "perf/publish_wait_s": time.perf_counter() - copied,
                 "perf/publish_bytes": float(sum(t.nbytes for t in params.values()))}
@@ -351,19 +346,15 @@ class WeightStream:
     def close(self, rollout: RolloutWorker | None, timeout_s: float) -> None:
         """Ends the stream: the actor's side sends the end marker after its last version; the rollout's side
         waits for it and takes the last version, so both engines end equal."""
-        deadline = time.perf_counter() + timeout_s
-        while self._outbox is not None and self._thread.is_alive() and time.perf_counter() < deadline:
-            try:  # a sender that died never frees the slot
-                self._outbox.put((-1, None), timeout=0.2)
-                break
-            except queue.Full:
-                continue
-        self._thread.join(max(0.0, deadline - time.perf_counter()))
+        unfinished = VerlRuntimeError(f"the weight stream did not end within {timeout_s:g} s", rank=dist.get_rank())
+        if self._sender is not None:
+            self._sender.finish(timeout_s, unfinished, (-1, None))  # -1: the receivers' end marker
+            return
+        self._thread.join(timeout_s)
         self._check()
         if self._thread.is_alive():
-            raise VerlRuntimeError(f"the weight stream did not end within {timeout_s:g} s", rank=dist.get_rank())
-        if rollout is not None:
-            self.take(rollout)
+            raise unfinished
+        self.take(rollout)
         self._check()
 
 
