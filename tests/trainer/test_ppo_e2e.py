@@ -132,3 +132,12 @@ def test_a_registered_critic_estimator_trains_the_critic(tmp_path, tiny_args):
                    "trainer.export_hf=false", "trainer.plot=false"))
     (step,) = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
     assert math.isfinite(step["critic/vf_loss"]) and step["critic/grad_norm"] >= 0
+
+
+@pytest.mark.parametrize("engine", ["hf", "torch"])
+def test_every_local_rollout_engine_trains_through_the_trainer(tmp_path, tiny_args, engine):
+    """`rollout.engine=hf` failed on every run (no engine statistics) while no test ran it through the trainer."""
+    assert main(tiny_args(f"rollout.engine={engine}", "trainer.save_final=false", "trainer.export_hf=false",
+                          "trainer.plot=false")) == 0
+    steps = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
+    assert len(steps) == 2 and all(0.0 <= r["rollout/padded_share"] < 1.0 for r in steps)

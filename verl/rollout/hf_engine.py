@@ -30,6 +30,7 @@ class HFRollout(TorchRollout):
         RolloutEngine.__init__(self, Tokenizer.wrap(tokenizer), max_model_len=model_length_limit(config, model))
         self.model, self.config = model, config
         self._offloaded, self._fast = None, None
+        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}  # read by take_metrics, as in torch
 
     @torch.inference_mode()
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
@@ -67,6 +68,9 @@ class HFRollout(TorchRollout):
                                   use_cache=True, return_dict_in_generate=True, output_scores=params.logprobs,
                                   **sampling, **extra)
         gen = res.sequences[:, ids.shape[1]:].cpu()
+        # generate computes every row of the left-padded batch at every step: prompt padding and finished rows
+        self.stats["positions"] += res.sequences.numel()
+        self.stats["valid_positions"] += int(mask.sum())
         lp = None
         if params.logprobs:
             # generate's scores are the processed logits of each step (warpers applied): the sampling distribution
@@ -83,6 +87,7 @@ class HFRollout(TorchRollout):
             if params.stop and reason == "length":
                 tokens, reason = self._cut_at_stop_string(tokens, params.stop)
             lps = lp[r, :len(tokens)].tolist() if lp is not None else None
+            self.stats["valid_positions"] += len(tokens)
             outs.append(self._finish(i, j, prompts[r], tokens, reason, lps, params.stop))
         return outs
 
