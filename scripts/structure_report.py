@@ -26,7 +26,7 @@ PKG = ROOT / "verl"
 # Lowest layer first; a module may import its own layer or lower ones. Modules not listed are layer-neutral
 # (errors, the package roots, the command line).
 LAYERS = [
-    ("ops", ("verl.ops", "verl._extension", "verl.errors", "verl.algos")),
+    ("ops", ("verl.ops", "verl._extension", "verl.errors", "verl.registry", "verl.algos")),
     ("models", ("verl.models", "verl.distributed", "verl.rollout", "verl.hybrid_engine", "verl.protocol",
                 "verl.utils", "verl.config", "verl.data", "verl.rewards", "verl.testing")),
     ("workers", ("verl.workers",)),

@@ -83,3 +83,17 @@ def test_a_raising_reward_names_the_sample_and_its_text_head():
                                                r"truth '3'\)") as e:
         score_batch(picky, ["a", "b", long_response], ["1", "2", "3"], ["", "", ""], name="picky")
     assert isinstance(e.value.__cause__, ValueError) and len(str(e.value)) < 400
+
+
+def test_re_registering_a_reward_name_is_an_error_naming_both():
+    def first(response, gt, prompt):
+        return 1.0
+
+    def second(response, gt, prompt):
+        return 0.0
+
+    register_reward("test_twice")(first)
+    register_reward("test_twice")(first)  # the same function again is harmless
+    with pytest.raises(VerlConfigError, match=r"reward 'test_twice' is already registered \(by .*first\).*second"):
+        register_reward("test_twice")(second)
+    assert get_reward("test_twice") is first

@@ -26,11 +26,15 @@ def _steps(out_dir: Path) -> dict[int, dict]:
     ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
      "actor.optim.warmup_steps=3"],
 ])
+def _length_reward(response, ground_truth, prompt):
+    return float(len(response))
+
+
 def test_resume_equals_uninterrupted(tmp_path, tiny_args, extra):
     # a dense reward (response length) so every step really moves the weights
-    register_reward("test_length")(lambda response, ground_truth, prompt: float(len(response)))
+    register_reward("test_length_ckpt")(_length_reward)
     common = [*extra, "trainer.export_hf=false", "trainer.plot=false", "actor.optim.lr=1e-2",
-              "reward.name=test_length"]
+              "reward.name=test_length_ckpt"]
     main(tiny_args(*common, "trainer.total_steps=4", out="full"))
     main(tiny_args(*common, "trainer.total_steps=2", out="part"))
     main(tiny_args(*common, "trainer.total_steps=4", "trainer.resume=auto", out="part"))

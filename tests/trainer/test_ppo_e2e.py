@@ -102,8 +102,12 @@ def test_bad_inputs_fail_before_writing(tmp_path, tiny_args):
     assert not out.exists()
 
 
+def _always_nan(response, gt, prompt):
+    return float("nan")
+
+
 def test_nan_reward_stops_the_step(tmp_path, tiny_args):
-    register_reward("test_always_nan")(lambda response, gt, prompt: float("nan"))
+    register_reward("test_always_nan")(_always_nan)
     with pytest.raises(VerlRuntimeError, match=r"node 'reward'.*test_always_nan.*finite float"):
         main(tiny_args("reward.name=test_always_nan", "warmup.steps=0"))
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -70,11 +70,15 @@ def test_megatron_actor_matches_torch_and_syncs_weights(megatron_setup):
     assert critic.update(batch, values, torch.ones_like(values) * batch.response_mask)["critic/grad_norm"] > 0
 
 
+def _length_reward(response, gt, prompt):
+    return float(len(response))
+
+
 def test_megatron_ppo_resume_equals_uninterrupted(tmp_path):
     from verl.trainer.main_ppo import main
     from verl.rewards import register_reward
-    register_reward("test_length")(lambda response, gt, prompt: float(len(response)))
-    args = [*TINY, "actor.engine=megatron", "reward.name=test_length", "algorithm.adv_estimator=gae",
+    register_reward("test_length_megatron")(_length_reward)
+    args = [*TINY, "actor.engine=megatron", "reward.name=test_length_megatron", "algorithm.adv_estimator=gae",
             "actor.use_kl_loss=true", "actor.optim.lr=1e-2", "trainer.export_hf=false", "trainer.plot=false"]
     main([*args, "trainer.total_steps=3", f"trainer.output_dir={tmp_path / 'full'}"])
     main([*args, "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'part'}"])

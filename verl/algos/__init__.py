@@ -21,7 +21,7 @@ from verl.algos.policy_losses import (POLICY_LOSS_FNS, PolicyLossInfo, get_polic
                                       policy_loss_info, register_policy_loss)
 from verl.algos import pg_losses  # noqa: F401  (registers cispo, sapo, gpg, dppo_*, clip_cov, kl_cov, geo_mean, dro)
 from verl.algos.rollout_correction import RolloutCorrection, rollout_correction
-from verl.algos.registry import Registry
+from verl.registry import Registry
 from verl.ops.checks import check_name
 from verl.ops.losses import AGG_MODES, Aggregation, PolicyLossOutput, ValueLossOutput, agg_loss, value_loss
 from verl.ops.rl import AdvantageResult

@@ -22,7 +22,7 @@ import torch
 
 from dataclasses import dataclass
 
-from verl.algos.registry import Registry
+from verl.registry import Registry
 from verl.errors import VerlConfigError
 from verl.ops.checks import check_bt, valid_mask
 from verl.ops.rl import (AdvantageResult, _raise_if_nonfinite, as_group_index, compute_gae, outcome_advantage,

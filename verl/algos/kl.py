@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from verl.algos.registry import Registry
+from verl.registry import Registry
 from verl.ops.losses import KL_KINDS, Aggregation, agg_loss, kl_penalty
 from verl.ops.losses import kl_loss as _fused_kl_loss
 

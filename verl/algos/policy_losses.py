@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from verl.algos.registry import Registry
+from verl.registry import Registry
 from verl.errors import VerlConfigError
 from verl.ops.losses import PolicyLossOutput, policy_loss
 

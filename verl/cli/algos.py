@@ -14,7 +14,7 @@ import textwrap
 from verl.algos.advantages import ADVANTAGES
 from verl.algos.kl import KLS
 from verl.algos.policy_losses import POLICY_LOSS_FNS
-from verl.algos.registry import Registry
+from verl.registry import Registry
 from verl.ops.losses import AGG_MODES
 
 SECTIONS = (("actor.policy_loss", POLICY_LOSS_FNS), ("algorithm.adv_estimator", ADVANTAGES),

@@ -17,46 +17,35 @@ and the head of its response, before anything of that step is logged or saved.
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.registry import Registry
 
 RewardFn = Callable[[str, str, str], float]
-_REWARDS: dict[str, RewardFn] = {}
+REWARDS: Registry = Registry("reward", key="reward.name", refs=True)
+"""Rule-based rewards by name; ``module:function`` references reach user code (re-registering a name is an
+error naming both functions)."""
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering `fn` under `name` (re-registering a name replaces it)."""
-    def wrap(fn: RewardFn) -> RewardFn:
-        _REWARDS[name] = fn
-        return fn
-    return wrap
+    """Decorator registering `fn` under `name`."""
+    return REWARDS.register(name)
 
 
 def list_rewards() -> list[str]:
-    return sorted(_REWARDS)
+    return REWARDS.names()
 
 
 def get_reward(name: str) -> RewardFn:
-    if ":" in name and name not in _REWARDS:
-        import importlib
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise VerlConfigError(f"reward.name={name!r}: cannot import {attr!r} from {module!r} ({e})") from e
-        if not callable(fn):
-            raise VerlConfigError(f"reward.name={name!r} is not a function")
-        return fn
-    if name not in _REWARDS:
-        close = difflib.get_close_matches(name, list(_REWARDS), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise VerlConfigError(f"unknown reward {name!r} (reward.name); {hint}registered: {', '.join(list_rewards())}")
-    return _REWARDS[name]
+    """The reward registered as `name`, or the function a ``module:function`` reference names."""
+    fn = REWARDS.get(name)
+    if not callable(fn):
+        raise VerlConfigError(f"reward.name={name!r} is not a function")
+    return fn
 
 
 def _head(text: str, width: int = 120) -> str:
