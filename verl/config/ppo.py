@@ -572,6 +572,60 @@ class WarmupConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """Multi-turn rollouts with tools (verl.agents, docs/agents.md): each prompt row is an environment episode whose
+    turns the rollout engine generates, token-in-token-out. Off while `env` is unset (one response per sample)."""
+
+    env: str | None = None
+    """Registered environment (tools, arithmetic_tools, single_turn) or a 'module:Class' of your own; None: the
+    single-turn rollout."""
+    env_settings: dict = field(default_factory=dict)
+    """Keyword settings of the environment's constructor (e.g. {system_prompt: ..., describe_tools: false})."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the environment offers: registered (calculator, final_answer, python, sleep) or 'module:attr'."""
+    tool_settings: dict = field(default_factory=dict)
+    """Settings per tool, by name (e.g. {sleep: {latency_s: 0.5}}), passed to its constructor."""
+    format: str = "hermes"
+    """Tool-call convention: hermes (<tool_call>{json}</tool_call>, results in role 'tool'; ChatML, Qwen) or json
+    (Llama-3-style, results in role 'ipython'), or a registered / 'module:Class' format."""
+    max_turns: int = 4
+    """Most assistant turns per trajectory; every turn and observation shares rollout.max_new_tokens."""
+    max_tokens_per_turn: int = 0
+    """Most tokens one turn may sample (0: whatever room rollout.max_new_tokens leaves)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call: past it the model reads a timeout observation (tool/<name>/error_rate)."""
+    max_concurrent_tools: int = 16
+    """Tool calls running at once on a rank (over every trajectory)."""
+    step_timeout_s: float = 60.0
+    """Longest one environment step may take (all its tool calls included) before the rollout fails naming it."""
+    log_mismatches: int = 3
+    """Trajectories per step whose append-only check failed that are explained on stderr (all are counted in
+    rollout/tito_mismatch)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None
+
+    def check(self) -> None:
+        check_finite(self)
+        require(self.max_turns >= 1, "max_turns", self.max_turns, "must be >= 1 (one turn is a single-turn episode)")
+        require(self.max_tokens_per_turn >= 0, "max_tokens_per_turn", self.max_tokens_per_turn,
+                "must be >= 0 (0: no cap besides rollout.max_new_tokens)")
+        require(self.tool_timeout_s > 0, "tool_timeout_s", self.tool_timeout_s, "must be > 0")
+        require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
+        require(self.max_concurrent_tools >= 1, "max_concurrent_tools", self.max_concurrent_tools, "must be >= 1")
+        require(self.log_mismatches >= 0, "log_mismatches", self.log_mismatches, "must be >= 0")
+        if self.env is None:
+            require(not self.tools, "tools", self.tools, "needs agent.env (the environment that offers them)")
+            return
+        from verl.agents import get_env, get_format, get_tool
+        get_env(self.env)
+        get_format(self.format)
+        for name in self.tools:
+            get_tool(name, **dict(self.tool_settings.get(name, {})))
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """Loop, logging and checkpoints."""
 
@@ -668,6 +722,8 @@ class PPOConfig:
     """Prompts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tools (off by default)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """Policy update."""
     ref: RefConfig = field(default_factory=RefConfig)
@@ -795,6 +851,10 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
                                   f"{self.rollout.engine} / {self.actor.engine})")
+        if self.agent.enabled and self.rollout.decoder == "train":
+            raise VerlConfigError("agent.env with rollout.decoder=train: the train decoder samples in the training "
+                                  "batch's padded layout, which a multi-turn trajectory's observations do not have; "
+                                  "use rollout.decoder=fast (or model)")
         if self.rollout.compare_full_gather and self.actor.engine != "megatron":
             raise VerlConfigError("rollout.compare_full_gather times the full gather of a megatron actor's shards; "
                                   "set actor.engine=megatron, or turn it off")

@@ -39,7 +39,7 @@ def generate(prompts, rollout, seed, rollout_version, gen_stats):
     batch = rollout.generate(prompts, seed=seed)
     if batch.token_version is None:
         batch.weight_version = torch.full((len(batch),), rollout_version, dtype=torch.long)
-    return batch, {**getattr(rollout.engine, "take_metrics", dict)(), **gen_stats}
+    return batch, {**rollout.take_metrics(), **gen_stats}
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["baseline_batch"])

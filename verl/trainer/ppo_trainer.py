@@ -43,14 +43,22 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
-    the tiny local Llama with a BPE trained on the data."""
+    the tiny local Llama with a BPE trained on the data (for an agent job, in ChatML, on the data and the
+    environment's demonstrations too)."""
     from verl.testing.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
-    tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
+    chat = "chatml" if cfg.agent.enabled else "plain"
+    if cfg.agent.enabled:  # the conversations' own text (tags, JSON, newlines) gets tokens of its own
+        from verl.agents.loop import AgentLoop, demonstration_texts
+        draft = AgentLoop(cfg.agent, tiny_tokenizer(corpus, cfg.model.tiny.vocab_size, chat=chat),
+                          response_length=cfg.rollout.max_new_tokens)
+        corpus = corpus + demonstration_texts(draft, [dataset[i] for i in range(min(len(dataset), 500))],
+                                              cfg.trainer.seed)
+    tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size, chat=chat)
     return tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed), tokenizer
 
 
@@ -95,8 +103,13 @@ class PPOTrainer:
         else:
             self.policy, self.tokenizer = load_policy(cfg, self.dataset)
         check_generation_layout(cfg, self.policy.config)
-        self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
-                                          cfg.data.max_prompt_length, cfg.data.overlong_prompts,
+        self.agent = None
+        if cfg.agent.enabled:  # episodes open with the environment's messages: those are the prompts checked
+            from verl.agents.loop import AgentLoop
+            self.agent = AgentLoop(cfg.agent, self.tokenizer, response_length=cfg.rollout.max_new_tokens)
+        encode = Tokenizer.wrap(self.tokenizer).encode_prompt if self.agent is None else \
+            (lambda p: self.agent.prompt_ids({"prompt": p, "answer": ""}))
+        self.dataset = fit_prompt_lengths(self.dataset, encode, cfg.data.max_prompt_length, cfg.data.overlong_prompts,
                                           source=", ".join(cfg.data.train_files) or f"task {cfg.data.task}")
         # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
         # agrees within a model-parallel group; sampling itself is seeded per step and row
@@ -177,7 +190,7 @@ class PPOTrainer:
             engine = build_rollout(rollout_cfg, model=self.policy, model_path=str(init_dir) if init_dir else None,
                                    tokenizer=self.tokenizer)
             self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
-                                         placement=places["rollout"])
+                                         placement=places["rollout"], agent=self.agent)
         if roles["rollout"].ranks != roles["actor"].ranks:
             self._link_rollout()
 
@@ -282,7 +295,7 @@ class PPOTrainer:
             if world.distributed:
                 world = world.subset(tuple(range(world.world_size)), dist.group.WORLD)
             info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, world,
-                                     self.cfg.trainer.seed)
+                                     self.cfg.trainer.seed, agent=self.agent)
         self._build_workers()
         if resume is not None:
             self._restore(resume)
@@ -465,7 +478,7 @@ class PPOTrainer:
     def close(self) -> None:
         """Shuts the rollout engine down (vLLM / SGLang hold processes, threads and process groups)."""
         if self.rollout is not None:
-            self.rollout.engine.close()
+            self.rollout.close()
 
     def _finish(self) -> None:
         out_dir = self.out_dir
@@ -541,4 +554,7 @@ def progress_fields(m: dict[str, float]) -> dict[str, str]:
            "sync_ms": f"{1e3 * m.get('perf/sync_s', 0.0):.1f}"}
     if "rollout/mismatch_max" in m:
         out["mismatch"] = f"{m['rollout/mismatch_max']:.2g}"
+    if "rollout/tool_use_rate" in m:  # multi-turn rollouts: how often a tool is called, and turns per trajectory
+        out["tools"] = f"{m['rollout/tool_use_rate']:.2f}"
+        out["turns"] = f"{m['rollout/turns_mean']:.2f}"
     return out
