@@ -31,6 +31,7 @@ that looks like a special token), ``rewritten`` (a rewrite the probe found), ``d
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 
 from verl.errors import VerlConfigError, VerlRuntimeError
@@ -87,6 +88,7 @@ class ChatFormat:
         """The template renders the tool schemas itself (from its ``tools`` argument)."""
         self.tools = tools if (tools and self.native_tools) else None
         self.observation_role = observation_role
+        self._split, self._chunks = _added_token_splitter(tokenizer.hf), {}
         self._probe_turn_end()
         self.append_only, self.rewrite = self._probe_append_only()
 
@@ -102,7 +104,25 @@ class ChatFormat:
                                   f"{type(e).__name__}: {e}") from e
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+        """`text` as the tokenizer encodes it (no BOS / EOS added). The tokenizer cuts text at its added tokens
+        before normalising and splitting the pieces between them; so is it here, with the pieces' ids cached, so
+        that the check re-encodes only what no earlier trajectory or observation already encoded (the tool
+        description, the observations, repeated prompts). Tokenizers whose added tokens strip whitespace around
+        them (lstrip / rstrip / single_word) are encoded whole."""
+        if self._split is None:
+            return self.tok.encode(text, add_special_tokens=False)
+        out: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            ids = self._chunks.get(piece)
+            if ids is None:
+                ids = self.tok.hf.encode(piece, add_special_tokens=False)
+                if len(self._chunks) > 1 << 16:
+                    self._chunks.clear()
+                self._chunks[piece] = ids
+            out += ids
+        return out
 
     def prompt_ids(self, prompt) -> list[int]:
         """The opening ids: chat messages through the template (generation prompt added), text as the engine
@@ -115,7 +135,11 @@ class ChatFormat:
         """An assistant turn's text from its sampled ids (the final stop token left out, special tokens kept)."""
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return self.tok.decode(ids, skip_special_tokens=False)
+        return self.decode(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Ids to text exactly (special tokens kept, no clean-up of spaces before punctuation)."""
+        return self.tok.hf.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     # -- the probe ----------------------------------------------------------------------------------------------
     def _probe_turn_end(self) -> None:
@@ -142,7 +166,7 @@ class ChatFormat:
         """Ids that end a turn: the end-of-turn token and the tokenizer's EOS."""
 
     def _text(self, token: int) -> str:
-        return self.tok.decode([token], skip_special_tokens=False)
+        return self.decode([token])
 
     def _probe_append_only(self) -> tuple[bool, str]:
         """(append-only?, the first rewrite found) at the points the loop appends."""
@@ -219,8 +243,7 @@ class ChatFormat:
             if tag == "equal":
                 continue
             seg = next((s for s in segments if s.start <= i1 < s.end), segments[-1] if segments else None)
-            a_text, e_text = self.tok.decode(actual[i1:i2], skip_special_tokens=False), \
-                self.tok.decode(expected[j1:j2], skip_special_tokens=False)
+            a_text, e_text = self.decode(actual[i1:i2]), self.decode(expected[j1:j2])
             if a_text == e_text:
                 kind = "retokenized"
             elif not self.append_only and seg is not None and seg.kind == "assistant" and tag in ("delete", "replace") \
@@ -235,6 +258,16 @@ class ChatFormat:
                 lines.append(f"{kind} in {where} (ids {i1}..{i2}): trajectory {actual[i1:i2][:12]} {a_text[:60]!r} "
                              f"vs template {expected[j1:j2][:12]} {e_text[:60]!r}")
         return Check(ok=False, kinds=kinds, detail="; ".join(lines))
+
+
+def _added_token_splitter(hf) -> re.Pattern | None:
+    """A regex that cuts text at (and keeps) the tokenizer's added tokens, longest first, as the tokenizer itself
+    does; None when an added token strips the whitespace around it (then pieces would not encode alike)."""
+    added = list(getattr(hf, "added_tokens_decoder", {}).values())
+    if not added or any(a.lstrip or a.rstrip or a.single_word or a.normalized for a in added):
+        return None
+    contents = sorted({a.content for a in added}, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(c) for c in contents) + ")")
 
 
 def _last_assistant(segments: list[Segment]) -> Segment | None:
