@@ -121,7 +121,7 @@ class AgentLoop:
 
     def prompt_ids(self, row: dict) -> list[int]:
         """The opening ids of an episode on `row` (what data.max_prompt_length is checked against)."""
-        return self.chat.prompt_ids(self.new_env().reset(row))
+        return self.chat.prompt_ids(_own(self.new_env().reset(row)))
 
     def close(self) -> None:
         if self._runtime is not None:
@@ -140,7 +140,7 @@ class AgentLoop:
         for i, row in enumerate(rows):
             for j in range(params.n):
                 env = self.new_env()
-                messages = env.reset(row)
+                messages = _own(env.reset(row))
                 trajs.append(Trajectory(key=len(trajs), prompt_index=i, sample_index=j, seed=params.sample_seed(i, j),
                                         env=env, messages=messages, prompt_ids=self.chat.prompt_ids(messages),
                                         versions=[] if engine.pause_hook is not None else None))
@@ -276,6 +276,17 @@ class AgentLoop:
                 print(f"[verl] agent: trajectory {t.key} (prompt {t.prompt_index}, sample {t.sample_index}) differs "
                       f"from the chat template's rendering of its conversation; trained as sampled. "
                       f"{t.check.detail}", file=sys.stderr, flush=True)
+
+
+def _own(messages):
+    """The trajectory's own copy of an environment's opening messages (a reset may hand out the data row's list,
+    which the trajectory then appends to)."""
+    if isinstance(messages, str):
+        return messages
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise VerlRuntimeError(f"an environment's reset() returned {type(messages).__name__}; it returns chat "
+                               f"messages (a list of dicts) or a text prompt")
+    return [dict(m) for m in messages]
 
 
 class _Episodes:
