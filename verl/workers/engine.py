@@ -255,6 +255,12 @@ def is_device_mapped(module: torch.nn.Module) -> bool:
 class TorchEngine(ModuleEngine):
     """Owns a module (a causal LM, or a `ValueModel` with `head="value"`) and, unless frozen, its optimizer."""
 
+    @classmethod
+    def from_role(cls, req) -> "TorchEngine":
+        """The role's module on this rank (`verl.workers.request.EngineRequest`): the actor trains the policy
+        in place, the reference a copy, the critic a value model on the policy's trunk."""
+        return cls(req.module(), req.optim, req.placement, head=req.head, total_steps=req.total_steps)
+
     def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, *,
                  head: str = "lm", total_steps: int = 1):
         # a model loaded with a device map stays where it was put (verl.trainer.ppo_trainer.check_device_map)

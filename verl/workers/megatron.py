@@ -61,6 +61,12 @@ def _micro_size(n: int, wanted: int) -> int:
 class MegatronEngine:
     """One megatron GPT (optionally with a value head) and, if trained, its optimizer."""
 
+    @classmethod
+    def from_role(cls, req) -> "MegatronEngine":
+        """The role's GPT model built from the warm-started policy's Hugging Face directory."""
+        return cls(req.init_dir, req.placement, req.cfg.actor.megatron, value_head=req.role == "critic",
+                   optim=req.optim, total_steps=req.total_steps)
+
     def __init__(self, hf_dir: str | Path, placement: Placement, mcfg: MegatronConfig, *, value_head: bool = False,
                  optim: OptimConfig | None = None, total_steps: int = 1):
         from transformers import AutoConfig
