@@ -424,7 +424,7 @@ def _env() -> dict:
 
 
 def _spawn_ranks(scenario: str, out: Path, collective_timeout: float = 3.0) -> list[subprocess.Popen]:
-    from verl.testing.distributed import free_port
+    from verl.distributed.placement import free_port
     port = free_port()
     return [subprocess.Popen([sys.executable, str(JOB), scenario, str(out), str(collective_timeout)],
                              env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),

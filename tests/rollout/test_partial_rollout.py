@@ -10,7 +10,7 @@ import torch
 
 from verl.errors import VerlRuntimeError
 from verl.rollout import GenerationOutput, RolloutConfig, SamplingParams, Tokenizer, TorchRollout, pausable_engines
-from verl.testing.tiny import tiny_model, tiny_tokenizer
+from verl.models.tiny import tiny_model, tiny_tokenizer
 from verl.workers.batch import RolloutBatch, batch_from_outputs
 
 PROMPTS = ["the quick brown", "what", "one two three four five six"]

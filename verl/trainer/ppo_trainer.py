@@ -44,7 +44,7 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
     the tiny local Llama with a BPE trained on the data."""
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)

@@ -158,8 +158,8 @@ class MegatronEngine:
             return self._packed_outputs(output, mb, packed, temperature)
         if self.model.options.value_head:
             return {"values": output[:, P - 1:-1]}
-        from verl.models import IGNORE_INDEX, vocab_parallel_logprob_entropy
-        from verl.models.vocab_parallel import masked_vocab_logits
+        from verl.models import IGNORE_INDEX, masked_vocab_logits
+        from verl.ops import vocab_parallel_logprob_entropy
         lp, ent = vocab_parallel_logprob_entropy(masked_vocab_logits(output, self.model), mb["labels"], temperature,
                                                  self.placement.tp, ignore_index=IGNORE_INDEX)
         return {"log_probs": lp[:, P - 1:-1], "entropy": ent[:, P - 1:-1]}
@@ -168,8 +168,8 @@ class MegatronEngine:
                         temperature: float) -> dict[str, torch.Tensor]:
         if self.model.options.value_head:
             return {"values": packed.unpack(output[0, packed.src].float())}
-        from verl.models import IGNORE_INDEX, vocab_parallel_logprob_entropy
-        from verl.models.vocab_parallel import masked_vocab_logits
+        from verl.models import IGNORE_INDEX, masked_vocab_logits
+        from verl.ops import vocab_parallel_logprob_entropy
         lp, ent = vocab_parallel_logprob_entropy(masked_vocab_logits(output, self.model), mb["labels"], temperature,
                                                  self.placement.tp, ignore_index=IGNORE_INDEX)
         return {"log_probs": packed.unpack(lp[0, packed.src]), "entropy": packed.unpack(ent[0, packed.src])}
