@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,16 @@ def _children() -> set[int]:
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def _running(marker: str) -> bool:
+    for p in Path("/proc").iterdir():
+        try:
+            if marker.encode() in (p / "cmdline").read_bytes():
+                return True
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            pass
+    return False
 
 
 @pytest.fixture
@@ -272,11 +284,40 @@ def test_daemon_does_not_outlive_the_call(host):
     r = run("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('parent done')")
     assert (r.reason, r.stdout) == ("ok", "parent done\n")  # not "timeout": the call did not wait for the daemon
-    for p in Path("/proc").iterdir():
+    assert not _running(marker), "the daemon survived"
+
+
+TRAINER = r"""
+import os, sys, threading, time
+from verl.agents.sandbox import SandboxLimits, run_python
+marker = sys.argv[1]
+code = f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])"
+threading.Thread(target=run_python, args=(code, SandboxLimits(wall_s=120)), daemon=True).start()
+def running():
+    for p in os.listdir('/proc'):
         try:
-            assert marker.encode() not in (p / "cmdline").read_bytes(), f"daemon {p.name} survived"
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            if p.isdigit() and int(p) != os.getpid() and marker.encode() in open(f'/proc/{p}/cmdline', 'rb').read():
+                return True
+        except OSError:
             pass
+for _ in range(600):
+    if running():
+        print('running', flush=True)
+        os._exit(0)  # the trainer dies abruptly while its sandbox runs
+    time.sleep(0.05)
+"""
+
+
+def test_trainer_death_kills_its_sandboxes(host):
+    marker = f"{os.getpid()}.{threading.get_ident() % 1000}7"
+    out = subprocess.run([sys.executable, "-c", TRAINER, marker], capture_output=True, text=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert out.stdout == "running\n", out.stderr
+    for _ in range(100):  # the kernel's SIGKILLs are asynchronous; the launcher's exit unwinds the namespace
+        if not _running(marker):
+            break
+        time.sleep(0.05)
+    assert not _running(marker), "a sandboxed program outlived the process that started it"
 
 
 def test_no_privileges(host):

@@ -1,23 +1,25 @@
-"""The sandbox's launcher: run as ``python -I -S _sandbox_init.py '<json spec>'`` by `verl.agents.sandbox`.
+"""The sandbox's launcher: run as ``python -I -S _sandbox_init.py <spec>`` by `verl.agents.sandbox`.
 
-Standard library only (it runs before any isolation, with no site-packages). Three processes:
+Standard library only, and only modules that import in microseconds (no json, re, enum or signal: the launcher's
+start-up is part of every call's latency). The spec is a marshal-ed dict, hex-encoded. Three processes:
 
-- the launcher (host pid namespace) reads the program from stdin, enters fresh namespaces (mount, pid, ipc, uts,
-  network unless allowed, and a user namespace when not root), forks the init and waits for it;
+- the launcher (host pid namespace; killed by the kernel when its caller dies) reads the program from stdin,
+  enters fresh namespaces (mount, pid, ipc, uts, network unless allowed, and a user namespace when not root),
+  forks the init and waits for it;
 - the init (pid 1 of the new pid namespace; killed by the kernel when the launcher dies, via PDEATHSIG) builds a
   new root on a tmpfs — read-only binds of the system and interpreter directories, a writable /tmp tmpfs, a
   private /proc, a few device nodes — pivots into it, forks the program and reaps orphans. When the program
   exits the init reports its wait status and exits, and the kernel kills everything left in the namespace;
 - the program: its own session, resource limits, an unprivileged uid, no_new_privs, then ``python main.py``.
 
-Setup failures and the program's end are reported as one JSON line each on the status fd.
+Setup failures and the program's end are reported on the status fd, one tab-separated line each:
+``error\t<message>`` and ``end\t<wait status>\t<cpu seconds>\t<max rss KiB>``.
 """
 
 import ctypes
-import json
+import marshal
 import os
 import resource
-import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
@@ -26,6 +28,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+SIGKILL = 9
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
 SYS_MOUNT_SETATTR = 442  # one number on every architecture (added after the syscall tables were unified)
@@ -59,8 +62,8 @@ def mount(source, target, fstype, flags, data=None) -> None:
           f"mount({source!r} on {target!r})")
 
 
-def report(fd: int, **fields) -> None:
-    os.write(fd, (json.dumps(fields) + "\n").encode())
+def report(fd: int, kind: str, *fields) -> None:
+    os.write(fd, ("\t".join([kind, *(str(f).replace("\n", " ").replace("\t", " ") for f in fields)]) + "\n").encode())
 
 
 def flag_names(flags: int) -> str:
@@ -153,14 +156,14 @@ def exec_program(spec: dict) -> None:
 def init_main(spec: dict, code: bytes, status_fd: int) -> None:
     """Pid 1 of the sandbox: build the root, run the program, report its end. Exiting kills the namespace."""
     # Had the launcher died before this, the parent's killpg of the launcher's group reaches us too.
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
     build_root(spec, code)
     pid = os.fork()
     if pid == 0:
         try:
             exec_program(spec)
         except BaseException as e:  # noqa: BLE001 - whatever stopped the exec is reported, then the child ends
-            report(status_fd, error=f"starting the program failed: {type(e).__name__}: {e}")
+            report(status_fd, "error", f"starting the program failed: {type(e).__name__}: {e}")
         os._exit(127)
     while True:
         try:
@@ -168,12 +171,16 @@ def init_main(spec: dict, code: bytes, status_fd: int) -> None:
         except ChildProcessError:
             os._exit(1)
         if child == pid:  # orphans re-parented to us are just reaped
-            report(status_fd, status=status, cpu_s=usage.ru_utime + usage.ru_stime, maxrss_kb=usage.ru_maxrss)
+            report(status_fd, "end", status, usage.ru_utime + usage.ru_stime, usage.ru_maxrss)
             os._exit(0)
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
+    # The caller's thread waits for us for as long as we run, so its end means the trainer died: follow it.
+    libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+    if os.getppid() != spec["caller_pid"]:
+        os._exit(1)
     status_fd = spec["status_fd"]
     os.set_inheritable(status_fd, False)  # the program must not hold the status pipe
     try:
@@ -189,10 +196,10 @@ def main() -> None:
             try:
                 init_main(spec, code, status_fd)
             except BaseException as e:  # noqa: BLE001 - reported to the parent, which refuses to run the code
-                report(status_fd, error=f"{type(e).__name__}: {e}" if not isinstance(e, SetupError) else str(e))
+                report(status_fd, "error", str(e) if isinstance(e, SetupError) else f"{type(e).__name__}: {e}")
             os._exit(2)
     except SetupError as e:
-        report(status_fd, error=str(e))
+        report(status_fd, "error", str(e))
         os._exit(2)
     _, status = os.waitpid(pid, 0)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import json
+import marshal
 import os
 import re
 import selectors
@@ -217,9 +217,10 @@ def _spec(limits: SandboxLimits, mode: str, status_fd: int) -> dict:
            "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     return {"ns_flags": _namespace_flags(limits, mode), "root": _mountpoint(), "binds": binds, "symlinks": links,
-            "python": sys.executable, "env": env, "status_fd": status_fd, "uid_base": _UID_BASE,
-            "uid": _USERNS_UID, "gid": _USERNS_UID, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
-            "file_mb": limits.file_mb, "disk_mb": limits.disk_mb, "max_procs": limits.max_procs}
+            "python": sys.executable, "env": env, "status_fd": status_fd, "caller_pid": os.getpid(),
+            "uid_base": _UID_BASE, "uid": _USERNS_UID, "gid": _USERNS_UID, "cpu_s": limits.cpu_s,
+            "memory_mb": limits.memory_mb, "file_mb": limits.file_mb, "disk_mb": limits.disk_mb,
+            "max_procs": limits.max_procs}
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -275,11 +276,11 @@ def _collect(proc: subprocess.Popen, status_r: int, limits: SandboxLimits, deadl
     return run
 
 
-def _start(code: str, limits: SandboxLimits) -> tuple[subprocess.Popen, int]:
+def _start(source: bytes, limits: SandboxLimits) -> tuple[subprocess.Popen, int]:
     status_r, status_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _LAUNCHER, json.dumps(_spec(limits, _isolation_mode(), status_w))],
+            [sys.executable, "-I", "-S", _LAUNCHER, marshal.dumps(_spec(limits, _isolation_mode(), status_w)).hex()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
             start_new_session=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
     except BaseException:
@@ -288,7 +289,7 @@ def _start(code: str, limits: SandboxLimits) -> tuple[subprocess.Popen, int]:
     finally:
         os.close(status_w)
     try:  # the launcher reads all of stdin before anything else, so this cannot deadlock with the output
-        proc.stdin.write(code.encode("utf-8", errors="replace"))
+        proc.stdin.write(source)
         proc.stdin.close()
     except BrokenPipeError:
         pass  # the launcher died at once; its status says why
@@ -303,7 +304,12 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     limits = limits or SandboxLimits()
     limits.check()
     start = time.monotonic()
-    proc, status_r = _start(code, limits)
+    source = code.encode("utf-8", errors="replace")
+    if len(source) >= limits.disk_mb << 20:  # main.py lives in the program's /tmp
+        return SandboxResult(ok=False, exit_code=None, stdout="", stderr="", truncated=False, reason="disk_limit",
+                             wall_s=time.monotonic() - start, detail=f"the program's source ({len(source)} bytes) "
+                             f"does not fit in its /tmp ({limits.disk_mb} MiB); it was not run")
+    proc, status_r = _start(source, limits)
     try:
         run = _collect(proc, status_r, limits, start + limits.wall_s)
     finally:
@@ -325,14 +331,14 @@ def _refusal(error: str) -> VerlRuntimeError:
 
 
 def _result(run: _Run, limits: SandboxLimits, wall: float) -> SandboxResult:
-    lines = [json.loads(x) for x in run.status.decode(errors="replace").splitlines() if x.startswith("{")]
-    ends = [x for x in lines if "status" in x]
-    errors = [x["error"] for x in lines if "error" in x]
+    lines = [x.split("\t") for x in run.status.decode(errors="replace").splitlines()]
+    ends = [x for x in lines if x[0] == "end" and len(x) == 4]
+    errors = [x[1] for x in lines if x[0] == "error" and len(x) == 2]
     stdout, stderr = (b.decode("utf-8", errors="replace") for b in (run.out, run.err))
     if errors and not ends and run.stopped is None:
         raise _refusal(errors[0])
     end = ends[0] if ends else None
-    exit_code, cpu = (None, 0.0) if end is None else (os.waitstatus_to_exitcode(end["status"]), end["cpu_s"])
+    exit_code, cpu = (None, 0.0) if end is None else (os.waitstatus_to_exitcode(int(end[1])), float(end[2]))
     if run.stopped == "timeout":
         exit_code, reason, detail = None, "timeout", f"stopped after {limits.wall_s:g} s of wall-clock time"
     elif end is None and run.stopped == "output_limit":
