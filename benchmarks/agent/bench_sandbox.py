@@ -6,8 +6,8 @@ Measured in one run, interleaved so both sides see the same machine load:
   1. sequential latency of `run_python("pass")` against `subprocess.run([python, "-E", "-s", "-u", "-B", "-c",
      "pass"])` (the same interpreter with the same flags, no isolation): medians, and the sandbox's own overhead
      as their difference and ratio;
-  2. throughput of `concurrency` calls at once from threads (calls/s), against the same number of plain
-     interpreter starts from threads.
+  2. throughput of `concurrency` calls at once from threads (calls/s, median of 5 interleaved rounds), against
+     the same number of plain interpreter starts from threads.
 Writes benchmarks/results/bench_sandbox.json.
 """
 
@@ -53,15 +53,18 @@ def latency(repeats: int) -> dict:
             "overhead_median_ms": (med["sandbox"] - med["plain"]) * 1e3, "ratio_median": med["sandbox"] / med["plain"]}
 
 
-def throughput(concurrency: int, calls: int) -> dict:
-    rates = {}
+def throughput(concurrency: int, calls: int, rounds: int) -> dict:
+    rates: dict[str, list[float]] = {"sandbox": [], "plain": []}
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for name, fn in (("sandbox", sandboxed), ("plain", plain)):
-            t = time.perf_counter()
-            list(pool.map(lambda _: fn(), range(calls)))
-            rates[name] = calls / (time.perf_counter() - t)
-    return {"concurrency": concurrency, "calls": calls, "sandbox_calls_per_s": rates["sandbox"],
-            "plain_calls_per_s": rates["plain"], "ratio": rates["sandbox"] / rates["plain"]}
+        for _ in range(rounds):  # interleaved rounds: both sides see the same load on a shared machine
+            for name, fn in (("sandbox", sandboxed), ("plain", plain)):
+                t = time.perf_counter()
+                list(pool.map(lambda _: fn(), range(calls)))
+                rates[name].append(calls / (time.perf_counter() - t))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {"concurrency": concurrency, "calls_per_round": calls, "rounds": rounds,
+            "sandbox_calls_per_s": med["sandbox"], "plain_calls_per_s": med["plain"],
+            "ratio": med["sandbox"] / med["plain"]}
 
 
 def main() -> None:
@@ -73,7 +76,7 @@ def main() -> None:
     if not ok:
         raise SystemExit(f"bench_sandbox: {how}")
     sandboxed(), plain()  # warm the page cache and the sandbox's layout cache
-    rows = {"latency": latency(args.repeats), "throughput": throughput(args.concurrency, 4 * args.concurrency)}
+    rows = {"latency": latency(args.repeats), "throughput": throughput(args.concurrency, 2 * args.concurrency, 5)}
     meta = {"command": "python benchmarks/agent/bench_sandbox.py " + " ".join(sys.argv[1:]), "isolation": how,
             "cpus": os.cpu_count(), "load_average": os.getloadavg(), "python": platform.python_version(),
             "kernel": platform.release()}

@@ -23,7 +23,9 @@ from verl.agents import sandbox
 from verl.agents.sandbox import SandboxLimits, SandboxResult, run_python, run_python_async, sandbox_available
 from verl.errors import VerlConfigError, VerlRuntimeError
 
-SMALL = dict(wall_s=20.0, cpu_s=1.0, memory_mb=160, file_mb=1, disk_mb=4, max_procs=8, output_bytes=4096)
+# nice=0 (the test process's own priority) keeps the suite quick on a loaded machine; test_program_is_niced
+# checks the default's mechanism.
+SMALL = dict(wall_s=20.0, cpu_s=1.0, memory_mb=160, file_mb=1, disk_mb=4, max_procs=8, output_bytes=4096, nice=0)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -158,7 +160,7 @@ def test_sandbox_available_describes_isolation():
 # ---------------------------------------------------------------- hostile snippets
 
 def test_infinite_loop_cpu_limit(host):
-    r = run("while True:\n    pass", cpu_s=1.0)
+    r = run("while True:\n    pass", cpu_s=1.0, wall_s=120.0)  # a loaded machine: one CPU second, slowly
     assert (r.ok, r.reason, r.exit_code) == (False, "cpu_limit", -signal.SIGXCPU)
     assert r.observation() == "[cpu_limit: the program used more than 1 s of CPU time and was stopped]"
 
@@ -356,3 +358,9 @@ def test_refuses_when_the_root_cannot_be_built(monkeypatch):
     monkeypatch.setattr(sandbox, "_layout", lambda: ([["/nonexistent-verl-dir", "/x"]], {}))
     with pytest.raises(VerlRuntimeError, match=r"mount\('/nonexistent-verl-dir'.*No such file"):
         run("print('must not run')")
+
+
+def test_program_is_niced():
+    r = run("import os\nprint(os.getpriority(os.PRIO_PROCESS, 0), open('/proc/self/autogroup').read().split()[-1])",
+            nice=7)
+    assert r.stdout == f"{max(7, os.getpriority(os.PRIO_PROCESS, 0))} 7\n", r.observation()

@@ -135,6 +135,14 @@ def build_root(spec: dict, code: bytes) -> None:
 def exec_program(spec: dict) -> None:
     """In the forked program process: limits, privileges dropped, then exec. Never returns."""
     os.setsid()  # its own session: killpg(0) / kill(-pgid) reach only the program's processes
+    # A new session is a new scheduler autogroup, which would get as much CPU as the trainer's whole process:
+    # lower the group's weight along with the process's own niceness.
+    os.setpriority(os.PRIO_PROCESS, 0, max(spec["nice"], os.getpriority(os.PRIO_PROCESS, 0)))
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(spec["nice"]))
+    except OSError:
+        pass  # a kernel without CONFIG_SCHED_AUTOGROUP: the process niceness alone applies
     mb = 1024 * 1024
     cpu = max(1, int(spec["cpu_s"] + 0.999))
     # In user-namespace mode the launcher and the init share the program's uid, so they count against NPROC.

@@ -10,17 +10,19 @@ Each call runs ``python main.py`` (the trainer's own interpreter) in a fresh set
 - **Processes**: a new pid namespace whose init is killed by the kernel when the launcher dies, and which the
   init leaves as soon as the program exits: the kernel then kills everything left inside, so daemons, fork bombs
   and orphans never outlive the call. The wall-clock timeout kills the launcher's process group, which brings the
-  namespace down the same way. The program runs in its own session with RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE,
+  namespace down the same way, and so does the trainer's own death (the launcher has PDEATHSIG). The program
+  runs in its own session (and scheduler autogroup, niced to `nice`) with RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE,
   RLIMIT_NPROC and no core dumps.
 - **Identity**: as root, the program runs as a host uid/gid of its own (2,000,000,000 + the launcher's pid), no
   supplementary groups, no capabilities, no_new_privs. As another user, a user namespace maps the program's uid
   onto the caller's own uid (it can do nothing on the host the caller could not) and execve drops its
-  capabilities; no_new_privs as well.
+  capabilities; no_new_privs as well. RLIMIT_NPROC then counts per user namespace (Linux >= 5.14).
 - **Files**: a new root on a tmpfs: read-only, nosuid, nodev binds of /usr, /etc, /bin, /sbin, /lib* and the
   interpreter's prefixes (the venv and its base Python); a writable /tmp tmpfs of `disk_mb` (cwd, HOME, TMPDIR,
   holding main.py); a /proc of the new pid namespace; /dev/null, zero, full, random, urandom. The host's tree is
-  detached (pivot_root), so the checkout, ~/.cache, /work, /root and every other path are not there at all.
-  Nothing is written on the host: /tmp lives in memory and goes with the namespace.
+  detached (pivot_root): the checkout, /work, /home, /root, ~/.cache and every other path are not there at all,
+  except the interpreter's own directories (e.g. a venv in ~/.cache/verl: that one directory, read-only, none of
+  its siblings). Nothing is written on the host: /tmp lives in memory and goes with the namespace.
 - **Network**: a new network namespace with only a downed loopback (``network=True`` skips it and shares the
   host's network, abstract unix sockets included). SysV IPC and the hostname are private too.
 - **Environment**: scrubbed: PATH, HOME=TMPDIR=/tmp, a UTF-8 locale, single-threaded BLAS; nothing inherited.
@@ -87,6 +89,10 @@ class SandboxLimits:
     """Bytes of stdout + stderr kept; a program that writes more is stopped and its output marked truncated."""
     network: bool = False
     """False: a fresh network namespace with no interfaces up (no network at all). True: the host's network."""
+    nice: int = 10
+    """Scheduling niceness (0-19; never below the trainer's) of the program and of its scheduler autogroup, so
+    that many concurrent programs do not take CPU from the trainer (each sandbox is its own session, which Linux
+    otherwise weighs like the trainer's whole process)."""
 
     def check(self) -> None:
         check_finite(self)
@@ -95,6 +101,7 @@ class SandboxLimits:
         require(self.memory_mb >= 32, "memory_mb", self.memory_mb, "must be >= 32 (Python needs ~20 MiB to start)")
         for name in ("file_mb", "disk_mb", "max_procs", "output_bytes"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(0 <= self.nice <= 19, "nice", self.nice, "must be in [0, 19] (0: the trainer's priority)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,7 +227,7 @@ def _spec(limits: SandboxLimits, mode: str, status_fd: int) -> dict:
             "python": sys.executable, "env": env, "status_fd": status_fd, "caller_pid": os.getpid(),
             "uid_base": _UID_BASE, "uid": _USERNS_UID, "gid": _USERNS_UID, "cpu_s": limits.cpu_s,
             "memory_mb": limits.memory_mb, "file_mb": limits.file_mb, "disk_mb": limits.disk_mb,
-            "max_procs": limits.max_procs}
+            "max_procs": limits.max_procs, "nice": limits.nice}
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -290,9 +297,13 @@ def _start(source: bytes, limits: SandboxLimits) -> tuple[subprocess.Popen, int]
         os.close(status_w)
     try:  # the launcher reads all of stdin before anything else, so this cannot deadlock with the output
         proc.stdin.write(source)
-        proc.stdin.close()
     except BrokenPipeError:
         pass  # the launcher died at once; its status says why
+    finally:
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
     return proc, status_r
 
 
@@ -380,7 +391,7 @@ def _classify(exit_code: int, cpu: float, stderr: str, limits: SandboxLimits) ->
         return "killed", f"the program was killed by signal {name}"
     last = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
     values = {"memory_mb": limits.memory_mb, "file_mb": limits.file_mb, "disk_mb": limits.disk_mb,
-              "max_procs": limits.max_procs}
+              "max_procs": limits.max_procs, "nice": limits.nice}
     for pattern, reason, detail in _LIMIT_ERRORS:
         if pattern.search(last):
             return reason, detail.format(**values) + f" (exit code {exit_code})"
