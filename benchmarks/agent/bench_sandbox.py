@@ -2,10 +2,12 @@
 
     python benchmarks/agent/bench_sandbox.py            # ~30 s on a shared 2-core machine
 
-Measured in one run, interleaved so both sides see the same machine load:
+Measured in one run, interleaved so both sides see the same machine load, with the sandbox at the caller's
+priority (`--nice 0`, equal to the plain side; the default `SandboxLimits.nice=10` deliberately yields to other
+load, which on a shared machine measures the neighbours rather than the sandbox):
   1. sequential latency of `run_python("pass")` against `subprocess.run([python, "-E", "-s", "-u", "-B", "-c",
-     "pass"])` (the same interpreter with the same flags, no isolation): medians, and the sandbox's own overhead
-     as their difference and ratio;
+     "pass"])` (the same interpreter with the same flags in its own session, no isolation): medians, and the
+     sandbox's own overhead as their difference and ratio;
   2. throughput of `concurrency` calls at once from threads (calls/s, median of 5 interleaved rounds), against
      the same number of plain interpreter starts from threads.
 Writes benchmarks/results/bench_sandbox.json.
@@ -31,13 +33,17 @@ RESULTS = os.path.join(os.path.dirname(__file__), "..", "results")
 PLAIN = [sys.executable, "-E", "-s", "-u", "-B", "-c", "pass"]
 
 
+NICE = [0]
+
+
 def sandboxed() -> None:
-    result = run_python("pass", SandboxLimits(wall_s=60.0))
+    result = run_python("pass", SandboxLimits(wall_s=60.0, nice=NICE[0]))
     assert result.ok, result.observation()
 
 
 def plain() -> None:
-    subprocess.run(PLAIN, check=True, env={"PATH": "/usr/bin:/bin"})
+    # its own session, as the sandboxed program has: the same scheduler-autogroup treatment on both sides
+    subprocess.run(PLAIN, check=True, env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
 
 
 def latency(repeats: int) -> dict:
@@ -71,15 +77,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--nice", type=int, default=0, help="SandboxLimits.nice (0: the plain side's priority)")
     args = parser.parse_args()
+    NICE[0] = args.nice
     ok, how = sandbox_available()
     if not ok:
         raise SystemExit(f"bench_sandbox: {how}")
     sandboxed(), plain()  # warm the page cache and the sandbox's layout cache
     rows = {"latency": latency(args.repeats), "throughput": throughput(args.concurrency, 2 * args.concurrency, 5)}
-    meta = {"command": "python benchmarks/agent/bench_sandbox.py " + " ".join(sys.argv[1:]), "isolation": how,
-            "cpus": os.cpu_count(), "load_average": os.getloadavg(), "python": platform.python_version(),
-            "kernel": platform.release()}
+    meta = {"command": " ".join(["python benchmarks/agent/bench_sandbox.py", *sys.argv[1:]]), "isolation": how,
+            "nice": args.nice, "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+            "python": platform.python_version(), "kernel": platform.release()}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "bench_sandbox.json"), "w") as f:
         json.dump({"meta": meta, **rows}, f, indent=2)
