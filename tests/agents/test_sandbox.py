@@ -144,6 +144,18 @@ def test_concurrent_asyncio():
     assert [r.stdout for r in results] == [f"{i + 1}\n" for i in range(6)]
 
 
+def test_program_is_niced():
+    r = run("import os\nprint(os.getpriority(os.PRIO_PROCESS, 0), open('/proc/self/autogroup').read().split()[-1])",
+            nice=7)
+    assert r.stdout == f"{max(7, os.getpriority(os.PRIO_PROCESS, 0))} 7\n", r.observation()
+
+
+def test_oversized_program_is_not_run():
+    r = run("x = 1\n" + "#" * (5 << 20), disk_mb=4)
+    assert (r.ok, r.reason, r.exit_code) == (False, "disk_limit", None)
+    assert "does not fit in its /tmp (4 MiB); it was not run" in r.observation()
+
+
 def test_limits_are_checked():
     with pytest.raises(VerlConfigError, match="wall_s"):
         run_python("pass", SandboxLimits(wall_s=0))
@@ -360,7 +372,8 @@ def test_refuses_when_the_root_cannot_be_built(monkeypatch):
         run("print('must not run')")
 
 
-def test_program_is_niced():
-    r = run("import os\nprint(os.getpriority(os.PRIO_PROCESS, 0), open('/proc/self/autogroup').read().split()[-1])",
-            nice=7)
-    assert r.stdout == f"{max(7, os.getpriority(os.PRIO_PROCESS, 0))} 7\n", r.observation()
+def test_refuses_when_the_interpreter_cannot_start(monkeypatch):
+    spec = sandbox._spec
+    monkeypatch.setattr(sandbox, "_spec", lambda *a: {**spec(*a), "python": "/nonexistent/python3"})
+    with pytest.raises(VerlRuntimeError, match="starting the program failed: FileNotFoundError"):
+        run("print('must not run')")

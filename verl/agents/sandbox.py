@@ -346,7 +346,7 @@ def _result(run: _Run, limits: SandboxLimits, wall: float) -> SandboxResult:
     ends = [x for x in lines if x[0] == "end" and len(x) == 4]
     errors = [x[1] for x in lines if x[0] == "error" and len(x) == 2]
     stdout, stderr = (b.decode("utf-8", errors="replace") for b in (run.out, run.err))
-    if errors and not ends and run.stopped is None:
+    if errors and run.stopped is None:  # the isolation or the interpreter's exec failed: the code never ran
         raise _refusal(errors[0])
     end = ends[0] if ends else None
     exit_code, cpu = (None, 0.0) if end is None else (os.waitstatus_to_exitcode(int(end[1])), float(end[2]))
