@@ -22,7 +22,8 @@ Each call runs ``python main.py`` (the trainer's own interpreter) in a fresh set
   holding main.py); a /proc of the new pid namespace; /dev/null, zero, full, random, urandom. The host's tree is
   detached (pivot_root): the checkout, /work, /home, /root, ~/.cache and every other path are not there at all,
   except the interpreter's own directories (e.g. a venv in ~/.cache/verl: that one directory, read-only, none of
-  its siblings). Nothing is written on the host: /tmp lives in memory and goes with the namespace.
+  its siblings). Nothing is written on the host: /tmp lives in memory and goes with the namespace (the host
+  holds one empty directory, $TMPDIR/verl-sandbox-<uid>, that every sandbox mounts its private root on).
 - **Network**: a new network namespace with only a downed loopback (``network=True`` skips it and shares the
   host's network, abstract unix sockets included). SysV IPC and the hostname are private too.
 - **Environment**: scrubbed: PATH, HOME=TMPDIR=/tmp, a UTF-8 locale, single-threaded BLAS; nothing inherited.
@@ -38,13 +39,13 @@ raises `VerlRuntimeError` naming why: the code never runs without its isolation.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import marshal
 import os
 import re
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -168,29 +169,27 @@ def _namespace_flags(limits: SandboxLimits, mode: str) -> int:
 
 
 _state_lock = threading.Lock()
-_root_dir: tuple[int, str] | None = None  # (pid, path): a fork gets its own
+_root_dir: str | None = None
 _layout_cache: tuple[list[list[str]], dict[str, str]] | None = None
 _available: dict[tuple, str] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _mountpoint() -> str:
-    """An empty host directory every sandbox of this process mounts its private root tmpfs on (each in its own
-    mount namespace, so they never see each other's); removed at exit."""
+    """An empty host directory, one per user and kept, that every sandbox mounts its private root tmpfs on (each
+    in its own mount namespace, so the host never sees anything in it and nothing needs cleaning up)."""
     global _root_dir
-    with _state_lock:
-        if _root_dir is None or _root_dir[0] != os.getpid():
-            _root_dir = (os.getpid(), tempfile.mkdtemp(prefix="verl-sandbox-root-"))
-            atexit.register(_remove_mountpoint, *_root_dir)
-        return _root_dir[1]
-
-
-def _remove_mountpoint(pid: int, path: str) -> None:
-    if os.getpid() == pid:
+    if _root_dir is None:
+        path = os.path.join(tempfile.gettempdir(), f"verl-sandbox-{os.geteuid()}")
         try:
-            os.rmdir(path)
-        except OSError:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
             pass
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():  # someone else's: use a private one
+            path = tempfile.mkdtemp(prefix="verl-sandbox-")
+        _root_dir = path
+    return _root_dir
 
 
 def _layout() -> tuple[list[list[str]], dict[str, str]]:
