@@ -11,7 +11,7 @@ from verl.agents.chat import Segment
 from verl.errors import VerlConfigError
 from verl.rollout import Tokenizer
 from verl.testing.chat_templates import chat_tokenizer
-from verl.testing.tiny import tiny_tokenizer
+from verl.models.tiny import tiny_tokenizer
 from verl.testing.tito_corpus import run_corpus
 
 

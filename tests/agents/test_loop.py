@@ -15,7 +15,7 @@ from verl.agents.loop import AgentLoop, _Episodes
 from verl.config.ppo import AgentConfig
 from verl.errors import VerlRuntimeError
 from verl.rollout import RolloutConfig, SamplingParams, build_rollout
-from verl.testing.tiny import tiny_model, tiny_tokenizer
+from verl.models.tiny import tiny_model, tiny_tokenizer
 from verl.workers.batch import batch_from_outputs
 
 ROWS = [{"prompt": p, "answer": "0"} for p in ("alpha", "beta", "gamma")]

@@ -94,6 +94,8 @@ class AgentLoop:
     """Runs `cfg.env` episodes through an engine (module docstring). `response_length`: rollout.max_new_tokens,
     the room after the prompt for every turn and observation."""
 
+    episodes: type = None  # type: ignore[assignment]  # set below: the TurnSource class (a benchmark swaps it)
+
     def __init__(self, cfg, tokenizer: Tokenizer, *, response_length: int):
         self.cfg, self.tok, self.response_length = cfg, Tokenizer.wrap(tokenizer), response_length
         self.env_cls = get_env(cfg.env)
@@ -145,7 +147,7 @@ class AgentLoop:
                                         env=env, messages=messages, prompt_ids=self.chat.prompt_ids(messages),
                                         versions=[] if engine.pause_hook is not None else None))
         t0 = time.perf_counter()
-        episodes = _Episodes(self, trajs, engine)
+        episodes = self.episodes(self, trajs, engine)
         engine.serve(episodes, params)
         episodes.raise_error()
         metrics = self._metrics(trajs, time.perf_counter() - t0)
@@ -393,3 +395,6 @@ def _demo_ids(chat: ChatFormat, conv: list[dict]) -> tuple[list[int], list[int]]
             mask += [0] * len(obs)
         k = j
     return ids, mask
+
+
+AgentLoop.episodes = _Episodes

@@ -135,7 +135,7 @@ def _llama3_vocab() -> PreTrainedTokenizerFast:
     """A byte-level BPE (any text encodes, nothing is <unk>) trained in memory with Llama 3's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from verl.testing.tiny import SAMPLE_TEXT
+    from verl.models.tiny import SAMPLE_TEXT
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
