@@ -175,8 +175,9 @@ def test_multi_turn_batches_train_padding_free_like_padded(tok):
     outs, _ = loop.rollout(eng, ROWS, PARAMS)
     loop.close()
     batch = batch_from_outputs(outs, ROWS, 2, 64, tok.pad_token_id)
-    worker = lambda free: ActorWorker(TorchEngine(eng.model, None, Placement()), ActorConfig(padding_free=free),  # noqa: E731
-                                      temperature=1.0, responses_per_mini=6, max_response_length=64)
+    def worker(free):
+        return ActorWorker(TorchEngine(eng.model, None, Placement()), ActorConfig(padding_free=free),
+                           temperature=1.0, responses_per_mini=6, max_response_length=64)
     packed, _ = worker(True).compute_log_probs(batch)
     padded, _ = worker(False).compute_log_probs(batch)
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)

@@ -101,7 +101,7 @@ class AgentLoop:
         self.env_cls = get_env(cfg.env)
         self.tools = {}
         for name in cfg.tools:
-            tool = get_tool(name, **dict(cfg.tool_settings.get(name, {})))
+            tool = get_tool(name, **_settings(cfg, name))
             self.tools[tool.name] = tool
         unknown = sorted(set(cfg.tool_settings) - set(cfg.tools))
         if unknown:
@@ -278,6 +278,21 @@ class AgentLoop:
                 print(f"[verl] agent: trajectory {t.key} (prompt {t.prompt_index}, sample {t.sample_index}) differs "
                       f"from the chat template's rendering of its conversation; trained as sampled. "
                       f"{t.check.detail}", file=sys.stderr, flush=True)
+
+
+def _settings(cfg, name: str) -> dict:
+    """A tool's constructor settings: agent.tool_settings.<name>, and agent.sandbox as `limits` for a sandboxed tool
+    (whose sandbox must be able to start here: checked now, before any step)."""
+    from verl.agents.tools import TOOLS
+    settings = dict(cfg.tool_settings.get(name, {}))
+    obj = TOOLS.get(name)
+    if getattr(obj, "sandboxed", False) and "limits" not in settings:
+        from verl.agents.sandbox import sandbox_available
+        ok, why = sandbox_available(cfg.sandbox)
+        if not ok:
+            raise VerlConfigError(f"agent.tools has {name!r}, whose sandbox cannot start here: {why}")
+        settings["limits"] = cfg.sandbox
+    return settings
 
 
 def _own(messages):

@@ -329,3 +329,27 @@ class Sleep(Tool):
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         return ToolResult(text=str(arguments["text"]))
+
+
+@register_tool("python")
+class PythonTool(Tool):
+    """Runs Python code in the sandbox of `verl.agents.sandbox` (its own namespaces, no network, a fresh /tmp,
+    CPU / memory / file / process limits, a wall-clock kill, output cut at a size); the model reads its output, or
+    a one-line reason (timeout, memory limit, ...). Limits: agent.sandbox."""
+
+    name = "python"
+    description = "Runs a Python program and returns what it prints (print the values you need)."
+    parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "a Python program"}},
+                  "required": ["code"]}
+    sandboxed = True
+    """The loop gives it agent.sandbox as `limits` and checks up front that the sandbox can start here."""
+
+    def __init__(self, limits=None):
+        from verl.agents.sandbox import SandboxLimits
+        self.limits = limits if limits is not None else SandboxLimits()
+
+    async def call(self, arguments: dict) -> ToolResult:
+        from verl.agents.sandbox import run_python_async
+        result = await run_python_async(arguments["code"], self.limits)
+        return ToolResult(text=result.observation(), ok=result.ok,
+                          metrics={"sandbox_s": result.wall_s, "truncated": float(result.truncated)})

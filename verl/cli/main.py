@@ -2,7 +2,8 @@
 
     verl doctor                      # check torch / CUDA / nvcc / verl._C / megatron-core / engines
     verl train CONFIG [k=v ...]      # PPO / GRPO from a YAML config plus dotted overrides
-    verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e, scaling, async, agent, tito)
+    verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e, scaling,
+                                     # async, agent, tito)
     verl algos [--json]              # the registered policy losses, advantage estimators, KL penalties
 """
 

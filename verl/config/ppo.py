@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from verl.agents.sandbox import SandboxLimits
 from verl.config.base import ConfigValueError, check_finite, from_dict, require
 from verl.distributed.roles import Role, resolve_roles
 from verl.engines import ROLE_KIND, engine_spec, engines, rollout_engine, training_engine
@@ -619,6 +620,9 @@ class AgentConfig:
     log_mismatches: int = 3
     """Trajectories per step whose append-only check failed that are explained on stderr (all are counted in
     rollout/tito_mismatch)."""
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)
+    """Limits of every run of the python tool (verl.agents.sandbox: CPU, memory, file, process and output limits,
+    wall-clock timeout, no network)."""
 
     @property
     def enabled(self) -> bool:
@@ -636,11 +640,12 @@ class AgentConfig:
         if self.env is None:
             require(not self.tools, "tools", self.tools, "needs agent.env (the environment that offers them)")
             return
-        from verl.agents import get_env, get_format, get_tool
+        from verl.agents import get_env, get_format
+        from verl.agents.tools import TOOLS
         get_env(self.env)
         get_format(self.format)
         for name in self.tools:
-            get_tool(name, **dict(self.tool_settings.get(name, {})))
+            TOOLS.get(name)  # unknown names fail here; settings when the loop builds the tools
 
 
 @dataclass(kw_only=True, slots=True)

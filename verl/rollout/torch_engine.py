@@ -184,7 +184,8 @@ class TorchRollout(RolloutEngine):
         return ids
 
     def _generate_batch(self, batch, prompt_ids, params: SamplingParams, width: int | None,
-                        seeds: list[int | None] | None = None, limits: list[int] | None = None) -> list[GenerationOutput]:
+                        seeds: list[int | None] | None = None,
+                        limits: list[int] | None = None) -> list[GenerationOutput]:
         """`seeds` / `limits`: per-row seeds and token limits (multi-turn waves) instead of the call's."""
         prompts = [prompt_ids[i] for i, _ in batch]
         if seeds is None:

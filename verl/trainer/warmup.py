@@ -16,7 +16,8 @@ from verl.workers.engine import TorchEngine
 
 
 def sft_batch(tokenizer: Tokenizer, rows: list[dict], device,
-              examples: list[tuple[list[int], list[int]]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              examples: list[tuple[list[int], list[int]]] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt (encoded exactly as the rollout encodes it) + answer + EOS; labels -100 except on
     the answer and EOS. `examples` ((ids, loss mask) pairs: agent demonstrations) replace the rows."""
     seqs, labels = [], []
