@@ -1,0 +1,117 @@
+"""`verl train` with agent.env: the agent_arithmetic example, CI-sized, trains on batches whose trained tokens are
+exactly the sampled ones; the same job under torchrun with the rollout on its own rank in async mode; the config
+errors of the agent section."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl.agents.loop import _Episodes
+from verl.config import PPOConfig, load_config
+from verl.distributed import Placement
+from verl.errors import VerlConfigError
+from verl.trainer.ppo_trainer import PPOTrainer
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "agent_arithmetic.yaml"
+CI_SIZED = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+            "model.tiny.intermediate_size=64", "data.num_examples=64", "data.train_batch_size=4", "rollout.n=4",
+            "actor.mini_batch_size=4", "actor.micro_batch_size=8", "warmup.steps=30", "warmup.batch_size=8",
+            "agent.env_settings.demo_tool_rate=0.5", "trainer.total_steps=2", "trainer.progress_bar=false",
+            "trainer.tensorboard=false", "trainer.export_hf=false", "trainer.save_final=false", "trainer.device=cpu"]
+AGENT_METRICS = ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_use_rate",
+                 "rollout/observation_tokens_frac", "rollout/tito_mismatch", "rollout/truncated_frac",
+                 "perf/tito_check_ms_per_turn")
+
+
+def test_agent_arithmetic_trains_exactly_the_sampled_tokens(tmp_path, monkeypatch):
+    seen: dict[int, list[int]] = {}
+    finish = _Episodes.finish
+
+    def record(self, request, output):
+        seen.setdefault(request.key, []).extend(output.token_ids)
+        return finish(self, request, output)
+    monkeypatch.setattr(_Episodes, "finish", record)
+    cfg = load_config(PPOConfig, EXAMPLE, [*CI_SIZED, f"trainer.output_dir={tmp_path}"])
+    trainer = PPOTrainer(cfg, Placement())
+    trainer.setup()
+    for step in range(2):
+        seen.clear()
+        out = trainer._run_flow(None)
+        batch = out["batch"]
+        assert len(batch) == len(seen) == 16
+        P = batch.prompt_length
+        for b in range(len(batch)):  # row b is trajectory b (prompt-major, one rank)
+            trained = batch.input_ids[b, P:][batch.response_mask[b] > 0].tolist()
+            assert trained == seen[b]
+            context = batch.attention_mask[b, P:].sum() - batch.response_mask[b].sum()
+            assert context >= 0  # observations stay in attention, out of the loss
+        metrics = trainer._metrics(out, 1.0)
+        trainer.step += 1
+        for key in AGENT_METRICS:
+            assert key in metrics and metrics[key] == metrics[key], key
+        assert "actor/pg_loss" in metrics
+    trainer.close()
+
+
+def test_agent_job_via_the_command_line_logs_the_agent_metrics_and_curves(tmp_path):
+    from verl.trainer.main_ppo import main
+    assert main([str(EXAMPLE), *CI_SIZED, "trainer.plot=true", f"trainer.output_dir={tmp_path}"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(k in r for r in steps for k in AGENT_METRICS)
+    assert (tmp_path / "curves.png").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_agent_job_under_torchrun_async_with_the_rollout_on_its_own_rank(tmp_path):
+    """Split placement, trainer.mode=async: rank 1 runs the episodes (its tools on its own thread) and streams the
+    batches to rank 0, which trains; every sample carries the weight version that generated it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node=2", "-m", "verl.trainer.main_ppo", str(EXAMPLE), *CI_SIZED,
+           "trainer.total_steps=3", "trainer.placement=split", "actor.ranks=[0]", "rollout.ranks=[1]",
+           "reward.ranks=[0]", "trainer.mode=async", "algorithm.max_staleness=1", "trainer.threads=1",
+           f"trainer.output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert all(k in r for k in AGENT_METRICS) and 0 <= r["rollout/staleness_max"] <= 1
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["agent.max_turns=0"], r"agent.max_turns.*must be >= 1"),
+    (["agent.env=arithmetic_tool"], r"unknown environment agent.env='arithmetic_tool' \(did you mean "
+                                    r"'arithmetic_tools'\?\)"),
+    (["agent.tools=[calculater]"], r"unknown tool agent.tools='calculater' \(did you mean 'calculator'\?\)"),
+    (["agent.format=hermez"], r"unknown tool-call format agent.format='hermez' \(did you mean 'hermes'\?\)"),
+    (["rollout.decoder=train"], r"agent.env with rollout.decoder=train"),
+    (["agent.env=null"], r"agent.tools.*needs agent.env"),
+    (["agent.tool_timeout_s=0"], r"agent.tool_timeout_s.*must be > 0"),
+])
+def test_agent_config_errors_name_the_key(overrides, match):
+    with pytest.raises(VerlConfigError, match=match):
+        load_config(PPOConfig, EXAMPLE, overrides)
+
+
+def test_unknown_tool_settings_and_env_settings_fail_before_any_step(tmp_path):
+    from verl.agents.loop import AgentLoop
+    from verl.models.tiny import tiny_tokenizer
+    tok = tiny_tokenizer(chat="chatml")
+    cfg = load_config(PPOConfig, EXAMPLE, ["agent.tool_settings.sleep.latency_s=1"]).agent
+    with pytest.raises(VerlConfigError, match=r"agent.tool_settings has settings for \['sleep'\]"):
+        AgentLoop(cfg, tok, response_length=32)
+    cfg = load_config(PPOConfig, EXAMPLE, ["agent.env_settings.demo_tool_rat=0.5"]).agent
+    with pytest.raises(TypeError, match="demo_tool_rat"):
+        AgentLoop(cfg, tok, response_length=32)
