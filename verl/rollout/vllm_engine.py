@@ -260,7 +260,8 @@ class VLLMRollout(RolloutEngine):
         if engine.has_unfinished_requests():
             raise VerlRuntimeError("vLLM holds unfinished requests that verl did not submit; the engine is shared "
                                    "with other code, which it must not be")
-        pending: dict[str, TurnRequest] = {}
+        pending: dict[str, TurnRequest] = {}  # by vLLM's internal request id (what abort takes)
+        external: dict[str, str] = {}  # the id outputs carry (internal = external + "-" + 8 random characters)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and not self.on_cpu else []
         try:
             with self._engine_errors("serve"), torch.random.fork_rng(devices=devices):
@@ -268,14 +269,16 @@ class VLLMRollout(RolloutEngine):
                     ready = source.take(block=not pending, limit=self.config.max_batch_size - len(pending))
                     if ready:
                         self._check_contexts(ready)
-                        pending.update(self._add_turns(ready, params))
+                        added = self._add_turns(ready, params)
+                        pending.update(added)
+                        external.update((rid.rsplit("-", 1)[0], rid) for rid in added)
                     if not pending:
                         if source.done():
                             return
                         continue
                     for out in engine.step():
-                        if out.finished:
-                            r = pending.pop(out.request_id)
+                        if out.finished:  # outputs carry the external id; enqueue returned the internal ones
+                            r = pending.pop(external.pop(out.request_id))
                             source.finish(r, self._turn_output(r, out, params))
         except BaseException:
             if pending:
