@@ -115,3 +115,24 @@ def test_unknown_tool_settings_and_env_settings_fail_before_any_step(tmp_path):
     cfg = load_config(PPOConfig, EXAMPLE, ["agent.env_settings.demo_tool_rat=0.5"]).agent
     with pytest.raises(TypeError, match="demo_tool_rat"):
         AgentLoop(cfg, tok, response_length=32)
+
+
+def test_the_environment_reward_is_a_reward_source():
+    import dataclasses
+
+    from verl.config.ppo import RewardConfig, RewardSourceConfig
+    from verl.workers.batch import RolloutBatch
+    from verl.workers.reward import build_reward
+    import torch
+    ids = torch.ones(2, 4, dtype=torch.long)
+    batch = RolloutBatch(input_ids=ids, attention_mask=ids, position_ids=ids, response_mask=torch.ones(2, 2),
+                         group=torch.tensor([0, 0]), env_rewards=torch.tensor([0.5, -1.0]), prompts=["a", "b"],
+                         answers=["1", "2"], response_texts=["1", "3"])
+    rewards = build_reward(RewardConfig(sources=[RewardSourceConfig(type="env", weight=2.0),
+                                                 RewardSourceConfig(type="rule", name="arithmetic")]), "cpu")
+    scores, metrics = rewards.score_with_metrics(batch)
+    assert scores.tolist() == [2.0, -2.0] and metrics["reward/env/mean"] == -0.25
+    with pytest.raises(Exception, match="set agent.env"):
+        build_reward(RewardConfig(type="env"), "cpu").score(dataclasses.replace(batch, env_rewards=None))
+    with pytest.raises(VerlConfigError, match="type env .* agent.env is not set"):
+        load_config(PPOConfig, None, ["reward.type=env"])

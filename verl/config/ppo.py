@@ -465,10 +465,12 @@ class AlgorithmConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RewardSourceConfig:
-    """One reward source of an ensemble: a rule function or a reward model, with its weight."""
+    """One reward source of an ensemble: a rule function, a reward model or the agent environment's own reward, with
+    its weight."""
 
-    type: Literal["rule", "model"] = "rule"
-    """Rule-based function from the reward registry, or a model-based reward model."""
+    type: Literal["rule", "model", "env"] = "rule"
+    """Rule-based function from the reward registry, a model-based reward model, or env: the reward each
+    multi-turn trajectory's environment gave (agent.env; the sum of its steps' rewards)."""
     name: str | None = None
     """Registered rule-based reward, or an importable 'module:function' (type=rule only)."""
     label: str | None = None
@@ -490,17 +492,23 @@ class RewardSourceConfig:
 
     @property
     def display_name(self) -> str:
-        return self.label or (self.name if self.type == "rule" else "model")
+        return self.label or (self.name if self.type == "rule" else self.type)
 
     def validate(self, key: str) -> None:
         """Checks that need no registry or file system; `key` is this source's dotted key in messages."""
-        if self.type not in ("rule", "model"):
+        if self.type not in ("rule", "model", "env"):
             raise VerlConfigError(f"{key}.type={self.type!r} is not a reward source type; use 'rule' (a registered "
-                                  f"function) or 'model' (a reward model directory)")
+                                  f"function), 'model' (a reward model directory) or 'env' (the agent environment's "
+                                  f"reward)")
         if not math.isfinite(self.weight):
             raise VerlConfigError(f"{key}.weight={self.weight} must be a finite number (the source's factor in "
                                   f"the weighted sum)")
-        if self.type == "rule":
+        if self.type == "env":
+            for extra in ("name", "model_path", "tokenizer_path"):
+                if getattr(self, extra) is not None:
+                    raise VerlConfigError(f"{key}.{extra} is not read by type=env (the environment's own reward); "
+                                          f"remove it")
+        elif self.type == "rule":
             if not self.name:
                 raise VerlConfigError(f"{key}.name is missing: a rule source names its reward function "
                                       f"(e.g. name: arithmetic, or my_pkg.rewards:fn)")
@@ -523,8 +531,9 @@ class RewardConfig:
     (`sources`). The score of a response is sum_i weight_i * s_i, with s_i source i's score (z-scored over the
     batch when the source sets `normalize`)."""
 
-    type: Literal["rule", "model"] = "rule"
-    """One-source shorthand: a rule-based function from the reward registry, or a model-based reward model."""
+    type: Literal["rule", "model", "env"] = "rule"
+    """One-source shorthand: a rule-based function from the reward registry, a model-based reward model, or env (the
+    agent environment's own reward)."""
     name: str = "arithmetic"
     """One-source shorthand: registered rule-based reward (see verl.rewards.list_rewards())."""
     model_path: str | None = None
@@ -544,6 +553,8 @@ class RewardConfig:
             return list(self.sources)
         if self.type == "model":
             return [RewardSourceConfig(type="model", model_path=self.model_path)]
+        if self.type == "env":
+            return [RewardSourceConfig(type="env")]
         return [RewardSourceConfig(type=self.type, name=self.name)]
 
     @property
@@ -874,6 +885,9 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
                                   f"{self.rollout.engine} / {self.actor.engine})")
+        if not self.agent.enabled and any(s.type == "env" for s in self.reward.resolved_sources()):
+            raise VerlConfigError("a reward source of type env scores with the agent environment's own reward, and "
+                                  "agent.env is not set; set agent.env, or use a rule or model source")
         if self.agent.enabled and self.rollout.decoder == "train":
             raise VerlConfigError("agent.env with rollout.decoder=train: the train decoder samples in the training "
                                   "batch's padded layout, which a multi-turn trajectory's observations do not have; "
