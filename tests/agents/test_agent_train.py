@@ -62,12 +62,19 @@ def test_agent_arithmetic_trains_exactly_the_sampled_tokens(tmp_path, monkeypatc
 
 def test_agent_job_via_the_command_line_logs_the_agent_metrics_and_curves(tmp_path):
     from verl.trainer.main_ppo import main
-    assert main([str(EXAMPLE), *CI_SIZED, "trainer.plot=true", f"trainer.output_dir={tmp_path}"]) == 0
+    assert main([str(EXAMPLE), *CI_SIZED, "trainer.plot=true", "trainer.trace_step=2",
+                 f"trainer.output_dir={tmp_path}"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(k in r for r in steps for k in AGENT_METRICS)
     assert (tmp_path / "curves.png").is_file()
+    # the traced step's timeline holds the dataflow's nodes and every trajectory's turns and environment steps
+    events = json.loads((tmp_path / "trace_step_2.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("cat") == "agent"}
+    assert "generate" in names and names - {"generate"}
+    assert any(e.get("cat") == "node" and e["name"] == "generate" for e in events)
+    assert not list(tmp_path.glob("trace_step_2_agent_*.json"))
 
 
 @pytest.mark.slow

@@ -113,6 +113,9 @@ class AgentLoop:
         self.env_cls(**dict(cfg.env_settings))  # bad settings fail here, before any step
         self._runtime: _Runtime | None = None
         self._warned_rewrite = False
+        self.record_spans = False
+        """Record the next rollouts' timeline in `spans` (trainer.trace_step)."""
+        self.spans: list[dict] = []
 
     def new_env(self) -> Environment:
         env = self.env_cls(**dict(self.cfg.env_settings))
@@ -124,6 +127,20 @@ class AgentLoop:
     def prompt_ids(self, row: dict) -> list[int]:
         """The opening ids of an episode on `row` (what data.max_prompt_length is checked against)."""
         return self.chat.prompt_ids(_own(self.new_env().reset(row)))
+
+    def trace_events(self, pid: int) -> list[dict]:
+        """The recorded spans as Chrome trace events on process `pid`: one track per trajectory, its turns
+        ("generate", from the engine taking it to the engine handing it back) and environment steps ("tools" /
+        "env step", while its tool calls run), so that one trajectory's tools show beside the others' turns."""
+        events = []
+        for key in sorted({s["key"] for s in self.spans}):
+            events.append({"name": "thread_name", "cat": "agent", "ph": "M", "ts": 0, "pid": pid, "tid": 100 + key,
+                           "args": {"name": f"trajectory {key}"}})
+        for s in self.spans:
+            events.append({"name": s["name"], "cat": "agent", "ph": "X", "ts": s["start"] * 1e6,
+                           "dur": (s["end"] - s["start"]) * 1e6, "pid": pid, "tid": 100 + s["key"],
+                           "args": {"turn": s["turn"], **s.get("args", {})}})
+        return events
 
     def close(self) -> None:
         if self._runtime is not None:
@@ -316,6 +333,7 @@ class _Episodes:
         self.ready: deque[int] = deque(t.key for t in trajs)
         self.pending = len(trajs)  # trajectories not finished and checked
         self.error: BaseException | None = None
+        self.taken: dict[int, float] = {}  # when the engine took each trajectory's current turn (record_spans)
 
     def take(self, block: bool, limit: int | None = None) -> list[TurnRequest]:
         deadline = time.monotonic() + self.loop.cfg.step_timeout_s + 60
@@ -328,6 +346,9 @@ class _Episodes:
             self.raise_error()
             count = len(self.ready) if limit is None else min(limit, len(self.ready))
             keys = [self.ready.popleft() for _ in range(count)]
+        if self.loop.record_spans:
+            now = time.time()
+            self.taken.update((k, now) for k in keys)
         return [self._request(self.trajs[k]) for k in keys]
 
     def _request(self, t: Trajectory) -> TurnRequest:
@@ -335,11 +356,21 @@ class _Episodes:
                            seed=t.seed, turn=t.turns)
 
     def finish(self, request: TurnRequest, output: GenerationOutput) -> None:
+        if self.loop.record_spans:
+            self.loop.spans.append({"name": "generate", "key": request.key, "turn": request.turn,
+                                    "start": self.taken.pop(request.key, time.time()), "end": time.time(),
+                                    "args": {"tokens": len(output.token_ids)}})
         future = self.loop._runtime.submit(self._advance(self.trajs[request.key], output))
         future.add_done_callback(self._failed)
 
     async def _advance(self, traj: Trajectory, out: GenerationOutput) -> None:
+        start, calls = time.time(), len(traj.tool_calls)
         await self.loop.advance(traj, out)
+        if self.loop.record_spans:
+            names = [c.name for c in traj.tool_calls[calls:]]
+            self.loop.spans.append({"name": "tools: " + ", ".join(names) if names else "env step", "key": traj.key,
+                                    "turn": traj.turns - 1, "start": start, "end": time.time(),
+                                    "args": {"done": traj.done}})
         if traj.done:
             self.loop.run_check(traj)
         with self.cond:

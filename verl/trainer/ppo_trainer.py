@@ -14,7 +14,7 @@ from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
 from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_prompt_dataset, make_task, prompt_text,
                        task_corpus)
-from verl.dataflow.trace import merge_traces
+from verl.dataflow.trace import merge_traces, write_trace
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import Tokenizer, build_rollout
@@ -338,7 +338,17 @@ class PPOTrainer:
                   "gen_stats": gen_stats, "rollout": self.rollout, "reward_fn": self.reward_fn,
                   "actor": self.actor, "ref": self.ref, "critic": self.critic, "kl_ctrl": self.kl_ctrl,
                   "algo_cfg": self.cfg.algorithm}
-        return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
+        agent = getattr(self.rollout, "agent", None) if trace is not None else None
+        if agent is not None:
+            agent.record_spans, agent.spans = True, []
+        try:
+            return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
+        finally:
+            if agent is not None:
+                agent.record_spans = False
+                rank = self.placement.global_rank
+                write_trace(str(self.out_dir / f"trace_step_{self.cfg.trainer.trace_step}_agent_{rank}.json"),
+                            [agent.trace_events(rank)], {"agent": "tool calls and turns"}, ranks=[rank])
 
     def _produce(self) -> None:
         """async, on the rollout's ranks: generate every remaining batch into the flow's queue, each with the
@@ -480,11 +490,14 @@ class PPOTrainer:
             plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
         barrier(self.placement)
         step = self.cfg.trainer.trace_step
-        rollout_trace = out_dir / f"trace_step_{step}_rollout.json"
-        if self.placement.is_main and step and rollout_trace.is_file():  # async: one timeline of both stages
+        # async: the rollout stage's trace; agent jobs: each rollout rank's turns and tool calls. One timeline.
+        extra = [out_dir / f"trace_step_{step}_rollout.json"] + sorted(out_dir.glob(f"trace_step_{step}_agent_*.json"))
+        extra = [p for p in extra if p.is_file()]
+        if self.placement.is_main and step and extra:
             trace = out_dir / f"trace_step_{step}.json"
-            merge_traces([str(trace), str(rollout_trace)] if trace.is_file() else [str(rollout_trace)], str(trace))
-            rollout_trace.unlink()
+            merge_traces([str(p) for p in ([trace] if trace.is_file() else []) + extra], str(trace))
+            for p in extra:
+                p.unlink()
 
 
 def role_placements(placement: Placement, roles: dict) -> dict[str, Placement | None]:
