@@ -197,8 +197,8 @@ class LlamaFamilyDecoder:
         if not self.layers:
             raise ValueError("LlamaFamilyDecoder.step() before start(): call start(batch, max_len) first")
         if t1 > self.layers[0]["k"].shape[2]:
-            raise ValueError(f"decoding position {t1} exceeds the cache's {self.layers[0]['k'].shape[2]} columns "
-                             f"(max_len given to start(), or length + reserve given to join())")
+            raise ValueError(f"decoding position {t1} exceeds the cache's max_len {self.layers[0]['k'].shape[2]} "
+                             f"(given to start(), or length + reserve given to join())")
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, t0:t1]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, S, d]
         keys = mask[:, None, None, :t1].bool()  # [B, 1, 1, L]
