@@ -237,7 +237,14 @@ class ChatFormat:
         return self._explain(actual, expected, segments)
 
     def _explain(self, actual: list[int], expected: list[int], segments: list[Segment]) -> Check:
-        ops = difflib.SequenceMatcher(None, actual, expected, autojunk=False).get_opcodes()
+        # the common head and tail are cut off first: difflib is quadratic, the differences are usually local
+        head = next((k for k, (a, e) in enumerate(zip(actual, expected)) if a != e), min(len(actual), len(expected)))
+        tail = 0
+        while tail < min(len(actual), len(expected)) - head and actual[-1 - tail] == expected[-1 - tail]:
+            tail += 1
+        middle = difflib.SequenceMatcher(None, actual[head:len(actual) - tail], expected[head:len(expected) - tail],
+                                         autojunk=False).get_opcodes()
+        ops = [(tag, i1 + head, i2 + head, j1 + head, j2 + head) for tag, i1, i2, j1, j2 in middle]
         kinds, lines = [], []
         for tag, i1, i2, j1, j2 in ops:
             if tag == "equal":
