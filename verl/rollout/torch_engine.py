@@ -188,18 +188,16 @@ class TorchRollout(RolloutEngine):
                         limits: list[int] | None = None) -> list[GenerationOutput]:
         """`seeds` / `limits`: per-row seeds and token limits (multi-turn waves) instead of the call's."""
         prompts = [prompt_ids[i] for i, _ in batch]
-        if seeds is None:
-            seeds = [params.sample_seed(i, j) for i, j in batch]
-        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        gens = [None if s is None else torch.Generator().manual_seed(s)
+                for s in (seeds if seeds is not None else [params.sample_seed(i, j) for i, j in batch])]
         stop_ids = self._stop_ids(params)
         B = len(batch)
         tokens = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         done = [False] * B
         reasons = ["length"] * B
-        budgets = [self.budget(len(p), params) for p in prompts]
-        if limits is not None:
-            budgets = [min(b, lim) for b, lim in zip(budgets, limits)]
+        limits = limits or [params.max_new_tokens] * B
+        budgets = [min(self.budget(len(p), params), lim) for p, lim in zip(prompts, limits)]
         rows = list(range(B))  # the batch row of each row the decoder computes (finished rows leave it)
         versions: list[list[int]] | None = None if self.pause_hook is None else [[] for _ in range(B)]
         try:
