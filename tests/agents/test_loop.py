@@ -185,3 +185,22 @@ def test_multi_turn_batches_train_padding_free_like_padded(tok):
     # the rollout's log-probs of the sampled tokens are the policy's own
     torch.testing.assert_close(padded * batch.response_mask, batch.rollout_log_probs * batch.response_mask,
                                atol=1e-4, rtol=1e-4)
+
+
+def test_partial_rollouts_record_each_sampled_tokens_version(tok):
+    """With a pause hook (rollout.partial) the torch engine serves in waves that call it between tokens: every
+    sampled token carries the version it was sampled with, observations -1, and the batch's per-sample version is
+    the oldest of its tokens'."""
+    eng = engine(tok)
+    versions = iter(range(10_000))
+    eng.pause_hook = lambda: next(versions) // 7  # the version moves every few tokens
+    loop = agent(tok, "ScriptedEnv", max_turns=3, env_settings={"turns": 2})
+    outs, _ = loop.rollout(eng, ROWS[:2], PARAMS)
+    loop.close()
+    for o in outs:
+        assert len(o.token_versions) == len(o.token_ids)
+        assert all((v >= 0) == bool(m) for v, m in zip(o.token_versions, o.loss_mask))
+    batch = batch_from_outputs(outs, ROWS[:2], 2, 64, tok.pad_token_id)
+    sampled = batch.token_version[batch.response_mask > 0]
+    assert bool((sampled >= 0).all()) and batch.weight_version.tolist() == \
+        [min(v for v in o.token_versions if v >= 0) for o in outs]
