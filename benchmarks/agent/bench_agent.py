@@ -8,8 +8,8 @@ the loop's tool runner, whatever the model wrote; turns end at one of a few stop
 lengths vary as real turns do. Each latency is run with both schedules, alternately, --rounds times (the median is
 reported); the work is equal (same seeds, same turns, same tokens).
 
-    verl bench agent                                 # latencies 0, 50 ms, 500 ms
-    verl bench agent --trajectories 128 --rounds 1
+    verl bench agent                                 # latencies 0, 50 ms, 500 ms (beside bench_sandbox.py)
+    python benchmarks/agent/bench_agent.py --trajectories 128 --rounds 1
 
 Writes benchmarks/results/bench_agent.json (meta.command) and prints the table: per latency and schedule, step time,
 sampled tokens/s, the ratio to the 0-latency step of the same schedule and, for the loop, its speed-up over lockstep.
@@ -132,7 +132,7 @@ def main() -> int:
     for t in table:
         print(f"{t['latency_s']:>8g} {t['schedule']:>11} {t['step_s']:>8.2f} {t['tokens_per_s']:>8.0f} "
               f"{t['step_vs_first_latency']:>9.2f} {t.get('speedup_vs_lockstep', float('nan')):>12.2f}")
-    meta = {"command": "verl bench agent " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
+    meta = {"command": "python benchmarks/agent/bench_agent.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
             "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
             "trajectories": args.trajectories, "turns": args.turns, "turn_tokens": args.turn_tokens,
             "rounds": args.rounds, "threads": args.threads,
