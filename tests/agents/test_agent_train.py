@@ -143,3 +143,16 @@ def test_the_environment_reward_is_a_reward_source():
         build_reward(RewardConfig(type="env"), "cpu").score(dataclasses.replace(batch, env_rewards=None))
     with pytest.raises(VerlConfigError, match="type env .* agent.env is not set"):
         load_config(PPOConfig, None, ["reward.type=env"])
+
+
+def test_the_score_lands_on_the_last_trained_token_of_a_multi_turn_response():
+    """Observations punch holes into the loss mask: the score goes on the last sampled token, not at the column
+    the mask's count points to (which may be an observation, where the reward would be masked away)."""
+    import torch
+
+    from verl.trainer.ppo_flow import _token_rewards
+    mask = torch.tensor([[1., 1., 0., 0., 0., 1., 1., 0.],    # turn, observation, turn, padding
+                         [1., 1., 1., 0., 0., 0., 0., 0.],    # one turn
+                         [0., 0., 0., 0., 0., 0., 0., 0.]])   # nothing sampled
+    out = _token_rewards(torch.tensor([2.0, 3.0, 4.0]), mask)
+    assert out.tolist() == [[0, 0, 0, 0, 0, 0, 2, 0], [0, 0, 3, 0, 0, 0, 0, 0], [0] * 8]

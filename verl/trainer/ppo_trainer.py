@@ -391,7 +391,7 @@ class PPOTrainer:
             scores, mask = out["scores"], batch.response_mask
             m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
                  "reward/min": float(scores.min()), "response/length": float(mask.sum(-1).mean()),
-                 "response/clip_ratio": float((mask[:, -1] > 0).float().mean()),
+                 "response/clip_ratio": float((batch.attention_mask[:, -1] > 0).float().mean()),
                  "advantage/mean": float((out["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
                  **out.get("kl_metrics", {}), **(out.get("mismatch_metrics") or {}),
                  **out.get("actor_metrics", {}), **out["sync_metrics"],
