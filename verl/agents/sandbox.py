@@ -54,7 +54,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl.config.base import check_finite, require
 from verl.errors import VerlRuntimeError
 
 __all__ = ["SandboxLimits", "SandboxResult", "run_python", "run_python_async", "sandbox_available"]
@@ -96,6 +95,9 @@ class SandboxLimits:
     otherwise weighs like the trainer's whole process)."""
 
     def check(self) -> None:
+        # imported here: verl.config (the package) imports the PPO config tree, whose agent section embeds these
+        # limits, so a module-level import would be circular when this module is imported first
+        from verl.config.base import check_finite, require
         check_finite(self)
         for name in ("wall_s", "cpu_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
