@@ -5,8 +5,9 @@ waiting on a tool leave the batch, the others keep generating) against the same 
 The job: the tiny Llama of verl.models.tiny with the torch engine (fast decoder, continuous batching), --trajectories
 episodes of --turns turns; every turn but the last calls the `sleep` tool (agent.tool_settings.sleep.latency_s) through
 the loop's tool runner, whatever the model wrote; turns end at one of a few stop tokens or at --turn-tokens, so their
-lengths vary as real turns do. Each latency is run with both schedules, alternately, --rounds times (the median is
-reported); the work is equal (same seeds, same turns, same tokens).
+lengths vary as real turns do. Each latency is run with both schedules, alternately, --rounds times (the latencies'
+order rotating from round to round; the median is reported); the work is equal (same seeds, same turns, same
+tokens).
 
     verl bench agent                                 # latencies 0, 50 ms, 500 ms (beside bench_sandbox.py)
     python benchmarks/agent/bench_agent.py --trajectories 128 --rounds 1
@@ -107,7 +108,8 @@ def main() -> int:
     run_once(engine, tok, args, 0.0, False)  # warm-up (allocator, first-call costs), not reported
     runs = []
     for r in range(args.rounds):
-        for latency in args.latencies:
+        # latencies rotate from round to round, schedules alternate: a drift of the machine's load spreads over all
+        for latency in args.latencies[r % len(args.latencies):] + args.latencies[:r % len(args.latencies)]:
             for lockstep in ((False, True) if r % 2 == 0 else (True, False)):
                 res = run_once(engine, tok, args, latency, lockstep)
                 runs.append({**res, "round": r})
