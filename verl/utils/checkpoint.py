@@ -546,7 +546,7 @@ class CheckpointManager:
         try:
             check_json_size(trainer_state, self.max_state_bytes, TRAINER_STATE)
         except StateError as e:
-            raise VerlRuntimeError(f"checkpoint of step {step}: {TRAINER_STATE}: {e}; raise trainer.max_state_mb "
+            raise VerlRuntimeError(f"checkpoint of step {step}: {e}; raise trainer.max_state_mb "
                                    f"(now {self.max_state_bytes / 2**20:g}) if that is expected") from None
         problem = None
         if self.world.is_main:
@@ -661,10 +661,9 @@ class CheckpointManager:
             older = self._fall_back(path, problem)
             if older is None:
                 raise VerlConfigError(
-                    f"checkpoint {str(path)!r} could not be loaded: {problem}. If the model, the number of processes "
-                    f"or the parallel layout changed, resume with the ones it was saved with; if its files are "
-                    f"damaged, resume from an earlier checkpoint (trainer.resume=auto falls back to the newest one "
-                    f"that verifies)")
+                    f"checkpoint {str(path)!r} could not be loaded: {problem}. Resume from another checkpoint "
+                    f"(trainer.resume=auto falls back to the newest one that verifies and loads); if the model or "
+                    f"the parallel layout changed, resume with the ones it was saved with")
             path = older
 
     def _try_load(self, path: Path, modules: Modules, sharded: dict[str, Any],
@@ -799,5 +798,6 @@ def _has_content(path: Path) -> bool:
 
 
 def _shown(rels: Sequence[str], n: int = 8) -> str:
-    rels = list(rels)
+    """Paths for a message: a folder stands for what is listed inside it."""
+    rels = [r for r in rels if not any(r.startswith(f"{o}/") for o in rels)]
     return ", ".join(rels[:n]) + (f" and {len(rels) - n} more" if len(rels) > n else "") if rels else "nothing"

@@ -204,12 +204,13 @@ class RunFolder:
         path = self.root / rel
         if not os.path.lexists(path):
             return []
-        if not self.owns(rel) or (path.is_symlink() and self.entries[rel] != "file"):
+        if path.is_symlink() and self.entries.get(rel) != "file":
             return [rel]
         if not whole or not path.is_dir():
-            return []
-        return [p.relative_to(self.root).as_posix() for p in sorted(path.rglob("*"))
-                if not self.owns(p.relative_to(self.root).as_posix())]
+            return [] if self.owns(rel) else [rel]
+        inside = [p.relative_to(self.root).as_posix() for p in sorted(path.rglob("*"))
+                  if not self.owns(p.relative_to(self.root).as_posix())]
+        return inside or ([] if self.owns(rel) else [rel])
 
     def free_stem(self, stem: str, suffixes: tuple[str, ...]) -> str:
         """`stem`, or `stem-2`, `stem-3`, ...: the first for which no `stem + suffix` exists (so that a trace of

@@ -165,15 +165,19 @@ _LEAF = (str, int, float, bool, type(None))
 def _leaf_size(v: Any) -> int:
     if isinstance(v, str):
         return len(json.dumps(v))
-    if isinstance(v, bool) or v is None:
+    if v is None or v is True:
+        return 4
+    if v is False:
         return 5
     if isinstance(v, int):
-        return v.bit_length() * 30103 // 100000 + 2  # digits, without building a huge decimal string
-    return len(repr(v))
+        if v.bit_length() > 10_000:  # digits, without building a huge decimal string
+            return v.bit_length() * 30103 // 100000 + 2
+        return len(str(v))
+    return len(json.dumps(v))
 
 
 def json_size(obj: Any, limit: float = math.inf, where: str = "") -> int:
-    """The length of ``json.dumps(obj)``, give or take separators, computed visiting each object once (shared
+    """The length of ``json.dumps(obj, separators=(",", ":"))``, computed visiting each object once (shared
     subtrees are counted as often as they occur, as the text would repeat them). StateError for data that is not
     JSON (naming its path), for an object that contains itself, and as soon as the total passes `limit`."""
     sizes: dict[int, int] = {}
@@ -187,8 +191,9 @@ def json_size(obj: Any, limit: float = math.inf, where: str = "") -> int:
         if done:
             active.discard(key)
             items = node.items() if isinstance(node, dict) else enumerate(node)
-            total = 2 + sum(_child_size(v, sizes) + (_leaf_size(str(k)) + 2 if isinstance(node, dict) else 1)
-                            for k, v in items)
+            # compact JSON: brackets, a comma between items, "key": before each value of an object
+            total = 1 + sum(_child_size(v, sizes) + (_leaf_size(str(k)) + 2 if isinstance(node, dict) else 1)
+                            for k, v in items) + (1 if not len(node) else 0)
             sizes[key] = total
             if total > limit:
                 raise StateError(path, f"holds about {total / 2**20:.1f} MB of JSON, above the limit of "
