@@ -528,7 +528,8 @@ def test_clear_megatron_style_shards_refused_on_another_world_size(tmp_path):
     from verl.testing.distributed import run_distributed
     run_distributed(_save_on_ranks, 2, args=(str(tmp_path), True), timeout=120)
     mgr = CheckpointManager(tmp_path, Placement())
-    with pytest.raises(VerlConfigError, match=r"it was written by 2 processes and this run has 1: megatron engines "
-                                              r"\(actor\) .*cannot be resharded; resume with 2 processes"):
+    with pytest.raises(VerlConfigError, match=r"it was written by 2 processes and this run has 1: the engines of "
+                                              r"actor save each rank's shard .*cannot be resharded; resume with 2 "
+                                              r"processes"):
         mgr.load(mgr.resolve(str(tmp_path / "step_000004")), {"m": (torch.nn.Linear(4, 4), None)},
                  {"actor": _RankKeyed(0)})

@@ -40,7 +40,8 @@ trainer_state.json, when written and when read).
 World size: a checkpoint of N processes resumed by M != N is resharded by DCP when every model is a torch or
 FSDP2 module (saved by state-dict names): rank r < N restores rank r's RNG state, a rank r >= N seeds torch,
 Python and NumPy from (seed, step, r) (`derived_seed`), the saved states of ranks >= M go unused, and the
-change is reported. Megatron engines' per-rank shards cannot be resharded: refused, naming both sizes.
+change is reported. Engines that save per-rank shards (megatron's TP/PP layout) cannot be resharded: refused,
+naming both sizes.
 """
 
 from __future__ import annotations
@@ -674,9 +675,9 @@ class CheckpointManager:
             saved = self._saved_world(path)
             if saved != self.world.world_size and sharded:
                 raise VerlConfigError(f"it was written by {saved} processes and this run has "
-                                      f"{self.world.world_size}: megatron engines ({', '.join(sharded)}) save each "
-                                      f"rank's TP/PP shard under keys of its own, which cannot be resharded; resume "
-                                      f"with {saved} processes (torchrun --nproc_per_node={saved} ...)")
+                                      f"{self.world.world_size}: the engines of {', '.join(sharded)} save each rank's "
+                                      f"shard under keys of its own (megatron's TP/PP layout), which cannot be "
+                                      f"resharded; resume with {saved} processes (torchrun --nproc_per_node={saved})")
             rng = self._read_rng(path, saved)
             state = self._read_state(path, state_spec)
             tensors = _dcp_state(modules, sharded, for_load=True)
