@@ -109,6 +109,42 @@ def test_behaves_pruning_keeps_a_file_added_to_a_step_folder(tmp_path):
     assert sorted(p.name for p in (tmp_path / "step_000001").iterdir()) == ["notes.txt"]  # verl's files gone
 
 
+def test_clear_resume_auto_refuses_another_runs_checkpoint_copied_in(tmp_path):
+    """Not resumed from (it is another run's), and in the way of the run's own step 5: refused, untouched."""
+    mine = CheckpointManager(tmp_path / "mine", Placement())
+    mine.resolve(None)
+    mine.save(1, {"m": (torch.nn.Linear(2, 2), None)}, {}, {"step": 1})
+    CheckpointManager(tmp_path / "other", Placement()).save(5, {"m": (torch.nn.Linear(2, 2), None)}, {}, {"step": 5})
+    import shutil
+    shutil.copytree(tmp_path / "other" / "step_000005", tmp_path / "mine" / "step_000005")
+    with pytest.warns(UserWarning, match=r"skips .*step_000005: .*belongs to run .*, not to this folder's run"), \
+            pytest.raises(VerlConfigError, match=r"files that no run recorded .* where this run writes: step_000005"):
+        CheckpointManager(tmp_path / "mine", Placement()).resolve("auto")
+    assert read_manifest(tmp_path / "mine" / "step_000005")["step"] == 5
+
+
+def test_behaves_empty_folder_at_a_steps_path_is_replaced_with_a_warning(tmp_path):
+    mgr = CheckpointManager(tmp_path, Placement())
+    mgr.save(1, {"m": (torch.nn.Linear(2, 2), None)}, {}, {"step": 1})
+    (tmp_path / "step_000002").mkdir()
+    mgr = CheckpointManager(tmp_path, Placement())
+    with pytest.warns(UserWarning, match=r"skips .*step_000002 is empty"):
+        mgr.resolve("auto")
+    with pytest.warns(UserWarning, match=r"replacing the empty folder .*step_000002"):
+        mgr.save(2, {"m": (torch.nn.Linear(2, 2), None)}, {}, {"step": 2})
+    assert read_manifest(tmp_path / "step_000002")["run_id"] == mgr.run_id
+
+
+def test_clear_a_step_folder_of_someone_elses_is_never_replaced(tmp_path):
+    mgr = CheckpointManager(tmp_path, Placement())
+    mgr.save(1, {"m": (torch.nn.Linear(2, 2), None)}, {}, {"step": 1})
+    decoys = _decoys(tmp_path, "step_000002/weights.bin")  # appeared during the run
+    with pytest.raises(VerlRuntimeError, match=r"checkpoint of step 2 not written: .*step_000002 exists and is not "
+                                               r"this run's"):
+        mgr.save(2, {"m": (torch.nn.Linear(2, 2), None)}, {}, {"step": 2})
+    _intact(decoys)
+
+
 def test_clear_export_refuses_a_foreign_hf_actor_before_step_one(tmp_path):
     out = tmp_path / "out"
     decoys = _decoys(out, "hf_actor/my_model.safetensors")
@@ -533,3 +569,29 @@ def test_clear_megatron_style_shards_refused_on_another_world_size(tmp_path):
                                               r"processes"):
         mgr.load(mgr.resolve(str(tmp_path / "step_000004")), {"m": (torch.nn.Linear(4, 4), None)},
                  {"actor": _RankKeyed(0)})
+
+
+def _train_on_ranks(rank: int, world_size: int, out: str, args: list[str]) -> None:
+    import contextlib
+    import io
+    from verl.trainer.main_ppo import main
+    with contextlib.redirect_stdout(io.StringIO()):
+        main([*args, f"trainer.output_dir={out}"])
+
+
+@pytest.mark.multiprocess
+def test_behaves_trainer_resumes_a_two_process_run_on_one(tmp_path):
+    """The audit's case: a 2-rank checkpoint resumed by 1 process resumed silently, dropping rank 1's RNG state."""
+    from verl.testing.distributed import run_distributed
+    from verl.trainer.main_ppo import main
+    args = [*TINY, "warmup.steps=0", "trainer.export_hf=false", "trainer.plot=false", "actor.mini_batch_size=2",
+            "actor.micro_batch_size=4", "reward.name=tests.trainer.test_multiprocess:length_reward"]
+    run_distributed(_train_on_ranks, 2, args=(str(tmp_path), [*args, "trainer.total_steps=2"]), timeout=300)
+    assert read_manifest(_step(tmp_path, 2))["world_size"] == 2
+    with pytest.warns(UserWarning, match=r"step_000002, written by 2 processes, on 1: DCP reshards the model and "
+                                         r"optimizer states by name; RNG: ranks 0..0 restore their own saved states, "
+                                         r"the saved states of ranks 1..1 are unused"):
+        main([*args, "trainer.total_steps=3", "trainer.resume=auto", f"trainer.output_dir={tmp_path}"])
+    view = metrics_view(read_metrics(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in view if "reward/mean" in r] == [1, 2, 3]
+    assert read_manifest(_step(tmp_path, 3))["world_size"] == 1
