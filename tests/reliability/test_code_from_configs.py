@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from verl import registry
 from verl.errors import VerlConfigError
 from verl.registry import import_ref
 
@@ -52,6 +53,7 @@ def test_clear_code_from_the_current_directory_is_refused(cwd_with_code, ref):
 
 
 def test_behaves_current_directory_allowed_when_pythonpath_names_it(cwd_with_code, monkeypatch, capsys):
+    monkeypatch.setattr(registry, "_LOGGED", set())
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), "."]))
     fn = import_ref("evil_pkg.mod:fn", "reward", "reward.name")
     assert fn("a", "b", "c") == 1.0 and (cwd_with_code / MARKER).exists()
@@ -67,7 +69,8 @@ def test_clear_dataflow_node_reference_follows_the_same_rule(cwd_with_code):
     assert not (cwd_with_code / MARKER).exists()
 
 
-def test_behaves_installed_and_pythonpath_code_loads_and_says_where(capsys):
+def test_behaves_installed_and_pythonpath_code_loads_and_says_where(capsys, monkeypatch):
+    monkeypatch.setattr(registry, "_LOGGED", set())  # said once per process: another test may have said it
     fn = import_ref("tests.trainer.test_multiprocess:length_reward", "reward", "reward.name")  # via PYTHONPATH
     assert fn("abc", "", "") == 3.0
     assert import_ref("json:dumps") is __import__("json").dumps  # the standard library
