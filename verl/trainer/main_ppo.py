@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         if placement.is_main and history:
             first, last = history[0], history[-1]
             print(f"done: {len(history)} steps, reward {first['reward/mean']:.3f} -> {last['reward/mean']:.3f}, "
-                  f"outputs in {cfg.trainer.output_dir}")
+                  f"outputs in {Path(cfg.trainer.output_dir).resolve()}")
     finally:
         if owned:  # megatron's groups first, then the engine (vLLM's shutdown also ends the default group)
             if specs["actor"].model_parallel and dist.is_initialized():

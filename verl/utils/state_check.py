@@ -230,7 +230,8 @@ def check_json_size(obj: Any, limit_bytes: float, what: str, where: str = "") ->
     except StateError as e:
         if "above the limit" not in e.why:
             raise
-        raise StateError(e.where, f"{e.why}, so {what} would be too big") from None
+        key = re.sub(r"(\[\d+\])+$", "", e.where)  # the key, not the position inside its nested lists
+        raise StateError(key, f"{e.why}, so {what} would be too big") from None
 
 
 def read_json(path: str | Path, limit_bytes: int) -> Any:
