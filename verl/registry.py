@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Generic, TypeVar
 
 from verl.errors import VerlConfigError
@@ -63,7 +65,7 @@ def import_module_checked(module: str, label: str = "", what: str = "code") -> o
         raise VerlConfigError(f"{label}cannot import module {module!r} for the {what} ({type(e).__name__}: {e}); "
                               f"it must be importable from the Python path") from e
     if refused is not None:
-        raise VerlConfigError(f"{label}module {module!r} would be imported from the current directory ({refused}), "
+        raise VerlConfigError(f"{label}module {module!r} is in the current directory ({refused}), "
                               f"which is not on verl's search path for code named in configs (PYTHONPATH, the "
                               f"installed packages); to use it, ask for the current directory explicitly: "
                               f"PYTHONPATH={os.getcwd()} (or PYTHONPATH=.), or install it as a package")
@@ -86,6 +88,9 @@ def _from_current_dir(module: str) -> str | None:
     suspect = [cwd]  # folders that count as the current directory's: the entry, then namespace portions in it
     for i in range(1, len(parts) + 1):
         origin, portions = _location(".".join(parts[:i]))
+        if origin is None and portions is None and i == 1:  # not on sys.path (the `verl` script's case): is it here?
+            spec = importlib.machinery.PathFinder.find_spec(parts[0], [cwd])
+            return (spec.origin or str(Path(cwd) / parts[0])) if spec is not None else None
         if origin is None and portions is None:
             return None  # built-in, or not found (import_module says so)
         if origin is not None:  # a regular module or package: where its file lies decides

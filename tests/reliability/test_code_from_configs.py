@@ -46,7 +46,7 @@ def cwd_with_code(tmp_path, monkeypatch):
 @pytest.mark.parametrize("ref", ["evil_reward:fn", "evil_pkg.mod:fn", "evil_ns.mod:fn"])
 def test_clear_code_from_the_current_directory_is_refused(cwd_with_code, ref):
     module = ref.split(":")[0]
-    with pytest.raises(VerlConfigError, match=rf"reward.name='{ref}': module '{module}' would be imported from the "
+    with pytest.raises(VerlConfigError, match=rf"reward.name='{ref}': module '{module}' is in the "
                                               rf"current directory .*PYTHONPATH=\."):
         import_ref(ref, "reward", "reward.name")
     assert not (cwd_with_code / MARKER).exists(), "the refused module's code ran"
@@ -63,8 +63,8 @@ def test_behaves_current_directory_allowed_when_pythonpath_names_it(cwd_with_cod
 
 def test_clear_dataflow_node_reference_follows_the_same_rule(cwd_with_code):
     from verl.dataflow import get_node
-    with pytest.raises(VerlConfigError, match=r"node reference 'evil_reward:fn': module 'evil_reward' would be "
-                                              r"imported from the current directory"):
+    with pytest.raises(VerlConfigError, match=r"node reference 'evil_reward:fn': module 'evil_reward' is in the "
+                                              r"current directory"):
         get_node("evil_reward:fn")
     assert not (cwd_with_code / MARKER).exists()
 
@@ -78,8 +78,9 @@ def test_behaves_installed_and_pythonpath_code_loads_and_says_where(capsys, monk
     assert f"loaded from {REPO / 'tests' / 'trainer' / 'test_multiprocess.py'}" in out
 
 
-@pytest.mark.parametrize("entry", [["-m", "verl.trainer.main_ppo"], ["-m", "verl.cli.main", "train"]],
-                         ids=["python -m verl.trainer.main_ppo", "verl train"])
+@pytest.mark.parametrize("entry", [["-m", "verl.trainer.main_ppo"], ["-m", "verl.cli.main", "train"],
+                                   [str(Path(sys.executable).parent / "verl"), "train"]],
+                         ids=["python -m verl.trainer.main_ppo", "python -m verl.cli.main train", "verl train"])
 def test_clear_both_entry_points_refuse_the_same_way(tmp_path, entry):
     """The audit's case: `python -m verl.trainer.main_ppo reward.name=evil_reward:fn` imported evil_reward.py from
     the current directory, while `verl train` refused it."""
@@ -90,7 +91,7 @@ def test_clear_both_entry_points_refuse_the_same_way(tmp_path, entry):
     proc = subprocess.run([sys.executable, *entry, *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("config error: reward.name='evil_reward:fn': module 'evil_reward' would be imported from the current "
-            "directory") in proc.stderr
+    assert ("config error: reward.name='evil_reward:fn': module 'evil_reward' is in the current directory "
+            f"({tmp_path / 'evil_reward.py'}), which is not on verl's search path") in proc.stderr
     assert not (tmp_path / MARKER).exists()
     assert not (tmp_path / "out" / "checkpoints").exists()  # refused before any work
