@@ -430,7 +430,7 @@ class PPOTrainer:
             if idle is not None:  # the previous batch's cycle: this one's ends only after the batch has left
                 stats["perf/idle_share_rollout"] = idle
             trace = None
-            if cfg.trainer.trace_step and b == min(cfg.trainer.trace_step - 1 + lag, total - 1):  # about then
+            if self.trace_stem and b == min(cfg.trainer.trace_step - 1 + lag, total - 1):  # about then
                 trace = str(self.out_dir / f"{self.trace_stem}_rollout.json")
             self.node_seconds.clear()
             self._run(trace, b, stream.version, stats)

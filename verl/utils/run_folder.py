@@ -315,10 +315,10 @@ def checkpoint_files(path: Path) -> list[str]:
     """The files of the checkpoint folder `path` that verl wrote: those its manifest.json lists, and the manifest
     (for an unreadable manifest, the names a verl checkpoint uses)."""
     try:
-        listed = json.loads((path / "manifest.json").read_text())["files"]
+        listed = read_json(path / "manifest.json", _MANIFEST_LIMIT)["files"]
         names = [str(n) for n in listed if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")]
         return [*names, "manifest.json"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # StateError is a ValueError
         return [p.name for p in path.iterdir() if p.name in (".metadata", "trainer_state.json", "manifest.json")
                 or (p.name.startswith("__") and p.name.endswith(".distcp"))
                 or (p.name.startswith("rng_rank") and p.name.endswith(".json"))]
