@@ -145,13 +145,17 @@ def test_clear_a_step_folder_of_someone_elses_is_never_replaced(tmp_path):
     _intact(decoys)
 
 
-def test_clear_export_refuses_a_foreign_hf_actor_before_step_one(tmp_path):
+@pytest.mark.parametrize("rel", ["hf_actor/my_model.safetensors", "curves.png", "metrics.jsonl",
+                                 "checkpoints/latest", "checkpoints/step_000001/weights.bin"])
+def test_clear_fresh_run_refuses_a_foreign_file_where_it_writes(tmp_path, rel):
+    """Export, plot, metrics, checkpoints: a file of someone else's in the way stops the run before step 1."""
     out = tmp_path / "out"
-    decoys = _decoys(out, "hf_actor/my_model.safetensors")
-    with pytest.raises(VerlConfigError, match=r"no run recorded.*hf_actor/my_model.safetensors.*move them away"):
+    decoys = _decoys(out, rel)
+    with pytest.raises(VerlConfigError, match=r"files that no run recorded \(verl_run.json\) where this run writes: "
+                                              + re.escape(rel.split("/weights")[0]) + r".*move them away"):
         _train(out)
     _intact(decoys)
-    assert sorted(p.name for p in out.iterdir()) == ["hf_actor"]  # nothing written: refused before any work
+    assert sorted(p.name for p in out.iterdir()) == [rel.split("/")[0]]  # nothing written: refused before any work
 
 
 def test_clear_export_refuses_a_file_added_to_the_runs_hf_actor(tmp_path):
@@ -227,13 +231,10 @@ def test_behaves_resume_appends_history_never_rewrites_it(tmp_path):
     assert [r["step"] for r in view] == [1, 2, 3] and len(read_metrics(out / "metrics.jsonl")) == 6
 
 
-def test_clear_plot_refuses_a_foreign_curves_png(tmp_path):
+def test_behaves_a_run_that_does_not_plot_writes_beside_a_foreign_curves_png(tmp_path):
     out = tmp_path / "out"
     decoys = _decoys(out, "curves.png")
-    with pytest.raises(VerlConfigError, match=r"no run recorded.*curves.png"):
-        _train(out)
-    _intact(decoys)
-    _train(out, "trainer.plot=false")  # a run that does not plot writes beside it
+    _train(out, "trainer.plot=false")
     _intact(decoys)
 
 
@@ -349,8 +350,8 @@ def test_clear_trainer_state_above_its_bound_is_not_written(tmp_path):
     mgr = CheckpointManager(tmp_path, Placement(), max_state_bytes=1 << 20)
     state = {"step": 1, "flow_state": [{"carried": {"batch": ["x" * (2 << 20)]}}]}
     with pytest.raises(VerlRuntimeError, match=r"checkpoint of step 1: flow_state\[0\].carried.batch: holds about "
-                                               r"2.0 MB of JSON, above the limit of 1.0 MB, so trainer_state.json would "
-                                               r"be too big; raise trainer.max_state_mb \(now 1\)"):
+                                               r"2.0 MB of JSON, above the limit of 1.0 MB, so trainer_state.json "
+                                               r"would be too big; raise trainer.max_state_mb \(now 1\)"):
         mgr.save(1, {"m": (torch.nn.Linear(2, 2), None)}, {}, state)
     assert not list(tmp_path.glob("step_*")) and not list(tmp_path.glob(".tmp-*"))
 
