@@ -302,8 +302,12 @@ class ActorConfig:
     def check(self) -> None:
         check_finite(self, allow_inf=("clip_ratio_c",))  # inf turns the dual clip off
         # The same ranges the fused policy loss checks (csrc/include/verl/rl_loss.h), found before any model is built.
-        require(0 <= self.clip_ratio_low < 1, "clip_ratio_low", self.clip_ratio_low,
-                "must be in [0, 1) (the ratio's lower bound is 1 - clip_ratio_low)")
+        from verl.algos import policy_loss_info
+        clip = policy_loss_info(self.policy_loss).clip if self.policy_loss in _policy_losses() else "ratio"
+        require(0 <= self.clip_ratio_low and (self.clip_ratio_low < 1 or clip != "ratio"), "clip_ratio_low",
+                self.clip_ratio_low, f"must be in [0, 1) for policy loss {self.policy_loss!r} (the ratio's lower "
+                f"bound is 1 - clip_ratio_low); losses that read it otherwise (cispo, dppo_*, geo_mean) take any "
+                f"value >= 0")
         require(self.clip_ratio_high >= 0, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
         require(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c,
                 "must be > 1 (the dual-clip bound; .inf turns it off)")
@@ -990,6 +994,12 @@ class PPOConfig:
             raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
                                   f"responses each of the critic's {dp} data-parallel ranks gets "
                                   f"(data.train_batch_size x rollout.n / {dp} = {total // dp})")
+
+
+def _policy_losses() -> list[str]:
+    """The registered policy losses (an unknown one is reported by PPOConfig.check, naming the nearest)."""
+    from verl.algos import POLICY_LOSS_FNS
+    return POLICY_LOSS_FNS.names()
 
 
 def _clamp_micro(key: str, micro: int, share: int, ranks: int, notes: list[str]) -> int:
