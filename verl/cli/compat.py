@@ -207,8 +207,9 @@ def _show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def report(argv: list[str], out=sys.stdout, show_defaults: bool = False) -> int:
+def report(argv: list[str], out=None, show_defaults: bool = False) -> int:
     """Prints what the command line `argv` (main_ppo's arguments) becomes; returns the number of refusals."""
+    out = out or sys.stdout
     from verl.config.base import to_dict
     from verl.config.ppo import PPOConfig
     from verl.config.verl_dialect import load_job, split_hydra, translate
@@ -275,8 +276,9 @@ def _diff(ours: dict, base: dict, prefix: str = "") -> list[str]:
     return lines
 
 
-def keys_table(as_json: bool, out=sys.stdout) -> None:
+def keys_table(as_json: bool, out=None) -> None:
     """The translation table, one rule per line: pattern, kind, what it does or why."""
+    out = out or sys.stdout
     from verl.config.verl_dialect import TABLE
     seen = set()
     rows = []

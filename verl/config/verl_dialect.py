@@ -581,7 +581,8 @@ def _megatron(prefix: str, role: str) -> list[Rule]:
                  M(f"{prefix}.sequence_parallel", _sequence_parallel, f"-> {m}.sequence_parallel (off at tp=1, "
                    f"as verl does)"),
                  M(f"{prefix}.use_distributed_optimizer", to(f"{m}.use_distributed_optimizer", conv=_bool)),
-                 M(f"{prefix}.dtype", to(f"{m}.params_dtype", conv=_dtype)),
+                 M(f"{prefix}.dtype", to(f"{m}.params_dtype", "model.dtype", conv=_dtype),
+                   f"-> {m}.params_dtype, model.dtype (the policy every engine starts from)"),
                  R(f"{prefix}.context_parallel_size", "context parallelism is not implemented here", (1,)),
                  R(f"{prefix}.expert_model_parallel_size", "expert parallelism is not implemented here", (1,)),
                  R(f"{prefix}.expert_tensor_parallel_size", "expert parallelism is not implemented here",

@@ -79,7 +79,8 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
-    return tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed), tokenizer
+    model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
+    return model.to(getattr(torch, cfg.model.dtype)), tokenizer  # model.dtype, as a loaded model gets it
 
 
 def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
