@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"trainer.seed={args.seed}"] + ([f"trainer.total_steps={args.steps}"] if args.steps else [])
     rows, wall = run(overrides)
     result = summarise(rows, wall)
-    meta = {"command": "python benchmarks/compat/bench_validation.py " + " ".join(sys.argv[1:] if argv is None
-                                                                                    else argv),
+    given = sys.argv[1:] if argv is None else argv
+    meta = {"command": " ".join(["python benchmarks/compat/bench_validation.py", *given]),
             "config": "verl/trainer/config/default.yaml", "overrides": overrides, "cpus": os.cpu_count(),
             "machine": platform.machine(),
             "note": "validation_over_rl_steps: the time of every validation (greedy, 32 held-out prompts, before "

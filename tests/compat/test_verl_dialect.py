@@ -139,7 +139,8 @@ def test_refusals_name_the_key_and_why():
                             "actor_rollout_ref.actor.profiler.tool", "actor_rollout_ref.actor.profiler.enable"}
     assert "Ulysses" in refused["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
     assert "low_var_kl" in refused["algorithm.kl_penalty"]  # the closest setting
-    with pytest.raises(VerlConfigError, match=r"(?s)6 verl key\(s\) cannot be expressed.*ulysses_sequence_parallel_size=4"):
+    with pytest.raises(VerlConfigError,
+                       match=r"(?s)6 verl key\(s\) cannot be expressed.*ulysses_sequence_parallel_size=4"):
         t.check()
     # the same keys at values without effect are accepted (a profiler setting while the profiler is off)
     assert translate(["actor_rollout_ref.actor.profiler.tool=nsys"]).refused == []

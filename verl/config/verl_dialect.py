@@ -520,7 +520,8 @@ def _optim(role: str, prefix: str) -> list[Rule]:
         I(f"{prefix}.optim.total_training_steps", "filled in by verl's trainer; here from the run's length"),
         R(f"{prefix}.optim.lr_decay_steps", "the decay spans the run's remaining steps here", (None,)),
         R(f"{prefix}.optim.lr_warmup_init", "warm-up starts from lr / warmup_steps here", (0, 0.0)),
-        Dep(f"{prefix}.optim.lr_wsd_*", f"{prefix}.optim.lr_decay_style", ("constant", "linear", "cosine", None), "the WSD schedule's setting"),
+        Dep(f"{prefix}.optim.lr_wsd_*", f"{prefix}.optim.lr_decay_style", ("constant", "linear", "cosine", None),
+            "the WSD schedule's setting"),
         I(f"{prefix}.optim.use_checkpoint_opt_param_scheduler", "the schedule's state is always in checkpoints"),
         R(f"{prefix}.optim.weight_decay_incr_style", "weight decay is constant here", ("constant",)),
         I(f"{prefix}.optim._target_", "Hydra's class marker"),
@@ -597,8 +598,10 @@ def _megatron(prefix: str, role: str) -> list[Rule]:
           lambda v, ctx: {}, "-> padding_free (the reference follows the actor's)"),
         R(f"{prefix}.use_dist_checkpointing", "checkpoints are torch.distributed.checkpoint here; loading megatron "
           "dist checkpoints is not supported", (False,)),
-        Dep(f"{prefix}.dist_checkpointing_path", f"{prefix}.use_dist_checkpointing", (False, None), "where dist checkpoints are"),
-        Dep(f"{prefix}.dist_checkpointing_prefix", f"{prefix}.use_dist_checkpointing", (False, None), "dist checkpoints' prefix"),
+        Dep(f"{prefix}.dist_checkpointing_path", f"{prefix}.use_dist_checkpointing", (False, None),
+            "where dist checkpoints are"),
+        Dep(f"{prefix}.dist_checkpointing_prefix", f"{prefix}.use_dist_checkpointing", (False, None),
+            "dist checkpoints' prefix"),
         I(f"{prefix}.use_mbridge", "Hugging Face weights are converted by verl's own converters here"),
         I(f"{prefix}.vanilla_mbridge", "Hugging Face weights are converted by verl's own converters here"),
         I(f"{prefix}.seed", "initialisation is seeded by trainer.seed"),
@@ -772,7 +775,8 @@ _ACTOR: list[Rule] = [
     I(f"{_A}.entropy_checkpointing", _MEMORY),
     R(f"{_A}.calculate_sum_pi_squared", "read by the optimal-token-baseline estimators, which are not "
       "implemented", (False,)),
-    Dep(f"{_A}.sum_pi_squared_checkpointing", f"{_A}.calculate_sum_pi_squared", (False, None), "a memory setting of sum_pi_squared"),
+    Dep(f"{_A}.sum_pi_squared_checkpointing", f"{_A}.calculate_sum_pi_squared", (False, None),
+        "a memory setting of sum_pi_squared"),
     M(f"{_A}.use_kl_loss", to("actor.use_kl_loss", conv=_bool)),
     M(f"{_A}.kl_loss_coef", to("actor.kl_loss_coef", conv=float)),
     M(f"{_A}.kl_loss_type", _kl_name("actor.kl_loss_type"), "-> actor.kl_loss_type (verl's names are "
