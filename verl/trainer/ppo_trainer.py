@@ -77,7 +77,7 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
         from verl.models.pretrained import load_pretrained, resolve_model_path
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
-              else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
+              else [prompt_text(p) + str(a) for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
     model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
     return model.to(getattr(torch, cfg.model.dtype)), tokenizer  # model.dtype, as a loaded model gets it
