@@ -16,8 +16,7 @@ from verl.config.ppo import PPOConfig, RewardConfig
 from verl.config.base import load_config
 from verl.data import load_prompt_dataset, load_splits
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.rewards import convention, get_reward, score_samples
-from verl.trainer.ppo_trainer import check_reward_sources
+from verl.rewards import check_sources, convention, get_reward, score_samples
 from verl.workers import build_reward
 from verl.workers.batch import RolloutBatch
 from tests.trainer.conftest import tiny_args  # noqa: F401  (the tiny trainer job's overrides)
@@ -150,7 +149,7 @@ def test_unknown_data_source_is_a_config_error_before_training(tmp_path):
                                         f"data.train_files=[{write(rows, tmp_path / 'x.parquet')}]"])
     train, _ = load_splits(cfg.data, cfg.val, seed=1)
     with pytest.raises(VerlConfigError, match=r"by_data_source has no rule for data_source \['my/source'\]"):
-        check_reward_sources(cfg, train)
+        check_sources(cfg.reward, [train])
 
 
 def test_dapo_overlong_penalty():

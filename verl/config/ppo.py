@@ -880,6 +880,22 @@ class PPOConfig:
         return (self.actor.ppo_epochs == 1 and self.actor.mini_batch_size == self.data.train_batch_size
                 and not self.algorithm.use_kl_in_reward and not self.algorithm.rollout_correction.enabled)
 
+    def resolve_run_length(self, rows: int) -> str | None:
+        """trainer.total_epochs -> trainer.total_steps, and optim.warmup_ratio -> optim.warmup_steps, once the
+        number of training prompts is known (the trainer calls it); returns the line saying so (None: nothing
+        derived)."""
+        t, said = self.trainer, []
+        if t.total_epochs:
+            per_epoch = rows // self.data.train_batch_size
+            t.total_steps = max(1, t.total_epochs * per_epoch)
+            said.append(f"trainer.total_epochs={t.total_epochs} x {per_epoch} steps per epoch ({rows} prompts // "
+                        f"data.train_batch_size={self.data.train_batch_size}) = {t.total_steps} steps")
+        for key, optim in (("actor", self.actor.optim), ("critic", self.critic.optim)):
+            if optim.warmup_ratio and not optim.warmup_steps:
+                optim.warmup_steps = int(optim.warmup_ratio * t.total_steps)
+                said.append(f"{key}.optim.warmup_ratio={optim.warmup_ratio} -> warmup_steps={optim.warmup_steps}")
+        return "; ".join(said) or None
+
     def check(self) -> None:
         """Checks that do not depend on the world size (run when the tree is built)."""
         from verl.algos import advantage_info, get_advantage, get_kl, get_policy_loss, check_agg_mode

@@ -26,7 +26,7 @@ import re
 from verl.errors import VerlRuntimeError
 from verl.rewards.registry import get_reward, register_reward
 
-__all__ = ["DATA_SOURCES", "reward_for_source"]
+__all__ = ["DATA_SOURCES", "check_sources", "reward_for_source"]
 
 DATA_SOURCES: dict[str, str] = {
     "openai/gsm8k": "gsm8k_strict",
@@ -40,6 +40,20 @@ DATA_SOURCES: dict[str, str] = {
 def reward_for_source(source: str) -> str | None:
     """The registered reward for rows of `source`, or None when there is none."""
     return DATA_SOURCES.get(source) or ("math_dapo" if source.startswith("aime") else None)
+
+
+def check_sources(reward_cfg, datasets) -> None:
+    """With a `by_data_source` rule source in `reward_cfg` (a RewardConfig), every data source of `datasets`
+    (PromptDatasets, None skipped) has a rule: a VerlConfigError naming the others, before any step."""
+    from verl.errors import VerlConfigError
+    if not any(s.type == "rule" and s.name == "by_data_source" for s in reward_cfg.resolved_sources()):
+        return
+    sources = {s for d in datasets if d is not None for s in (d.sources or ["default"])}
+    missing = sorted(s for s in sources if reward_for_source(s) is None)
+    if missing:
+        raise VerlConfigError(f"reward by_data_source has no rule for data_source {missing} (known: "
+                              f"{', '.join(sorted(DATA_SOURCES))}, aime*); name your own compute_score with "
+                              f"custom_reward_function.path / .name (reward.name=path/to/file.py:compute_score)")
 
 
 @register_reward("by_data_source")

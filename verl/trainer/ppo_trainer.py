@@ -20,6 +20,7 @@ from verl.rollout import Tokenizer, build_rollout
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
+from verl.rewards import check_sources
 from verl.trainer.validation import Validator, validation_due
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
@@ -32,41 +33,6 @@ from verl.workers.request import EngineRequest
 from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
-
-
-def load_dataset(cfg: PPOConfig) -> PromptDataset:
-    """The training prompts (verl.data.load_splits; the held-out ones are the trainer's `val_dataset`)."""
-    return load_splits(cfg.data, cfg.val, cfg.trainer.seed)[0]
-
-
-def resolve_run_length(cfg: PPOConfig, rows: int) -> str | None:
-    """trainer.total_epochs -> trainer.total_steps, and optim.warmup_ratio -> warmup_steps, now that the number
-    of training prompts is known; returns the line saying so (None when nothing was derived)."""
-    t, said = cfg.trainer, []
-    if t.total_epochs:
-        per_epoch = rows // cfg.data.train_batch_size
-        t.total_steps = max(1, t.total_epochs * per_epoch)
-        said.append(f"trainer.total_epochs={t.total_epochs} x {per_epoch} steps per epoch ({rows} prompts // "
-                    f"data.train_batch_size={cfg.data.train_batch_size}) = {t.total_steps} steps")
-    for key, optim in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim)):
-        if optim.warmup_ratio and not optim.warmup_steps:
-            optim.warmup_steps = int(optim.warmup_ratio * t.total_steps)
-            said.append(f"{key}.optim.warmup_ratio={optim.warmup_ratio} -> warmup_steps={optim.warmup_steps}")
-    return "; ".join(said) or None
-
-
-def check_reward_sources(cfg: PPOConfig, *datasets: PromptDataset | None) -> None:
-    """The `by_data_source` reward has a rule for every data source of the job's prompts (before any step)."""
-    from verl.rewards import reward_for_source
-    if not any(s.type == "rule" and s.name == "by_data_source" for s in cfg.reward.resolved_sources()):
-        return
-    sources = {s for d in datasets if d is not None for s in (d.sources or ["default"])}
-    missing = sorted(s for s in sources if reward_for_source(s) is None)
-    if missing:
-        from verl.rewards import DATA_SOURCES
-        raise VerlConfigError(f"reward by_data_source has no rule for data_source {missing} (known: "
-                              f"{', '.join(sorted(DATA_SOURCES))}, aime*); name your own compute_score with "
-                              f"custom_reward_function.path / .name (reward.name=path/to/file.py:compute_score)")
 
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
@@ -117,8 +83,8 @@ class PPOTrainer:
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
         self.dataset, self.val_dataset = load_splits(cfg.data, cfg.val, cfg.trainer.seed)
-        check_reward_sources(cfg, self.dataset, self.val_dataset)
-        derived = resolve_run_length(cfg, len(self.dataset))
+        check_sources(cfg.reward, [self.dataset, self.val_dataset])
+        derived = cfg.resolve_run_length(len(self.dataset))
         if derived and placement.is_main:
             print(f"verl: {derived}", flush=True)
         if actor_model is not None:
