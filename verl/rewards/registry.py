@@ -40,7 +40,7 @@ from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.registry import Registry
 
 RewardFn = Callable[[str, str, str], float]
-REWARDS: Registry = Registry("reward", key="reward.name", refs=True)
+REWARDS: Registry = Registry("reward", refs=True)
 """Rule-based rewards by name; ``module:function`` references reach user code (re-registering a name is an
 error naming both functions)."""
 
