@@ -84,6 +84,7 @@ TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OLD_DIR = re.compile(r"^\.old-(step_\d+)(-[0-9a-f]{8})?$")
 _SMALL_JSON = 64 << 20  # manifest.json, rng_rank*.json: kilobytes in practice
+_LOGS = ("metrics.jsonl", "val_generations.jsonl")  # append-only: a resumed run may continue an unrecorded one
 
 
 # -- RNG states as JSON (torch / CUDA states are byte tensors, Python's and NumPy's are integer tuples) ---------
@@ -474,11 +475,11 @@ class CheckpointManager:
                     self.folder.entries[self._rel(p)] = "checkpoint"
         step = _step_of(path)
         newer = [p for p in self.list() if _step_of(p) > step] if path.parent == self.root else []
-        metrics = [(r, w) for r, w in destinations if r == "metrics.jsonl" and self.folder.foreign(r)]
-        if metrics:
-            warnings.warn(f"{self.folder.root / 'metrics.jsonl'} is recorded by no run manifest (a folder from an "
-                          f"earlier verl?): the resumed run appends to it and never rewrites it", stacklevel=5)
-        self._refuse_foreign([d for d in destinations if d not in metrics], newer)
+        logs = [(r, w) for r, w in destinations if r in _LOGS and self.folder.foreign(r)]
+        for rel, _ in logs:
+            warnings.warn(f"{self.folder.root / rel} is recorded by no run manifest (a folder from an earlier "
+                          f"verl?): the resumed run appends to it and never rewrites it", stacklevel=5)
+        self._refuse_foreign([d for d in destinations if d not in logs], newer)
         self.folder.start(run_id, "resume")
 
     def _refuse_foreign(self, destinations: list[tuple[str, bool]], steps: list[Path]) -> None:

@@ -39,7 +39,8 @@ from verl.utils.state_check import Dict, Int, List, StateError, Str, read_json, 
 
 RUN_MANIFEST = "verl_run.json"
 FORMAT = "verl-run-v1"
-ARTEFACTS = (RUN_MANIFEST, "metrics.jsonl", "tensorboard", "curves.png", "checkpoints", "hf_actor", ".init_hf")
+ARTEFACTS = (RUN_MANIFEST, "metrics.jsonl", "val_generations.jsonl", "tensorboard", "curves.png", "checkpoints",
+             "hf_actor", ".init_hf")
 """What a run writes directly under its output folder (plus trace_step_N*.json)."""
 KINDS = ("file", "dir", "checkpoint", "tree")
 _MANIFEST_LIMIT = 64 << 20
