@@ -266,10 +266,8 @@ def build_reward(cfg: RewardConfig, device: torch.device, max_response_length: i
         if s.type == "rule":
             try:
                 workers.append(RuleRewardWorker(s.name, s.display_name))
-            except VerlConfigError as e:  # name the source's own key (import_ref's message names reward.name=...)
-                msg = str(e)
-                raise VerlConfigError(f"{key}.name{msg.removeprefix('reward.name')}" if msg.startswith("reward.name=")
-                                      else f"{key}.name: {msg}") from None
+            except VerlConfigError as e:
+                raise VerlConfigError(f"{key}.name: {e}") from None
         else:
             workers.append(ModelRewardWorker(s.model_path, device, cfg.micro_batch_size, label=s.display_name,
                                              tokenizer_path=s.tokenizer_path, dtype=_DTYPES[s.dtype], key=key))
