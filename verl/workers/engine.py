@@ -142,6 +142,9 @@ class ModuleEngine:
     scheduler = None
     supports_fused_head = True
     """train_step runs a loss function's `fused_head` (actor.fused_loss_head) in place of the LM head."""
+    sync_view = "all"
+    """What the weight sync moves (verl.models.lora.SYNC_VIEWS): every weight, or with LoRA the adapters only
+    ("adapter") or the merged weights ("merged")."""
 
     def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
                  loss_head=None) -> dict[str, torch.Tensor]:
@@ -231,9 +234,19 @@ class ModuleEngine:
     # -- weights for the rollout engine -------------------------------------------------------------------------
     def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's weights by Hugging Face name (the live tensors, or FSDP2's local dim-0 chunks: views; the
-        hybrid engine only reads them)."""
+        hybrid engine only reads them); with LoRA the `sync_view` of them (collective for the merged view)."""
         from verl.hybrid_engine.module import module_local_params
-        return module_local_params(self.module)
+        if self.sync_view == "all":
+            return module_local_params(self.module)
+        from verl.models.lora import sync_tensors
+        return sync_tensors(self.module, self.sync_view)
+
+    def sync_layout_params(self) -> dict[str, torch.Tensor] | None:
+        """The tensors the weight sync is planned from (None: every parameter)."""
+        if self.sync_view == "all":
+            return None
+        from verl.models.lora import sync_tensors
+        return sync_tensors(self.module, self.sync_view, local=False)
 
     @property
     def shard_group(self):
@@ -243,7 +256,7 @@ class ModuleEngine:
     def hybrid_engine(self, config):
         """The 3D-HybridEngine planned for this module's data-parallel replicas (collective)."""
         from verl.hybrid_engine.module import hybrid_engine_for_module
-        return hybrid_engine_for_module(self.module, config, group=self.placement.dp)
+        return hybrid_engine_for_module(self.module, config, group=self.placement.dp, params=self.sync_layout_params())
 
 
 def is_device_mapped(module: torch.nn.Module) -> bool:

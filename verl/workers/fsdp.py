@@ -155,7 +155,8 @@ class FSDPEngine(ModuleEngine):
         """The 3D-HybridEngine planned over this rank's shard group (which holds one whole copy; under HSDP
         every replica syncs its own rollout ranks), collective over that group."""
         from verl.hybrid_engine.module import hybrid_engine_for_module
-        return hybrid_engine_for_module(self.module, config, group=self.mesh.get_group("shard"))
+        return hybrid_engine_for_module(self.module, config, group=self.mesh.get_group("shard"),
+                                        params=self.sync_layout_params())
 
     def export_hf(self, path: Path, tokenizer=None) -> None:
         """Writes the model as a Hugging Face directory from the group's first rank (collective: every tensor
