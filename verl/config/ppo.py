@@ -838,10 +838,6 @@ class PPOConfig:
             raise VerlConfigError(f"with actor.lora.enabled the reference is the actor's base model with the adapters "
                                   f"off (no second copy), so it runs on the actor's engine and memory: remove "
                                   f"ref.engine={self.ref.engine} / ref.cpu_offload={self.ref.cpu_offload}")
-        if self.warmup.steps > 0:
-            raise VerlConfigError(f"warmup.steps={self.warmup.steps} with actor.lora.enabled: checkpoints hold the "
-                                  f"adapter only, so a resumed run could not rebuild the warmed-up base; warm the "
-                                  f"model up in a run of its own (trainer.export_hf) and point model.path at it")
 
     @property
     def on_policy(self) -> bool:
@@ -884,10 +880,12 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
                                   f"{self.rollout.engine} / {self.actor.engine})")
-        if self.rollout.compare_full_gather and not training_engine(self.actor.engine).model_parallel:
+        if self.rollout.compare_full_gather and not training_engine(self.actor.engine).model_parallel \
+                and self.rollout.sync != "delta":
             raise VerlConfigError(f"rollout.compare_full_gather times the full gather of a model-parallel actor's "
-                                  f"shards; set actor.engine to one of {list(engines('training', model_parallel=True))}"
-                                  f", or turn it off")
+                                  f"shards (or, with rollout.sync=delta, the full sync beside the delta); set "
+                                  f"actor.engine to one of {list(engines('training', model_parallel=True))} or "
+                                  f"rollout.sync=delta, or turn it off")
         for role in ("actor", "critic"):
             budget = getattr(self, role).max_tokens_per_micro_batch
             longest = self.data.max_prompt_length + self.rollout.max_new_tokens

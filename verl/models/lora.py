@@ -29,8 +29,9 @@ import torch
 
 from verl.errors import VerlConfigError
 
-__all__ = ["ADAPTER", "SYNC_VIEWS", "adapter_bytes", "adapters_disabled", "apply_lora", "export_adapter",
-           "has_lora", "linear_names", "merged_model", "sync_tensors"]
+__all__ = ["ADAPTER", "SYNC_VIEWS", "adapter_bytes", "adapter_dropout", "adapters_disabled", "apply_lora",
+           "export_adapter", "has_lora", "linear_names", "merged_model", "strip_lora", "sync_tensors",
+           "unique_bytes"]
 
 ADAPTER = "default"
 """PEFT's adapter name; the one adapter verl trains."""
@@ -90,6 +91,32 @@ def adapters_disabled(module: torch.nn.Module):
     finally:
         for m, off in zip(layers, was):
             m.enable_adapters(not off)
+
+
+@contextlib.contextmanager
+def adapter_dropout(module: torch.nn.Module):
+    """actor.lora.dropout on for the duration (the update's forward and backward) and nothing else: the model's
+    own dropout modules keep the mode they have, and log-prob passes and generation never drop."""
+    drops = [d for _, m in _tuner_layers(module) for d in m.lora_dropout.values()]
+    was = [d.training for d in drops]
+    for d in drops:
+        d.train(True)
+    try:
+        yield module
+    finally:
+        for d, mode in zip(drops, was):
+            d.train(mode)
+
+
+def strip_lora(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` (a copy the caller owns) with every adapter layer replaced by its base layer, all of it trainable:
+    the plain model (a critic's trunk, or the generation copy a merged sync writes into)."""
+    for name, layer in _tuner_layers(module):
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, layer.base_layer)
+    if hasattr(module, "peft_config"):
+        del module.peft_config
+    return module.requires_grad_(True)
 
 
 def adapter_bytes(module: torch.nn.Module) -> int:
@@ -178,3 +205,15 @@ def export_adapter(module: torch.nn.Module, path: str | Path, *, base_model: str
                                   inference_mode=True)
         cfg.save_pretrained(str(path))
     return path
+
+
+def unique_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind the parameters and buffers of `modules` (shared weights, as the
+    reference shares the actor's base, counted once)."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            t = _local(t.detach())
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

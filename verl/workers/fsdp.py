@@ -94,8 +94,10 @@ class FSDPEngine(ModuleEngine):
     def from_role(cls, req) -> "FSDPEngine":
         """Shards a copy of the role's module in place (the policy stays whole for a colocated rollout)."""
         fsdp = req.cfg.critic.fsdp if req.role == "critic" else req.cfg.actor.fsdp
-        return cls(req.module(share=False), req.optim, req.placement, fsdp, head=req.head,
-                   total_steps=req.total_steps, cpu_offload=req.cpu_offload)
+        engine = cls(req.module(share=False), req.optim, req.placement, fsdp, head=req.head,
+                     total_steps=req.total_steps, cpu_offload=req.cpu_offload)
+        engine.sync_view = req.sync_view
+        return engine
 
     def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, cfg: FSDPConfig, *,
                  head: str = "lm", total_steps: int = 1, cpu_offload: bool = False):
