@@ -272,7 +272,8 @@ def _dcp_state(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer |
             out[name] = {"model": model.state_dict()}
         else:  # a frozen base (LoRA: only the adapters train) is the model it was loaded from: not saved
             msd, osd = get_state_dict(model, optim, options=StateDictOptions(ignore_frozen_params=True))
-            out[name] = {"model": msd, "optim": osd}
+            frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            out[name] = {"model": {k: v for k, v in msd.items() if k not in frozen}, "optim": osd}
     return out
 
 
