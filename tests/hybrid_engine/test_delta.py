@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl.hybrid_engine.delta import (BITMASK, INDEX, NONE, decode_delta, encode_delta, image_checksum,
-                                      word_checksum_delta)
+from verl.errors import VerlRuntimeError
+from verl.hybrid_engine.delta import BITMASK, INDEX, NONE, checksum, decode_delta, encode_delta
 from verl.testing import run_distributed
 
 
@@ -25,8 +25,7 @@ def test_encode_decode_round_trip_and_picks_the_smaller_payload(dtype, share):
     new = old.clone()
     hit = torch.rand(5000, generator=g) < share
     new[hit] = torch.randn(int(hit.sum()), generator=g).to(dtype)
-    kind, payload, idx = encode_delta(new, old)
-    n = idx.numel()
+    kind, payload, n = encode_delta(new, old)
     if n == 0:
         assert kind == NONE and payload.numel() == 0
         return
@@ -34,49 +33,38 @@ def test_encode_decode_round_trip_and_picks_the_smaller_payload(dtype, share):
     index_bytes, mask_bytes = n * (4 + es), -(-5000 // 64) * 8 + n * es
     assert kind == (INDEX if index_bytes <= mask_bytes else BITMASK)
     assert payload.numel() == min(index_bytes, mask_bytes)
-    pos, values = decode_delta(kind, payload, 5000, n, dtype)
+    where, values = decode_delta(kind, payload, 5000, n, dtype)
     rebuilt = old.clone()
-    rebuilt[pos] = values
+    rebuilt[where] = values
     assert torch.equal(rebuilt.view(torch.uint8), new.view(torch.uint8))
 
 
 def test_bit_patterns_count_as_changes():
     old = torch.tensor([0.0, 1.0, float("nan")], dtype=torch.bfloat16)
     new = torch.tensor([-0.0, 1.0, float("nan")], dtype=torch.bfloat16)
-    _, _, idx = encode_delta(new, old)
-    assert idx.tolist() == [0]  # -0.0 differs from 0.0 in its bits; the same NaN does not
+    assert encode_delta(new, old)[2] == 1  # -0.0 differs from 0.0 in its bits; the same NaN does not
 
 
-def test_checksum_is_additive_and_sees_one_flipped_bit():
+def test_checksum_sees_one_flipped_bit_anywhere_and_headers_catch_bad_sizes():
     g = torch.Generator().manual_seed(2)
-    old = torch.randn(3 << 20, generator=g).to(torch.bfloat16)  # more than one chunk
-    new = old.clone()
-    idx = torch.tensor([0, 17, (1 << 20) + 5, (3 << 20) - 1])
-    new[idx] = torch.randn(4, generator=g).to(torch.bfloat16)
-    assert image_checksum(new) == image_checksum(old) + word_checksum_delta(idx, old[idx], new[idx])
-    flipped = new.clone()
-    flipped.view(torch.int16)[123] ^= 1
-    assert image_checksum(flipped) != image_checksum(new)
-    f32 = torch.randn(1000, generator=g)
-    f32b = f32.clone()
-    f32b[7] += 1e-3
-    sel = torch.tensor([7])
-    assert image_checksum(f32b) == image_checksum(f32) + word_checksum_delta(sel, f32[sel], f32b[sel])
-
-
-def test_a_corrupted_payload_is_caught_by_the_predicted_checksum():
-    g = torch.Generator().manual_seed(3)
-    old = torch.randn(4096, generator=g).to(torch.bfloat16)
+    image = torch.randn(3 << 20, generator=g).to(torch.bfloat16)  # more than one chunk of words
+    base = checksum(image)
+    for at in (0, 123, (1 << 20) + 5, (3 << 20) - 1):
+        flipped = image.clone()
+        flipped.view(torch.int16)[at] ^= 1
+        assert checksum(flipped) != base
+    swapped = image.clone()
+    swapped[[10, 11]] = image[[11, 10]]
+    assert image[10] == image[11] or checksum(swapped) != base  # positions are weighted
+    old = image[:4096]
     new = old.clone()
     new[::97] += 1
-    kind, payload, idx = encode_delta(new, old)
-    want = image_checksum(new)
-    bad = payload.clone()
-    bad[-1] ^= 0x40  # one bit of the last value
-    pos, values = decode_delta(kind, bad, 4096, idx.numel(), torch.bfloat16)
-    assert image_checksum(old) + word_checksum_delta(pos, old[pos], values) != want
-    pos, values = decode_delta(kind, payload, 4096, idx.numel(), torch.bfloat16)
-    assert image_checksum(old) + word_checksum_delta(pos, old[pos], values) == want
+    kind, payload, n = encode_delta(new, old)
+    with pytest.raises(VerlRuntimeError, match="value bytes"):
+        decode_delta(kind, payload[:-2], 4096, n, torch.bfloat16)
+    with pytest.raises(VerlRuntimeError, match="outside"):
+        decode_delta(INDEX, torch.cat([torch.tensor([5000], dtype=torch.int32).view(torch.uint8),
+                                       torch.zeros(2, dtype=torch.uint8)]), 4096, 1, torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------- one process

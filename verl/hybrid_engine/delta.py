@@ -4,23 +4,24 @@ engine's dtype changed since the last sync, and the receiver proves it holds wha
 The unit is an *image*: for one bucket of the `ReshardPlan`, one sender rank s and one receiving generation
 rank g (s may be g), the concatenation of the pieces s contributes to g's targets, in plan order, cast to the
 engine's dtype — exactly the flat buffer a full sync would pack. The sender keeps its last image per (bucket,
-g) (`mirror`); the receiver keeps none: its image lives in the engine's weights, each position mapped to one
-element of one target tensor (`_PieceMap`).
+g) (`DeltaState.mirror`: one engine-dtype copy of what the rank sends); the receiver keeps none: its image lives
+in the engine's weights, each position one element of a target tensor (`_PieceMap`), written in place.
 
-Per image and sync the sender sends a header (`Header`) and a payload, and the payload is the cheaper of
+Per image and sync the sender sends a 7-int header (kind, elements, changed, payload bytes, payload checksum, base
+version, image checksum or -1) and a payload, the cheaper of
 - index + value: int32 positions of the changed elements, then their new values;
 - bitmask + value: one bit per element (padded to 8 bytes), then the changed values in position order;
-(nothing at all when nothing changed; the whole image at a full sync). "Changed" compares bit patterns, so -0.0
-vs 0.0 and NaN payloads count as changes and the result is bit-exact.
+(nothing when nothing changed; the whole image at a full sync). "Changed" compares bit patterns, so -0.0 vs 0.0
+and NaN payloads count as changes and the result is bit-exact.
 
-Checksum: `image_checksum` is a position-weighted sum over the image's 16-bit words, exact in int64 (weights
-below 2^16, words shifted to [1, 2^16]; exact for images below 2^31 words, i.e. buckets below 4 GiB). It is
-additive, so the sender updates it from the changed elements alone, and the receiver predicts it from the old
-and new values of the elements it is about to write: a corrupted index or value (or a base that is not the
-sender's) fails the comparison *before* anything is written, and the bucket is resent whole (counted in
-`DeltaStats.bucket_resyncs`). Every `verify_every`-th sync the sender checksums its fresh image and the receiver
-its whole image as the engine holds it; a mismatch (e.g. the engine's memory changed behind the sync) resends
-that bucket whole too (`verify_failures`). It is not cryptographic: it detects transport and bookkeeping errors.
+Checks, each counted when it fires:
+- on arrival: the CRC-32 (`checksum`) of the payload against the header's, and the decoded sizes against the
+  header; a mismatch writes nothing and the bucket is resent whole (`DeltaStats.bucket_resyncs`);
+- every `verify_every`-th sync the sender also sends the CRC-32 of its fresh image, and the receiver compares it
+  with the CRC-32 of the image as the engine holds it after the write: equal means (up to CRC collisions) the
+  engine holds exactly the cast of the current training weights; a mismatch (the engine's memory changed
+  behind the sync) resends that bucket whole (`verify_failures`).
+CRC-32 catches transport and bookkeeping errors, not an adversary.
 
 Versions: both sides count the syncs of one `HybridEngine` (`DeltaState.version`); the engine carries the tag of
 the last sync written into it (`RolloutEngine.sync_base`, cleared by any other write). At the start of a sync
@@ -30,7 +31,7 @@ the sync is a full one (`forced_full` when it was not the first): no delta is ev
 
 from __future__ import annotations
 
-import math
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -40,51 +41,23 @@ import torch.distributed as dist
 from verl.errors import VerlRuntimeError
 from verl.hybrid_engine.executor import ReshardExecutor, agree
 from verl.hybrid_engine.planner import Bucket, TargetPlan
-from verl.ops.reshard import reshard_pack
 
-__all__ = ["DeltaState", "DeltaStats", "DeltaExecutor", "decode_delta", "encode_delta", "image_checksum",
-           "word_checksum_delta", "NONE", "FULL", "INDEX", "BITMASK"]
+__all__ = ["DeltaState", "DeltaStats", "DeltaExecutor", "checksum", "decode_delta", "encode_delta", "NONE", "FULL",
+           "INDEX", "BITMASK"]
 
 NONE, FULL, INDEX, BITMASK = 0, 1, 2, 3
 KIND_NAMES = {NONE: "none", FULL: "full", INDEX: "index", BITMASK: "bitmask"}
-_HEADER = 7  # kind, numel, changed, payload bytes, checksum after, base version, verify
-_CHUNK = 1 << 20
+_HEADER = 7  # kind, numel, changed, payload bytes, payload checksum, base version, image checksum (or -1)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 # ----------------------------------------------------------------------------------------------- pure parts
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The 16-bit words of a flat tensor, as int64 in [1, 2^16] (1-byte dtypes: one word per byte)."""
-    if t.element_size() == 1:
-        return t.view(torch.uint8).long() + 1
-    return t.contiguous().view(torch.int16).long() + 32769
-
-
-def _coef(pos: torch.Tensor) -> torch.Tensor:
-    """Odd weights below 2^16 for word positions (int64): a multiplicative hash of the position."""
-    return (((pos * 0x9E3779B1) >> 15) & 0xFFFF) | 1
-
-
-def image_checksum(image: torch.Tensor) -> int:
-    """Σ_j coef(j) · word_j over the image's 16-bit words (see the module docstring), in chunks."""
-    words = _words(image.reshape(-1))
-    total = 0
-    for start in range(0, words.numel(), _CHUNK):
-        w = words[start:start + _CHUNK]
-        pos = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
-        total += int((_coef(pos) * w).sum())
-    return total
-
-
-def word_checksum_delta(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> int:
-    """How the checksum moves when the elements at `positions` (element indices, int64) go from `old` to `new`."""
-    if positions.numel() == 0:
-        return 0
-    per = max(1, new.element_size() // 2)
-    words_new, words_old = _words(new).view(-1, per), _words(old).view(-1, per)
-    pos = positions[:, None] * per + torch.arange(per, device=positions.device)
-    return int((_coef(pos) * (words_new - words_old)).sum())
+def checksum(t: torch.Tensor) -> int:
+    """CRC-32 of `t`'s bytes (zlib's; a copy to the host first for device tensors): every error burst of up to
+    32 bits, and all but 2^-32 of the rest, change it."""
+    raw = t.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
+    return zlib.crc32(raw.numpy()) if raw.numel() else 0
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -92,55 +65,62 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """One bit per element (little-endian within a byte), padded to a multiple of 8 bytes."""
+    """One bit per element (element i at bit i % 8 of byte i // 8), padded to a multiple of 8 bytes: each run of
+    8 bools, read as one int64 of 0/1 bytes, folds its bytes' low bits into its low byte by three shift-ors."""
     n = mask.numel()
     padded = torch.zeros(-(-n // 64) * 64, dtype=torch.uint8, device=mask.device)
-    padded[:n] = mask.to(torch.uint8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-    return (padded.view(-1, 8) * weights).sum(-1, dtype=torch.uint8)
+    padded[:n] = mask.view(torch.uint8)
+    x = padded.view(torch.int64)
+    x = x | (x >> 7)
+    x = x | (x >> 14)
+    x = x | (x >> 28)
+    return (x & 0xFF).to(torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed[:, None] >> shifts) & 1).reshape(-1)[:n].bool()
+    """The inverse of `_pack_bits`: each byte's bits spread back over 8 bytes of 0/1 (three shift-ors), as bools."""
+    x = packed.long()
+    x = x | (x << 28)
+    x = x | (x << 14)
+    x = x | (x << 7)
+    return (x & 0x0101010101010101).view(torch.uint8)[:n].view(torch.bool)
 
 
-def encode_delta(new: torch.Tensor, old: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(kind, payload bytes, changed positions) taking flat image `old` to `new` (same dtype and size): the
-    smaller of index + value and bitmask + value, NONE when nothing changed."""
+def encode_delta(new: torch.Tensor, old: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+    """(kind, payload bytes, changed count) taking flat image `old` to `new` (same dtype and size): the smaller of
+    index + value and bitmask + value, NONE when nothing changed. Changes are compared as bit patterns."""
     itype = _INT[new.element_size()]
     changed = new.view(itype) != old.view(itype)
-    idx = changed.nonzero().view(-1)
-    n, es = idx.numel(), new.element_size()
+    n = int(torch.count_nonzero(changed))
     if n == 0:
-        return NONE, torch.empty(0, dtype=torch.uint8, device=new.device), idx
-    values = _as_bytes(new[idx])
-    index_bytes, mask_bytes = n * 4, -(-new.numel() // 64) * 8
-    if index_bytes <= mask_bytes:
-        return INDEX, torch.cat([_as_bytes(idx.to(torch.int32)), values]), idx
-    return BITMASK, torch.cat([_pack_bits(changed), values]), idx
+        return NONE, torch.empty(0, dtype=torch.uint8, device=new.device), 0
+    values = _as_bytes(new[changed])
+    if 4 * n <= -(-new.numel() // 64) * 8:  # the values cost the same either way
+        return INDEX, torch.cat([_as_bytes(changed.nonzero().view(-1).to(torch.int32)), values]), n
+    return BITMASK, torch.cat([_pack_bits(changed), values]), n
 
 
 def decode_delta(kind: int, payload: torch.Tensor, numel: int, changed: int,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions int64, values) of an encoded delta (`encode_delta`'s payload)."""
+    """(where, values) of an encoded delta: `where` is int64 positions (INDEX) or a bool mask over the image
+    (BITMASK); values in position order. Sizes that disagree with the header raise VerlRuntimeError."""
     es = torch.empty((), dtype=dtype).element_size()
-    if kind == NONE:
-        return torch.empty(0, dtype=torch.int64, device=payload.device), torch.empty(0, dtype=dtype,
-                                                                                      device=payload.device)
     if kind == INDEX:
-        idx = payload[:4 * changed].view(torch.int32).long()
-        values = payload[4 * changed:].view(dtype)
+        where, values = payload[:4 * changed].view(torch.int32).long(), payload[4 * changed:]
+        if where.numel() and (int(where.min()) < 0 or int(where.max()) >= numel):
+            raise VerlRuntimeError(f"delta sync: an index payload points outside its {numel}-element image")
     elif kind == BITMASK:
         nbytes = -(-numel // 64) * 8
-        idx = _unpack_bits(payload[:nbytes], numel).nonzero().view(-1)
-        values = payload[nbytes:].view(dtype)
+        where, values = _unpack_bits(payload[:nbytes], numel), payload[nbytes:]
+        marked = int(torch.count_nonzero(where))
+        if marked != changed:
+            raise VerlRuntimeError(f"delta sync: a bitmask payload marks {marked} elements, its header {changed}")
     else:
         raise VerlRuntimeError(f"delta sync: unknown payload kind {kind}")
-    if idx.numel() != changed or values.numel() * es != changed * es or values.numel() != changed:
-        raise VerlRuntimeError(f"delta sync: a {KIND_NAMES.get(kind, kind)} payload announced {changed} changed "
-                               f"elements but holds {idx.numel()} positions and {values.numel()} values")
-    return idx, values
+    if values.numel() != changed * es:
+        raise VerlRuntimeError(f"delta sync: a {KIND_NAMES[kind]} payload holds {values.numel()} value bytes for "
+                               f"{changed} changed elements")
+    return where, values.view(dtype)
 
 
 # ----------------------------------------------------------------------------------------------- state
@@ -155,10 +135,6 @@ class DeltaState:
     """Syncs completed (-1: none: the next is full)."""
     mirror: dict = field(default_factory=dict)
     """Sender: (bucket, receiver) → the last image sent (engine dtype)."""
-    sent_sums: dict = field(default_factory=dict)
-    """Sender: (bucket, receiver) → checksum of that image."""
-    held_sums: dict = field(default_factory=dict)
-    """Receiver: (bucket, sender) → checksum of the image its engine holds from that sender."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,7 +146,7 @@ class DeltaStats:
     forced_full: int = 0
     """1 when the versions disagreed after an earlier sync (a delta refused, a full sync instead)."""
     bucket_resyncs: int = 0
-    """Buckets resent whole because a payload's checksum did not match on arrival."""
+    """Buckets resent whole because a payload's checksum (or its sizes) did not match on arrival."""
     verify_failures: int = 0
     """Buckets resent whole because the periodic full check found the engine's image differing."""
     verified: bool = False
@@ -188,60 +164,57 @@ class DeltaStats:
 
 
 class _PieceMap:
-    """Where each position of one (bucket, sender) image lives in the receiver's engine tensors."""
+    """Where each position of one (bucket, sender) image lives in the receiver's engine tensors: blocks of
+    target tensors (a piece's rows along its dim), in image order."""
 
     def __init__(self, items: list[tuple[TargetPlan, int]], tensors: dict[str, torch.Tensor]):
-        self.blocks = []  # (engine tensor, dim, dst offset, block shape, image start, numel)
+        self.blocks = []  # (block view into the engine tensor, its tensor, dim, dst offset, image start, numel)
         start = 0
         for tp, i in items:
             pc, t = tp.pieces[i], tensors[tp.target.name]
-            shape = list(tp.target.shape)
-            shape[tp.dim] = pc.length
-            n = math.prod(shape)
-            self.blocks.append((t, tp.dim, pc.dst_offset, tuple(shape), start, n))
-            start += n
+            view = t.narrow(tp.dim, pc.dst_offset, pc.length)
+            self.blocks.append((view, t, tp.dim, pc.dst_offset, start, view.numel()))
+            start += view.numel()
         self.numel = start
-        self.starts = torch.tensor([b[4] for b in self.blocks] + [start], dtype=torch.int64)
 
     def write_all(self, image: torch.Tensor) -> None:
-        for t, dim, off, shape, start, n in self.blocks:
-            t.narrow(dim, off, shape[dim]).copy_(image[start:start + n].view(shape))
+        for view, _, _, _, start, n in self.blocks:
+            view.copy_(image[start:start + n].view(view.shape))
 
     def read_all(self) -> torch.Tensor:
-        return torch.cat([t.narrow(dim, off, shape[dim]).reshape(-1) for t, dim, off, shape, _, _ in self.blocks])
+        return torch.cat([view.reshape(-1) for view, *_ in self.blocks])
 
-    def _split(self, positions: torch.Tensor):
-        """(block, flat element indices into its tensor, slice of `positions`) for every block hit."""
-        which = torch.searchsorted(self.starts, positions.cpu(), right=True) - 1
-        bounds = torch.searchsorted(which, torch.arange(len(self.blocks) + 1))
-        for b, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+    def write_mask(self, mask: torch.Tensor, values: torch.Tensor) -> None:
+        taken = 0
+        for view, _, _, _, start, n in self.blocks:
+            m = mask[start:start + n]
+            k = int(torch.count_nonzero(m))
+            if k:
+                view.masked_scatter_(m.view(view.shape).to(view.device), values[taken:taken + k].to(view.device))
+                taken += k
+
+    def write_index(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        starts = torch.tensor([b[4] for b in self.blocks] + [self.numel], dtype=torch.int64)
+        bounds = torch.searchsorted(positions.cpu(), starts).tolist()
+        for (view, t, dim, off, start, _), lo, hi in zip(self.blocks, bounds[:-1], bounds[1:]):
             if lo == hi:
                 continue
-            t, dim, off, shape, start, _ = self.blocks[b]
             q = positions[lo:hi] - start
-            flat = torch.zeros_like(q)
-            for k in range(len(shape) - 1, -1, -1):
-                coord = q % shape[k]
-                q = q // shape[k]
-                flat += (coord + (off if k == dim else 0)) * t.stride(k)
-            yield t, flat, slice(lo, hi)
-
-    def read(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(positions.numel(), dtype=dtype, device=positions.device)
-        for t, flat, sl in self._split(positions):
-            out[sl] = t.view(-1)[flat.to(t.device)].to(out.device)
-        return out
-
-    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        for t, flat, sl in self._split(positions):
-            t.view(-1)[flat.to(t.device)] = values[sl].to(t.device)
+            if dim == 0:  # rows of a contiguous tensor: one flat range
+                flat = q + off * (t.stride(0) if t.dim() else 1)
+            else:
+                flat = torch.zeros_like(q)
+                for k in range(view.dim() - 1, -1, -1):
+                    flat += (q % view.shape[k] + (off if k == dim else 0)) * t.stride(k)
+                    q = q // view.shape[k]
+            t.view(-1)[flat.to(t.device)] = values[lo:hi].to(t.device)
 
 
 # ----------------------------------------------------------------------------------------------- executor
 
 class DeltaExecutor(ReshardExecutor):
-    """Runs one delta sync of `plan` on this rank (see the module docstring): `run(tensors)` writes into the
-    engine's live tensors (`tensors`: target name → tensor; None on a rank that only sends)."""
+    """Runs one delta sync of `plan` on this rank (see the module docstring): `run(engine)` writes into the
+    engine's live tensors (`engine.weight_tensors()`; None on a rank that only sends)."""
 
     tamper = None
     """Tests only: called with (bucket index, sender, payload) on every received payload before it is used,
@@ -253,9 +226,6 @@ class DeltaExecutor(ReshardExecutor):
         self.state, self.dtype, self.verify = state, engine_dtype, verify
         self._element_size = torch.empty((), dtype=engine_dtype).element_size()
         self.dstats = DeltaStats(verified=verify)
-        # receiver: (bucket, sender) → its _PieceMap over the engine's tensors of this sync (an engine may have
-        # replaced a tensor object since the last one)
-        self.maps: dict = {}
 
     # -- the whole sync ---------------------------------------------------------------------------------------
     def run(self, engine) -> DeltaStats:
@@ -273,8 +243,7 @@ class DeltaExecutor(ReshardExecutor):
                                             rank=self.rank)
         full = not self._versions_agree(engine)
         st = self.dstats
-        st.full = full
-        st.forced_full = int(full and self.state.version >= 0)
+        st.full, st.forced_full = full, int(full and self.state.version >= 0)
         for bucket in self.plan.buckets:
             ok, verify_ok = self._bucket(bucket, tensors, full)
             if not agree(ok and verify_ok, self.group):
@@ -331,32 +300,32 @@ class DeltaExecutor(ReshardExecutor):
         for s, (header, payload) in sorted(received.items()):
             if self.tamper is not None:
                 payload = self.tamper(bucket.index, s, payload)
-            key = (bucket.index, s)
-            if key not in self.maps:
-                self.maps[key] = _PieceMap(inc[s], tensors)
-            a, b = self._apply(key, header, payload)
+            a, b = self._apply(_PieceMap(inc[s], tensors), header, payload)
             ok, verify_ok = ok and a, verify_ok and b
         return ok, verify_ok
 
+    def _image(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The blocks, flattened in order and cast to the engine's dtype in one copy each."""
+        image = torch.empty(sum(b.numel() for b in blocks), dtype=self.dtype, device=blocks[0].device)
+        start = 0
+        for b in blocks:
+            image[start:start + b.numel()].view(b.shape).copy_(b)
+            start += b.numel()
+        return image
+
     def _encode(self, b: int, g: int, blocks: list[torch.Tensor], full: bool):
-        """(header, payload) of image (bucket b → receiver g); updates the mirror and its checksum."""
-        image = self._cast(reshard_pack(blocks))
-        key, st = (b, g), self.dstats
-        old = self.state.mirror.get(key)
+        """(header, payload) of image (bucket b → receiver g); the image becomes the mirror."""
+        image = self._image(blocks)
+        old = self.state.mirror.get((b, g))
         if full or old is None:
             kind, payload, n = FULL, _as_bytes(image), image.numel()
-            self.state.mirror[key] = image
-            self.state.sent_sums[key] = image_checksum(image)
         else:
-            kind, payload, idx = encode_delta(image, old)
-            n = idx.numel()
-            self.state.sent_sums[key] += word_checksum_delta(idx, old[idx], image[idx])
-            old[idx] = image[idx]
-            if self.verify:  # the fresh image's own checksum: proves the mirror's bookkeeping too
-                self.state.sent_sums[key] = image_checksum(image)
-        st.kinds[KIND_NAMES[kind]] += 1
-        header = torch.tensor([kind, image.numel(), n, payload.numel(), self.state.sent_sums[key],
-                               self.state.version, int(self.verify)], dtype=torch.int64)
+            kind, payload, n = encode_delta(image, old)
+        self.state.mirror[(b, g)] = image
+        self.dstats.kinds[KIND_NAMES[kind]] += 1
+        image_sum = checksum(image) if self.verify and kind != FULL else -1
+        header = torch.tensor([kind, image.numel(), n, payload.numel(), checksum(payload), self.state.version,
+                               image_sum], dtype=torch.int64)
         return header, payload
 
     def _trade(self, bucket: Bucket, sends: dict, inc: dict) -> dict:
@@ -379,39 +348,29 @@ class DeltaExecutor(ReshardExecutor):
         received.update({s: (headers[s].cpu(), payloads[s]) for s in peers_in})
         return received
 
-    def _apply(self, key, header: torch.Tensor, payload: torch.Tensor) -> tuple[bool, bool]:
+    def _apply(self, pmap: _PieceMap, header: torch.Tensor, payload: torch.Tensor) -> tuple[bool, bool]:
         """Checks one image's payload against its checksum and writes it into the engine: (payload ok, full
-        check ok). Nothing is written when the payload fails."""
-        kind, numel, changed, _, expect, base, verify = (int(x) for x in header.tolist())
-        pmap, st, es = self.maps[key], self.dstats, self._element_size
+        check ok). Nothing is written when the payload fails its checks."""
+        kind, numel, changed, _, payload_sum, base, image_sum = (int(x) for x in header.tolist())
+        st, es = self.dstats, self._element_size
         st.elements += numel
         st.changed += changed
         st.engine_bytes += payload.numel() + 8 * _HEADER
         st.full_bytes += numel * es
-        if numel != pmap.numel:
+        if numel != pmap.numel or checksum(payload) != payload_sum:
             return False, True
         if kind == FULL:
             if payload.numel() != numel * es:
                 return False, True
-            image = payload.view(self.dtype)
-            if image_checksum(image) != expect:
-                return False, True
-            pmap.write_all(image)
-            self.state.held_sums[key] = expect
-        else:
-            if base != self.state.version or key not in self.state.held_sums:
+            pmap.write_all(payload.view(self.dtype))
+        elif kind != NONE:
+            if base != self.state.version:
                 return False, True
             try:
-                idx, values = decode_delta(kind, payload, numel, changed, self.dtype)
+                where, values = decode_delta(kind, payload, numel, changed, self.dtype)
             except VerlRuntimeError:
                 return False, True
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel):
-                return False, True
-            predicted = self.state.held_sums[key] + word_checksum_delta(idx, pmap.read(idx, self.dtype), values)
-            if predicted != expect:
-                return False, True
-            pmap.write(idx, values)
-            self.state.held_sums[key] = expect
-        if verify:
-            return True, image_checksum(pmap.read_all()) == expect
+            (pmap.write_index if kind == INDEX else pmap.write_mask)(where, values)
+        if image_sum >= 0:
+            return True, checksum(pmap.read_all()) == image_sum
         return True, True
