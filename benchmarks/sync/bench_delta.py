@@ -151,6 +151,24 @@ def _summary(per_rank: list[dict]) -> dict:
     return out
 
 
+SCALED = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1376,
+              max_position_embeddings=512, vocab_size=8192)
+"""--model scaled: a Llama of SmolLM2's family, 8 heads / 4 KV heads (so megatron runs at TP=2), ~13M parameters:
+the 1,000-sync equality run at a size this shared 2-core machine finishes."""
+
+
+def _model_dir(name: str) -> str:
+    if name != "scaled":
+        from verl.models.pretrained import resolve_model_path
+        return str(resolve_model_path(name))
+    import tempfile
+
+    from verl.config.ppo import TinyModelConfig
+    from verl.models.tiny import save_tiny, tiny_model
+    out = Path(tempfile.mkdtemp(prefix="verl-bench-delta-")) / "scaled"
+    return str(save_tiny(tiny_model(TinyModelConfig(**SCALED), seed=3, initializer_range=0.02), None, out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sources", nargs="+", default=["megatron", "fsdp", "torch"])
@@ -160,13 +178,13 @@ def main() -> None:
     ap.add_argument("--verify-every", type=int, default=100, help="rollout.delta_verify_every")
     ap.add_argument("--lr", type=float, default=2e-6, help="the example's learning rate")
     ap.add_argument("--bucket-mb", type=float, default=64.0, help="rollout.sync_bucket_mb")
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="a shipped model's name, a directory, or 'scaled'")
     ap.add_argument("--megatron-tp", type=int, default=3,
-                    help="megatron's TP size (= its processes): SmolLM2-135M's 9 heads / 3 KV heads split over 3, not 2")
+                    help="megatron's TP size (= its processes): SmolLM2-135M's 9 heads / 3 KV heads split over 3, not "
+                         "2; the scaled model's over 2")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_delta_sync.json"))
     args = ap.parse_args()
-    from verl.models.pretrained import resolve_model_path
-    path = str(resolve_model_path(args.model))
+    path = _model_dir(args.model)
     results = {}
     for kind in args.sources:
         syncs = args.torch_syncs if kind == "torch" and args.torch_syncs else args.syncs
