@@ -133,7 +133,8 @@ def role_engines(role: str) -> tuple[str, ...]:
 def describe_engines() -> list[str]:
     """Lines for --help: every engine by kind, its summary and its capabilities that are on."""
     flags = ("offloadable", "exclusive", "pausable", "tensor_parallel", "needs_model_dir", "shares_module",
-             "spans_world", "model_parallel", "sends_to_own_ranks", "prefix_sharing", "router_replay", "lora", "delta_sync")
+             "spans_world", "model_parallel", "sends_to_own_ranks", "prefix_sharing", "router_replay", "lora",
+             "delta_sync")
     lines = []
     for kind in KINDS:
         lines.append(f"{kind} engines ({', '.join(r for r, k in ROLE_KIND.items() if k == kind)}):")

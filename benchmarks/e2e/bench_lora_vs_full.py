@@ -29,7 +29,8 @@ JOBS = {"lora": "examples/smollm2_gsm8k_lora.yaml", "full": "examples/smollm2_gs
 
 def _overrides(args, out: Path) -> list[str]:
     return [f"trainer.total_steps={args.steps}", f"data.train_batch_size={args.prompts}",
-            f"actor.mini_batch_size={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new_tokens}",
+            f"actor.mini_batch_size={args.prompts}", f"rollout.n={args.n}",
+            f"rollout.max_new_tokens={args.max_new_tokens}",
             "trainer.save_final=false", "trainer.save_every=0", "trainer.export_hf=false", "trainer.plot=false",
             "trainer.tensorboard=false", "trainer.progress_bar=false", "trainer.threads=1", f"trainer.seed={args.seed}",
             f"trainer.output_dir={out}"]
@@ -83,8 +84,8 @@ def main() -> None:
         rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
         curves[name] = [{k: r[k] for k in keep if k in r} for r in rows if "reward/mean" in r]
     pairs = list(zip(curves["lora"], curves["full"]))
-    total = {n: sum(r["perf/tokens_per_s"] * r["perf/step_time_s"] for r in rows) / sum(r["perf/step_time_s"] for r in rows)
-             for n, rows in curves.items()}
+    total = {n: sum(r["perf/tokens_per_s"] * r["perf/step_time_s"] for r in rows) /
+             sum(r["perf/step_time_s"] for r in rows) for n, rows in curves.items()}
     summary = dict(tokens_per_s_ratio_median=statistics.median(a["perf/tokens_per_s"] / b["perf/tokens_per_s"]
                                                              for a, b in pairs),
                    tokens_per_s_ratio_total=total["lora"] / total["full"],
@@ -97,7 +98,8 @@ def main() -> None:
                    reward_mean_last_half={n: statistics.mean(r["reward/mean"] for r in rows[len(rows) // 2:])
                                           for n, rows in curves.items()})
     meta = {"command": "python " + " ".join(["benchmarks/e2e/bench_lora_vs_full.py", *sys.argv[1:]]), "jobs": JOBS,
-            "overrides": _overrides(args, Path("<out>")), "wall_s": wall, "host": platform.node(), "cpus": os.cpu_count(),
+            "overrides": _overrides(args, Path("<out>")), "wall_s": wall, "host": platform.node(),
+            "cpus": os.cpu_count(),
             "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             "note": "both jobs at once, one torch thread each, on a shared machine; tokens/s = the step's prompt + "
                     "response tokens over its wall time"}

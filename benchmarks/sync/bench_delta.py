@@ -126,7 +126,8 @@ def _body(rank, world, kind, path, args):
                        full_comm_bytes=full.last_stats.bytes_sent + full.last_stats.bytes_received)
         rows.append(row)
     full.sync(local(), other)
-    bad = [n for n, t in other.tensors.items() if not torch.equal(t.view(torch.int16), copy.tensors[n].view(torch.int16))]
+    bad = [n for n, t in other.tensors.items()
+           if not torch.equal(t.view(torch.int16), copy.tensors[n].view(torch.int16))]
     return dict(rows=rows, bit_exact=not bad, differing=bad[:5], tensors=len(other.tensors),
                 elements=sum(t.numel() for t in other.tensors.values()))
 
@@ -138,7 +139,8 @@ def _summary(per_rank: list[dict]) -> dict:
     med = statistics.median
     out = dict(syncs=len(rows), bit_exact_after_all=all(p["bit_exact"] for p in per_rank),
                changed_frac_median=med(r["changed_frac"] for r in rows),
-               changed_frac_min=min(r["changed_frac"] for r in rows), changed_frac_max=max(r["changed_frac"] for r in rows),
+               changed_frac_min=min(r["changed_frac"] for r in rows),
+               changed_frac_max=max(r["changed_frac"] for r in rows),
                bytes_median=med(r["bytes"] for r in rows), full_bytes=rows[0]["full_bytes"],
                comm_bytes_median=med(comm), resyncs=sum(r["resyncs"] for r in rows),
                verified_syncs=sum(r["verified"] for r in rows), forced_full=sum(r["full_sync"] for r in rows))
@@ -198,7 +200,8 @@ def main() -> None:
                              per_sync=[{k: v for k, v in r.items() if k != "kinds"} | {"kinds": r["kinds"]}
                                        for r in per_rank[0]["rows"]])
         s = results[kind]["summary"]
-        print(f"{kind}: {s['syncs']} syncs, bit-exact {s['bit_exact_after_all']}, changed {s['changed_frac_median']:.4f}, "
+        print(f"{kind}: {s['syncs']} syncs, bit-exact {s['bit_exact_after_all']}, "
+              f"changed {s['changed_frac_median']:.4f}, "
               f"bytes {s['bytes_ratio']:.4f} of full, time {s.get('time_ratio', float('nan')):.3f} of full", flush=True)
     meta = {"command": "python " + " ".join(["benchmarks/sync/bench_delta.py", *sys.argv[1:]]),
             "model": args.model, "threads_per_process": 1, "engine_dtype": "bfloat16",

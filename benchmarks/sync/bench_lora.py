@@ -128,7 +128,8 @@ def main() -> None:
     summary["ratios"] = dict(lora_bytes_over_adapter=summary["lora"]["bytes"] / adapter,
                              adapter_over_model=adapter / one_model,
                              lora_bytes_over_full=summary["lora"]["bytes"] / summary["full"]["bytes"],
-                             lora_time_over_full=med(lr["sync_s"] / fr["sync_s"] for lr, fr in zip(rows["lora"], rows["full"])))
+                             lora_time_over_full=med(lr["sync_s"] / fr["sync_s"]
+                                                     for lr, fr in zip(rows["lora"], rows["full"])))
     meta = {"command": "python " + " ".join(["benchmarks/sync/bench_lora.py", *sys.argv[1:]]), "model": args.model,
             "lora_rank": args.rank, "target_modules": "all-linear", "adapter_bytes": adapter, "model_bytes": one_model,
             "threads": 1, "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,

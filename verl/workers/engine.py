@@ -35,8 +35,8 @@ from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_pr
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.packing import PackedBatch, micro_batch_slices, pack, pack_shared, packed_attention
 
-__all__ = ["BaseModelView", "ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
-           "packed_head_outputs"]
+__all__ = ["BaseModelView", "ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation",
+           "head_outputs", "packed_head_outputs"]
 
 
 class OptimizerStep(NamedTuple):
@@ -265,7 +265,8 @@ class ModuleEngine:
     def hybrid_engine(self, config):
         """The 3D-HybridEngine planned for this module's data-parallel replicas (collective)."""
         from verl.hybrid_engine.module import hybrid_engine_for_module
-        return hybrid_engine_for_module(self.module, config, group=self.placement.dp, params=self.sync_layout_params())
+        return hybrid_engine_for_module(self.module, config, group=self.placement.dp,
+                                        params=self.sync_layout_params())
 
 
 class BaseModelView:
