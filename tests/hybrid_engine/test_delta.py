@@ -269,3 +269,17 @@ def test_delta_to_a_rollout_on_its_own_ranks_equals_a_full_sync():
     assert res["bad"] == [] and res["n"] > 0
     assert res["received"][0] >= res["full"]  # the first sync is full
     assert all(r < res["full"] / 3 for r in res["received"][1:])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.sync=delta", "rollout.engine=vllm"], r"rollout.sync=delta writes the changed elements .* "
+                                                    r"rollout.engine=vllm does not"),
+    (["rollout.sync=delta", "trainer.mode=async"], r"rollout.sync=delta needs every sync applied in order"),
+    (["rollout.delta_verify_every=-1"], r"rollout.delta_verify_every=-1 must be >= 0"),
+])
+def test_delta_settings_that_cannot_work_are_refused_when_the_config_is_read(overrides, match):
+    from verl.config import PPOConfig, load_config
+    from verl.errors import VerlConfigError
+    from tests.trainer.conftest import TINY
+    with pytest.raises(VerlConfigError, match=match):
+        load_config(PPOConfig, None, [*TINY, *overrides])

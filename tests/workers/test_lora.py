@@ -316,3 +316,14 @@ def test_async_partial_rollouts_with_lora_every_token_from_one_adapter_version(t
     assert res["checked"] > 0 and res["versions"] == [0, 1, 2, 3, 4]
     print(f"tokens checked against their adapter version: {res['checked']}; responses spanning versions: "
           f"{res['swaps']}")
+
+
+def test_merged_sync_hands_a_plain_engine_base_plus_scaled_adapters(tmp_path):
+    trainer, hist = _train(tmp_path, "actor.lora.sync=merged", "trainer.total_steps=2", "trainer.export_hf=false",
+                           "trainer.save_final=false")
+    engine = trainer.rollout.engine.model
+    assert engine is not trainer.actor.engine.module and not any(".lora_" in n for n, _ in engine.named_parameters())
+    want = sync_tensors(trainer.actor.engine.module, "merged")
+    held = dict(engine.named_parameters())
+    assert all(torch.equal(held[n], t) for n, t in want.items() if n in held)
+    assert hist[-1]["perf/sync_bytes"] == sum(p.nbytes for p in engine.parameters())

@@ -58,7 +58,8 @@ class RolloutConfig:
     compare_full_gather: bool = False
     """Benchmark: before each sync also move the weights the way the 3D-HybridEngine replaced (megatron actors:
     the whole model gathered to one rank, broadcast to the model-parallel group, loaded whole) and log its time
-    as perf/full_gather_s beside perf/sync_s, measured in the same run."""
+    as perf/full_gather_s beside perf/sync_s, measured in the same run; with rollout.sync=delta (any actor on the
+    rollout's ranks), the full sync of the same weights through the same plan, as perf/full_sync_s."""
     partial: bool = False
     """Partial rollouts (trainer.mode=async): generation in flight when a new weight version arrives is paused
     and resumed with the new weights, recording per token the version that produced it. It needs an engine
