@@ -220,9 +220,9 @@ class PPOTrainer:
         self.policy.load_state_dict(warmed.state_dict())
 
     def memory_report(self) -> dict[str, float]:
-        """memory/actor_ref_mb (the distinct weights the actor and reference hold on this rank, the reference's
-        shared base counted once) beside memory/model_mb (one copy of the policy), and the actor's optimizer
-        state (memory/actor_optim_mb)."""
+        """perf/actor_ref_memory_mb (the distinct weights the actor and reference hold on this rank, the reference's
+        shared base counted once) beside perf/model_memory_mb (one copy of the policy), and the actor's optimizer
+        state (perf/actor_optim_memory_mb)."""
         from verl.models.lora import unique_bytes
         if self.actor is None or not isinstance(self.actor.engine, ModuleEngine):
             return {}
@@ -234,8 +234,8 @@ class PPOTrainer:
         state = 0 if optim is None else sum(t.numel() * t.element_size() for st in optim.state.values()
                                             for t in st.values() if isinstance(t, torch.Tensor))
         mb = float(1 << 20)
-        return {"memory/actor_ref_mb": unique_bytes(*modules) / mb, "memory/model_mb": model / mb,
-                "memory/actor_optim_mb": state / mb}
+        return {"perf/actor_ref_memory_mb": unique_bytes(*modules) / mb, "perf/model_memory_mb": model / mb,
+                "perf/actor_optim_memory_mb": state / mb}
 
     def _link_rollout(self) -> None:
         """A rollout on its own ranks: the actor's ranks send it the weights over a group of both sets (created on
