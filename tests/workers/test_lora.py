@@ -218,7 +218,7 @@ def test_lora_job_trains_only_the_adapter_checkpoints_it_resumes_and_exports(tmp
 def _fsdp_body(rank, world, out):
     from verl.distributed import init_placement
     from verl.trainer.ppo_trainer import PPOTrainer
-    cfg = load_config(PPOConfig, None, [*TINY, *LORA, "actor.engine=fsdp", "trainer.export_hf=false",
+    cfg = load_config(PPOConfig, None, [*TINY, *LORA, "actor.engine=fsdp", "actor.use_kl_loss=true",
                                         "trainer.plot=false", "trainer.save_final=false", f"trainer.output_dir={out}"])
     trainer = PPOTrainer(cfg, init_placement("cpu", process_group=True))
     hist = trainer.fit()
@@ -230,12 +230,13 @@ def _fsdp_body(rank, world, out):
 
 
 @pytest.mark.multiprocess
-def test_fsdp2_shards_send_only_the_adapter_into_the_rollouts_copy(tmp_path):
+def test_fsdp2_shards_send_only_the_adapter_into_the_rollouts_copy_and_export_it(tmp_path):
     for rank, res in enumerate(run_distributed(_fsdp_body, 2, args=(str(tmp_path / "f"),), timeout=400)):
         assert res["equal"] and res["n"] > 0, rank
         for h in res["hist"]:
             assert h["perf/sync_bytes"] == res["adapter"] < res["model"] / 4
-            assert h["perf/sync_shared"] == 0.0
+            assert h["perf/sync_shared"] == 0.0 and "actor/kl" in h  # the reference: the base, adapters off
+    assert (tmp_path / "f" / "hf_actor" / "adapter_model.safetensors").is_file()  # gathered from the shards
 
 
 class _Recording:
