@@ -40,7 +40,7 @@ from verl.utils.state_check import Dict, Int, List, StateError, Str, read_json, 
 RUN_MANIFEST = "verl_run.json"
 FORMAT = "verl-run-v1"
 ARTEFACTS = (RUN_MANIFEST, "metrics.jsonl", "val_generations.jsonl", "tensorboard", "curves.png", "checkpoints",
-             "hf_actor", ".init_hf")
+             "hf_actor", "hf_actor_merged", ".init_hf")
 """What a run writes directly under its output folder (plus trace_step_N*.json)."""
 KINDS = ("file", "dir", "checkpoint", "tree")
 _MANIFEST_LIMIT = 64 << 20
@@ -109,7 +109,7 @@ def _artefact_paths(root: Path) -> list[Path]:
     out = [root / name for name in ARTEFACTS]
     if root.is_dir():
         out += sorted(root.glob("trace_step_*.json"))
-    for folder in ("checkpoints", "hf_actor", "tensorboard", ".init_hf"):
+    for folder in ("checkpoints", "hf_actor", "hf_actor_merged", "tensorboard", ".init_hf"):
         if (root / folder).is_dir() and not (root / folder).is_symlink():
             out += sorted((root / folder).iterdir())
     return out
