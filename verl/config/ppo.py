@@ -706,6 +706,10 @@ class WarmupConfig:
         require(self.lr > 0, "lr", self.lr, "must be > 0")
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""The largest config (as JSON text) a job may have: it is stored in every checkpoint's trainer_state.json."""
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """Loop, logging and checkpoints."""
@@ -724,7 +728,10 @@ class TrainerConfig:
     seed: int = 1
     """Seed of data order, sampling and initialisation."""
     output_dir: str = "outputs/default"
-    """Metrics, plots, checkpoints and the exported model go here."""
+    """Metrics, plots, checkpoints and the exported model go here. The run records what it creates in
+    output_dir/verl_run.json and never replaces or deletes anything else there. Refused on load: the filesystem
+    root, the home directory and folders above it, the verl checkout and folders above it, and a path of the run
+    that is a symbolic link leading out of the folder."""
     save_every: int = 0
     """Checkpoint every K steps (0: only at the end)."""
     save_final: bool = True
@@ -732,11 +739,19 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     """Most recent checkpoints kept on disk (0 keeps all)."""
     resume: str | None = None
-    """Checkpoint directory to continue from, or 'auto' for the newest valid one in output_dir (an incomplete or
-    corrupted newer one is skipped with a warning)."""
+    """Checkpoint directory to continue from, or 'auto' for the newest valid one of the folder's run in
+    output_dir (an incomplete or corrupted newer one is skipped with a warning; with none, a fresh start, unless
+    the folder holds an earlier run's history: then an error naming it). A checkpoint of N processes resumed by M
+    is resharded (torch / FSDP2 engines; rank r >= N seeds its RNG from trainer.seed, the step and r) or, for
+    megatron engines, refused."""
     overwrite: bool = False
-    """Start a fresh run in an output_dir that an earlier run used (checkpoints or metrics.jsonl there): deletes
-    that run's checkpoints and metrics first. Without it (and without `resume`) such a folder is refused."""
+    """Start a fresh run in an output_dir that an earlier run used: deletes exactly the files and folders that run
+    recorded in its verl_run.json first (anything else stays; a folder left holding other files is kept, with a
+    warning). Without it (and without `resume`) such a folder is refused."""
+    max_state_mb: float = 1024.0
+    """Largest trainer_state.json a checkpoint may write or read, in MB (it holds the step, data position, LR
+    schedules, the config and, in one_step_off mode, the batches in flight). A bigger one is an error naming the
+    key that makes it so; a checkpoint's file above it is refused before it is parsed."""
     trust_checkpoint: bool = False
     """Resume from a checkpoint without verl's verified manifest.json, and let DCP unpickle its metadata and
     objects unrestricted. Unpickling runs code: only for checkpoints whose origin you trust."""
@@ -790,6 +805,9 @@ class TrainerConfig:
     max_staleness batches."""
 
     def check(self) -> None:
+        from verl.utils.run_folder import check_output_dir
+        check_output_dir(self.output_dir)
+        require(0 < self.max_state_mb < 1 << 20, "max_state_mb", self.max_state_mb, "must be a number of MB > 0")
         for name in ("total_epochs", "test_freq"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.queue_size >= 0, "queue_size", self.queue_size,
@@ -1010,6 +1028,17 @@ class PPOConfig:
                                       f"{longest} tokens (data.max_prompt_length + rollout.max_new_tokens); use "
                                       f">= {longest}, or 0 for micro-batches of {role}.micro_batch_size responses")
         self.reward.check()
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Every checkpoint stores the config: bounded (free-form mappings such as rollout.engine_kwargs can hold
+        a YAML alias graph that expands to gigabytes), measured without expanding it."""
+        from verl.config.base import to_dict
+        from verl.utils.state_check import StateError, check_json_size
+        try:
+            check_json_size(to_dict(self), MAX_CONFIG_BYTES, "the copy of the config every checkpoint stores")
+        except StateError as e:
+            raise VerlConfigError(f"config key '{e.where or '<root>'}' {e.why}; shrink it") from None
 
     def engine_specs(self) -> dict:
         """Each role's engine (`verl.engines.EngineSpec`), as the config names it (world-size independent)."""

@@ -220,5 +220,10 @@ class BatchSampler:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
+    def state_spec(self):
+        """What a restored `state_dict` must hold: an epoch count and a position within this dataset."""
+        from verl.utils.state_check import MAX_STEP, Dict, Int
+        return Dict({"epoch": Int(0, MAX_STEP), "cursor": Int(0, self.num_examples)})
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

@@ -20,6 +20,7 @@ were, and `OptimizerStep.nonfinite` says what was not finite, where.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.utils.lr_schedule import LRSchedule
 from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
+from verl.utils.state_check import MAX_STEP, Bool, Dict, Each, Float, Int, Json, List, Opt, StateError, Str
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.packing import PackedBatch, micro_batch_slices, pack, pack_shared, packed_attention
 
@@ -118,6 +120,29 @@ def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
     else:
         lp, ent = lm_head_logprob_entropy(hidden[None], lm_head, targets, temperature / scale)
     return {"log_probs": packed.unpack(lp[0]), "entropy": packed.unpack(ent[0])}
+
+
+def _scalar_or_list(value, where: str) -> None:
+    """A scheduler state key this verl does not know (torch adds some across versions): JSON scalars only."""
+    items = value if isinstance(value, list) else [value]
+    if len(items) > 1 << 16 or not all(v is None or isinstance(v, (bool, str)) or (isinstance(v, (int, float))
+                                       and math.isfinite(v)) for v in items):
+        raise StateError(where, f"{str(value)[:60]}: must be a finite number, a string, true/false or a list of them")
+
+
+_STEPS, _RATE = Int(0, MAX_STEP), Float(0.0)
+SCHEDULER_STATE = Dict(
+    {"last_epoch": Int(-1, MAX_STEP), "_step_count": _STEPS, "base_lrs": List(_RATE), "_last_lr": List(_RATE),
+     "lr_lambdas": List(Opt(Dict({}, extra=Json()))), "verbose": Bool(), "_is_initial": Bool(),
+     "_get_lr_called_within_step": Bool(),
+     # megatron-core's OptimizerParamScheduler
+     "max_lr": _RATE, "min_lr": _RATE, "num_steps": _STEPS, "lr_warmup_steps": _STEPS, "lr_decay_steps": _STEPS,
+     "lr_decay_style": Str(32), "start_wd": _RATE, "end_wd": _RATE, "wd_incr_style": Str(32), "wd_incr_steps": _STEPS},
+    optional=("last_epoch", "_step_count", "base_lrs", "_last_lr", "lr_lambdas", "verbose", "_is_initial",
+              "_get_lr_called_within_step", "max_lr", "min_lr", "num_steps", "lr_warmup_steps", "lr_decay_steps",
+              "lr_decay_style", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"),
+    extra=Each(_scalar_or_list))
+"""What a restored LR scheduler state (torch's LambdaLR or megatron's) may hold, checked before it is loaded."""
 
 
 def build_optimizer(module: torch.nn.Module, optim: OptimConfig, total_steps: int):
