@@ -594,7 +594,7 @@ def test_behaves_ctrl_c_in_async_mode_ends_both_stages(tmp_path, target):
          "-m", "verl.trainer.main_ppo", "trainer.mode=async", "algorithm.max_staleness=2", "trainer.placement=split",
          "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]", "warmup.steps=0", "trainer.total_steps=100000",
          "trainer.progress_bar=false", "trainer.save_final=false", "trainer.collective_timeout_s=300",
-         f"trainer.output_dir={tmp_path}"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "val.num_examples=0", f"trainer.output_dir={tmp_path}"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
