@@ -21,6 +21,7 @@ from verl.errors import VerlConfigError
 from verl.rollout import Tokenizer, build_rollout, require_engine
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
+from verl.trainer.memory import check_memory_fits, model_shape
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
@@ -41,17 +42,25 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
     return PromptDataset.from_records(make_task(d.task, d.num_examples, seed=cfg.trainer.seed, max_operand=d.max_operand), source=f"task {d.task}")
 
 
-def load_policy(cfg: PPOConfig, dataset: PromptDataset):
+def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
-    the tiny local Llama with a BPE trained on the data."""
+    the tiny local Llama with a BPE trained on the data, in model.dtype. With a `placement`, a step that cannot
+    fit in memory is refused before the model is built (verl.trainer.memory)."""
     from verl.testing.tiny import tiny_model, tiny_tokenizer
+    shape = model_shape(cfg)
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
+        if placement is not None:
+            check_memory_fits(cfg, shape, placement.world_size, placement.device.type)
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
-    return tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed), tokenizer
+    if placement is not None:  # the vocabulary the corpus allowed, which may be below model.tiny.vocab_size
+        check_memory_fits(cfg, dataclasses.replace(shape, vocab=len(tokenizer)), placement.world_size,
+                          placement.device.type)
+    model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
+    return model.to(getattr(torch, cfg.model.dtype)), tokenizer
 
 
 def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
@@ -93,7 +102,7 @@ class PPOTrainer:
                 raise VerlConfigError("PPOTrainer(actor_model=...) needs tokenizer=... (the model's own tokenizer)")
             self.policy, self.tokenizer = actor_model, tokenizer
         else:
-            self.policy, self.tokenizer = load_policy(cfg, self.dataset)
+            self.policy, self.tokenizer = load_policy(cfg, self.dataset, placement)
         check_generation_layout(cfg, self.policy.config)
         self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
                                           cfg.data.max_prompt_length, cfg.data.overlong_prompts,
@@ -102,6 +111,9 @@ class PPOTrainer:
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+        if cfg.warmup.steps and cfg.warmup.batch_size > len(self.dataset):
+            raise VerlConfigError(f"warmup.batch_size={cfg.warmup.batch_size} examples per warm-start step exceeds the "
+                                  f"{len(self.dataset)} rows of the dataset; use at most {len(self.dataset)}")
         self.reward_fn = build_reward(cfg.reward, placement.device) if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
