@@ -19,6 +19,7 @@ from verl.dataflow.trace import merge_traces
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import Tokenizer, build_rollout, require_engine
+from verl.rollout.base import length_limit
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.memory import check_memory_fits, model_shape
@@ -69,7 +70,7 @@ def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
     if heads % cfg.rollout.tp:
         raise VerlConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the model's {heads} attention heads; "
                               f"use one of {[d for d in range(1, heads + 1) if heads % d == 0]}")
-    limit = cfg.rollout.max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    limit = length_limit(cfg.rollout.max_model_len, getattr(hf_config, "max_position_embeddings", None))
     need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if limit is not None and need > limit:
         raise VerlConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
