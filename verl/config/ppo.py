@@ -598,10 +598,10 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0
     """Timeout of every collective of every process group the job creates: a rank waiting longer than this for
     its peers (one died, or hangs) fails with an error instead of hanging."""
-    node_timeout_s: float = 0.0
+    node_timeout_s: float = 3600.0
     """Longest a PPO dataflow node (generate, score, update_actor, ...) may run on a rank before it is stopped
     and the step fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time
-    (0: no limit). A node blocked inside a collective is stopped when the collective returns, i.e. at the
+    (an hour by default, as for any dataflow node; 0: no limit, on request). A node blocked inside a collective is stopped when the collective returns, i.e. at the
     latest after collective_timeout_s."""
     max_nonfinite_steps: Annotated[int, Range(1, 1 << 30)] = 3
     """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN

@@ -219,8 +219,7 @@ def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
             out[node.name]["queue"] = {k: max(1, lag) for k in lagged}
         elif lag and lagged:
             out[node.name]["lag"] = lagged
-        if cfg.trainer.node_timeout_s > 0:
-            out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
+        out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
     return out
 
 
