@@ -68,7 +68,7 @@ class DataConfig:
     task: Literal["arithmetic", "counting", "gsm_symbolic"] = "arithmetic"
     """Task used when `train_files` is empty: arithmetic / counting (synthetic, local) or gsm_symbolic (GSM8K-style
     word problems from the reasoning-gym wheel, as chat messages; see verl.data.tasks)."""
-    num_examples: Annotated[int, Range(1, 1 << 24)] = 2000
+    num_examples: Annotated[int, Range(1, 1 << 20)] = 2000
     """Examples generated for the synthetic task."""
     max_operand: Annotated[int, Range(1, 1 << 30)] = 20
     """Operands of the synthetic arithmetic task are below this (difficulty)."""

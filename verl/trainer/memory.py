@@ -21,7 +21,8 @@ from typing import Any
 from verl.config.ppo import PPOConfig
 from verl.errors import VerlConfigError
 
-__all__ = ["ModelShape", "Part", "available_bytes", "check_memory_fits", "estimate_step_memory", "model_shape"]
+__all__ = ["ModelShape", "Part", "available_bytes", "check_memory_fits", "estimate_step_memory", "hf_shape",
+           "model_shape"]
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _MODEL_KEYS = ("model.tiny.hidden_size", "model.tiny.num_layers", "model.tiny.vocab_size",
@@ -63,23 +64,32 @@ class Part:
     """The config keys it grows with (what to lower)."""
 
 
-def model_shape(cfg: PPOConfig) -> ModelShape | None:
+def model_shape(cfg: PPOConfig, tiny_vocab: int = 1) -> ModelShape | None:
     """The policy's shape from the config alone (model.tiny, or model.path's config.json), before anything is
-    built; None when model.path is not a directory with a config.json (a GGUF file or a shipped model's name)."""
+    built; None when model.path is not a directory with a config.json (a GGUF file or a shipped model's name).
+    The tiny model's vocabulary is what its tokenizer learns (at most model.tiny.vocab_size), known only once
+    the tokenizer is trained: `tiny_vocab` (a floor before that)."""
     if cfg.model.path is None:
         t = cfg.model.tiny
         return ModelShape(hidden=t.hidden_size, layers=t.num_layers, heads=t.num_heads, kv_heads=t.num_kv_heads,
-                          intermediate=t.intermediate_size, vocab=t.vocab_size, tied=True, keys=_MODEL_KEYS)
-    path = Path(cfg.model.path) / "config.json"
+                          intermediate=t.intermediate_size, vocab=min(tiny_vocab, t.vocab_size), tied=True,
+                          keys=_MODEL_KEYS)
     try:
-        c: dict[str, Any] = json.loads(path.read_text())
+        return hf_shape(json.loads((Path(cfg.model.path) / "config.json").read_text()), ("model.path",))
+    except (OSError, ValueError):
+        return None  # the loader names what is wrong with the directory
+
+
+def hf_shape(c: dict[str, Any], keys: tuple[str, ...]) -> ModelShape | None:
+    """The shape a Hugging Face config (as a dict) describes; None when it lacks the usual fields."""
+    try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         return ModelShape(hidden=hidden, layers=int(c["num_hidden_layers"]), heads=heads,
                           kv_heads=int(c.get("num_key_value_heads") or heads),
                           intermediate=int(c.get("intermediate_size") or 4 * hidden), vocab=int(c["vocab_size"]),
-                          tied=bool(c.get("tie_word_embeddings", False)), keys=("model.path",))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the loader names what is wrong with the directory
+                          tied=bool(c.get("tie_word_embeddings", False)), keys=keys)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def estimate_step_memory(cfg: PPOConfig, shape: ModelShape | None, world_size: int) -> list[Part]:

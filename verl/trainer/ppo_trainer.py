@@ -22,7 +22,7 @@ from verl.rollout import Tokenizer, build_rollout, require_engine
 from verl.rollout.base import length_limit
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
-from verl.trainer.memory import check_memory_fits, model_shape
+from verl.trainer.memory import check_memory_fits, hf_shape, model_shape
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
@@ -46,19 +46,16 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
 def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
     the tiny local Llama with a BPE trained on the data, in model.dtype. With a `placement`, a step that cannot
-    fit in memory is refused before the model is built (verl.trainer.memory)."""
+    fit in memory with the tiny model's vocabulary is refused before the model is built (verl.trainer.memory)."""
     from verl.testing.tiny import tiny_model, tiny_tokenizer
-    shape = model_shape(cfg)
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
-        if placement is not None:
-            check_memory_fits(cfg, shape, placement.world_size, placement.device.type)
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
-    if placement is not None:  # the vocabulary the corpus allowed, which may be below model.tiny.vocab_size
-        check_memory_fits(cfg, dataclasses.replace(shape, vocab=len(tokenizer)), placement.world_size,
+    if placement is not None:  # again with the vocabulary the corpus allowed (at most model.tiny.vocab_size)
+        check_memory_fits(cfg, model_shape(cfg, tiny_vocab=len(tokenizer)), placement.world_size,
                           placement.device.type)
     model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
     return model.to(getattr(torch, cfg.model.dtype)), tokenizer
@@ -97,6 +94,10 @@ class PPOTrainer:
         self.places = role_placements(placement, self.roles)
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
+        # before the data is read or generated: what the config alone says a step needs (load_policy checks again
+        # with the tiny model's vocabulary once its tokenizer is trained)
+        shape = model_shape(cfg) if actor_model is None else hf_shape(actor_model.config.to_dict(), ("actor_model",))
+        check_memory_fits(cfg, shape, placement.world_size, placement.device.type)
         self.dataset = load_dataset(cfg)
         if actor_model is not None:
             if tokenizer is None:
