@@ -60,11 +60,11 @@ def test_clear_audit_huge_and_negative_values(override):
 
 @pytest.mark.parametrize("override, key", [("trainer.output_dir=", "trainer.output_dir"),
                                            ("trainer.output_dir='  '", "trainer.output_dir"),
-                                           ("trainer.output_dir='a\\0b'", "trainer.output_dir"),
-                                           ("model.path='x\\0y'", "model.path")])
+                                           ('trainer.output_dir="a\\0b"', "trainer.output_dir"),
+                                           ('model.path="x\\0y"', "model.path")])
 def test_clear_empty_or_nul_strings(override, key):
     with pytest.raises(VerlConfigError, match=key.replace(".", r"\.")):
-        load_config(PPOConfig, None, [override.replace("\\0", "\\x00") if "\\0" in override else override])
+        load_config(PPOConfig, None, [override])
 
 
 # ---- config files ------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def test_clear_queue_producer_blames_the_consumer_not_itself():
     from verl.testing import run_distributed
     consumer, producer = run_distributed(_consumer_raises, world_size=2, timeout=180)
     assert "[node 'consume', rank 0] failed: ValueError: the consumer broke" in consumer
-    assert "lost contact with ranks [0]" in producer and "consumer's ranks [0] stopped taking values" in producer
+    assert "lost contact with ranks [0]" in producer and "the consumer's ranks [0] of 'made'" in producer
     assert "ranks [1]" not in producer, producer
 
 
