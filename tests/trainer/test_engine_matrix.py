@@ -1,7 +1,7 @@
 """Every `rollout.engine` x `trainer.mode` x training engine (`actor.engine`) that the docs name, each through
 `verl train`'s own entry point (verl.trainer.main_ppo.main): a short run (2 steps of a 1-layer model) where the
 docs say the combination trains, and the refusal they promise where they rule it out, raised before any model
-is built (the checks PPOTrainer runs first: the world's placement, then whether the engine can run here).
+is built (the checks PPOTrainer runs first: whether the engine can run here, then the world's placement).
 
 What the docs rule out (README "Generation", "The rollout on its own ranks", "Asynchronous modes"):
 - sglang is GPU only: refused here, naming what to install;
@@ -80,9 +80,9 @@ def test_every_engine_mode_and_training_engine(tmp_path, rollout, mode, training
     why = refusal(rollout, mode, training)
     if why is not None:
         cfg = load_config(PPOConfig, None, argv)
-        with pytest.raises(VerlConfigError, match=why):
-            cfg.validate_world(world)  # what PPOTrainer checks first, then:
+        with pytest.raises(VerlConfigError, match=why):  # what PPOTrainer checks first, in its order
             require_engine(cfg.rollout.engine)
+            cfg.validate_world(world)
         assert not (tmp_path / "run").exists()
         return
     steps = run_distributed(_train, world, args=(argv,), timeout=600)[0]

@@ -82,11 +82,11 @@ class PPOTrainer:
                  tokenizer=None):
         """`actor_model` (with `tokenizer`): a Hugging Face causal LM object to train instead of `model.*`, e.g.
         one loaded with `device_map=...`, whose `hf_device_map` must agree with the actor's ranks."""
+        require_engine(cfg.rollout.engine)  # an engine that cannot run here at all is the first thing to say
         notes = cfg.validate_world(placement.world_size)  # before anything touches the disk
         if placement.is_main:
             for note in notes:
                 print(f"verl: {note}", flush=True)
-        require_engine(cfg.rollout.engine)
         self.cfg, self.placement = cfg, placement
         self.roles = cfg.roles(placement.world_size)
         if actor_model is not None:
