@@ -106,7 +106,7 @@ def main() -> int:
         worker(model_dir, int(tp), int(tp_g), engine, args.repeats, out)
         return 0
     size = "quick" if args.quick else "full"
-    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
     tmp = tempfile.mkdtemp(prefix="verl-bench-transition-")
     model = tiny_model(tokenizer=None, seed=0, max_position_embeddings=256, **MODELS[size])
     model_dir = str(save_tiny(model, tiny_tokenizer(), os.path.join(tmp, "model")))

@@ -190,7 +190,7 @@ def test_behaves_tiny_model_is_built_in_model_dtype(tmp_path):
 # ---- one length rule, token ids, for every local engine ----------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     tok = tiny_tokenizer()
     return tiny_model(tokenizer=tok), tok  # 64 positions, 96 ids
 
@@ -300,7 +300,7 @@ def test_behaves_every_node_has_a_finite_default_timeout():
     assert 0 < NodeConfig().timeout_s == make_config("n", {}, {}).timeout_s == DEFAULT_NODE_TIMEOUT_S < float("inf")
     assert make_config("n", {"timeout_s": 0}, {}).timeout_s == 0  # off only on request
     cfg = load_config(PPOConfig, None, [])
-    assert all(c["timeout_s"] == 3600.0 for c in node_configs(cfg, cfg.roles(1)).values())
+    assert all(c.timeout_s == 3600.0 for c in node_configs(cfg, cfg.roles(1)).values())
 
 
 def _consumer_raises(rank, world_size):
@@ -363,7 +363,7 @@ def test_clear_a_hanging_producer_stage_ends_at_its_node_timeout():
 
 # ---- library errors named by path --------------------------------------------------------------------------
 def test_clear_reward_model_without_tokenizer_names_the_directory(tmp_path):
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     from verl.workers.reward import ModelRewardWorker
     tiny_model(head="score", tokenizer=tiny_tokenizer()).save_pretrained(tmp_path / "rm")
     with pytest.raises(VerlConfigError, match=rf"reward.model_path='{tmp_path / 'rm'}': cannot load its tokenizer"):

@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 
 from verl.config import PPOConfig, TrainerConfig, load_config
+from verl.engines import engines, training_engine
 from verl.errors import VerlConfigError
-from verl.rollout import ENGINES, engine_available, require_engine
+from verl.rollout import engine_available
 from verl.testing import run_distributed
 
 from tests.trainer.conftest import TINY
 
 MODES = typing.get_args(typing.get_type_hints(TrainerConfig)["mode"])
-TRAINING = typing.get_args(typing.get_type_hints(type(PPOConfig().actor))["engine"])
+TRAINING = engines("training")
 RUN = [*TINY, "warmup.steps=0", "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false"]
 OWN_RANKS = ["trainer.placement=split", "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]"]
 # vLLM's CPU attention needs a head size of at least 32
@@ -37,11 +38,12 @@ _vllm_ok, _vllm_why = engine_available("vllm")
 
 
 def refusal(rollout: str, mode: str, training: str) -> str | None:
-    """The documented refusal of a combination (a pattern of its message), or None where it must train."""
-    if rollout == "sglang" and not engine_available("sglang")[0]:
-        return "rollout.engine=sglang cannot run here"
-    if training == "megatron" and mode != "sync":
-        return r"with the megatron actor, whose weights reach the rollout on its own ranks only"
+    """The documented refusal of a combination (a pattern of its message), or None where it must train. The
+    capabilities come from the engine table (verl.engines), which the docs describe."""
+    if rollout != "vllm" and not engine_available(rollout)[0]:  # sglang off a GPU (vllm: its own environment)
+        return f"rollout.engine={rollout} cannot run here"
+    if mode != "sync" and not training_engine(training).sends_to_own_ranks:
+        return f"with the {training} actor, whose weights cannot reach a rollout on ranks of its own"
     return None
 
 
@@ -55,7 +57,7 @@ def overrides(rollout: str, mode: str, training: str) -> list[str]:
 
 
 def _cells():
-    for rollout in ENGINES:
+    for rollout in engines("rollout"):
         for mode in MODES:
             for training in TRAINING:
                 marks = [pytest.mark.multiprocess]
@@ -81,7 +83,7 @@ def test_every_engine_mode_and_training_engine(tmp_path, rollout, mode, training
     if why is not None:
         cfg = load_config(PPOConfig, None, argv)
         with pytest.raises(VerlConfigError, match=why):  # what PPOTrainer checks first, in its order
-            require_engine(cfg.rollout.engine)
+            cfg.engine_specs()["rollout"].require("rollout.engine")
             cfg.validate_world(world)
         assert not (tmp_path / "run").exists()
         return

@@ -14,21 +14,19 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from verl.config.base import Range, check_ranges
+from verl.engines import engines, rollout_engine
 from verl.errors import VerlConfigError
 
-__all__ = ["ENGINES", "RolloutConfig"]
-
-ENGINES = ("hf", "torch", "vllm", "sglang")
-"""`hf`: Hugging Face `generate` on the actor's module; `torch`: verl's batched KV-cache engine; `vllm`,
-`sglang`: the external engines (installed separately)."""
+__all__ = ["RolloutConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     """Which engine generates, how it samples, and how the actor's weights reach it."""
 
-    engine: Literal["hf", "torch", "vllm", "sglang"] = "torch"
-    """Generation engine: hf (transformers generate), torch (verl's batched KV-cache engine), vllm or sglang."""
+    engine: str = "torch"
+    """Generation engine, one of the rollout engines of `verl.engines` (`verl doctor` lists them): hf
+    (transformers generate), torch (verl's batched KV-cache engine), vllm or sglang."""
     n: Annotated[int, Range(1, 1 << 16)] = 8
     """Responses sampled per prompt (the GRPO group size)."""
     max_new_tokens: Annotated[int, Range(1, 1 << 20)] = 8
@@ -56,7 +54,7 @@ class RolloutConfig:
     partial: bool = False
     """Partial rollouts (trainer.mode=async): generation in flight when a new weight version arrives is paused
     and resumed with the new weights, recording per token the version that produced it. It needs an engine
-    that can pause (`verl.rollout.can_pause`): the torch engine calls its pause hook between tokens, rebuilds
+    that can pause (`EngineSpec.pausable` in `verl.engines`): the torch engine calls its pause hook between tokens, rebuilds
     the KV cache from the tokens so far when the weights moved, and records per-token versions (vllm, sglang
     and hf cannot pause, so true with them is refused before step 1)."""
     seed: Annotated[int, Range(0, (1 << 32) - 1)] = 0
@@ -99,11 +97,7 @@ class RolloutConfig:
         self.check()
 
     def check(self) -> None:
-        if self.engine not in ENGINES:
-            import difflib
-            near = difflib.get_close_matches(str(self.engine), ENGINES, n=1)
-            raise VerlConfigError(f"rollout.engine={self.engine!r} is not one of {ENGINES}"
-                                  f"{f' (did you mean {near[0]!r}?)' if near else ''}")
+        spec = rollout_engine(self.engine, "rollout.engine")
         check_ranges(self)  # runs at construction (__post_init__), before from_dict would check them
         if not 0 <= self.temperature < math.inf:  # written so that NaN fails too
             raise VerlConfigError(f"rollout.temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
@@ -111,10 +105,10 @@ class RolloutConfig:
             raise VerlConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if not 0 < self.sync_bucket_mb < math.inf:
             raise VerlConfigError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0")
-        if self.engine in ("hf", "torch") and self.tp != 1:
+        if not spec.tensor_parallel and self.tp != 1:
             raise VerlConfigError(f"rollout.tp={self.tp} with rollout.engine={self.engine}: the {self.engine} engine "
-                                  f"runs one model replica per rank; use rollout.tp=1, or engine=vllm / sglang "
-                                  f"for tensor-parallel generation")
+                                  f"runs one model replica per rank; use rollout.tp=1, or one of "
+                                  f"{list(engines('rollout', tensor_parallel=True))} for tensor-parallel generation")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise VerlConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
