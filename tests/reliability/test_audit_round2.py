@@ -393,3 +393,38 @@ def test_clear_records_that_are_not_mappings():
     from verl.data import PromptDataset
     with pytest.raises(VerlConfigError, match="row 1 is a str"):
         PromptDataset.from_records([{"prompt": "a", "answer": "b"}, "hello"])
+
+
+# ---- found by the engine matrix ----------------------------------------------------------------------------
+def test_behaves_unused_critic_does_not_block_an_exclusive_rollout():
+    """A GRPO job has no critic: its default ranks (the second half in split placement) overlapping a vLLM rollout
+    refused every one_step_off / async vLLM job; only roles that hold memory count (a critic only for gae)."""
+    own = ["trainer.placement=split", "rollout.engine=vllm", "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]",
+           "data.train_batch_size=4", "actor.mini_batch_size=4", "rollout.n=4", "actor.micro_batch_size=4"]
+    load_config(PPOConfig, None, own).validate_world(2)
+    with pytest.raises(VerlConfigError, match=r"critic.ranks=\[1\] overlaps the vllm rollout on ranks \[1\]"):
+        load_config(PPOConfig, None, [*own, "algorithm.adv_estimator=gae"]).validate_world(2)
+
+
+def _fsdp_one_rank_role(rank, world_size):
+    from verl.config import FSDPConfig, OptimConfig
+    from verl.distributed import init_placement
+    from verl.models.tiny import tiny_model
+    from verl.trainer.ppo_trainer import role_placements
+    from verl.workers.fsdp import FSDPEngine
+    cfg = load_config(PPOConfig, None, ["trainer.placement=split", "actor.engine=fsdp", "actor.ranks=[0]",
+                                        "rollout.ranks=[1]", "reward.ranks=[0]"])
+    placement = init_placement("cpu", process_group=True)
+    places = role_placements(placement, cfg.roles(world_size))
+    if places["actor"] is None:
+        return None
+    engine = FSDPEngine(tiny_model(), OptimConfig(lr=1e-3), places["actor"], FSDPConfig())
+    return engine.mesh.size()
+
+
+@pytest.mark.multiprocess
+def test_behaves_fsdp_role_on_one_rank_of_several_shards_alone():
+    """An FSDP actor on rank 0 of 2 used the world group for its mesh and first broadcast, so it waited for rank 1,
+    which never builds the actor: one_step_off / async with the rollout on rank 1 hung until the timeout."""
+    from verl.testing import run_distributed
+    assert run_distributed(_fsdp_one_rank_role, world_size=2, timeout=180) == [1, None]

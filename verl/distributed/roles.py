@@ -79,11 +79,14 @@ def resolve_roles(cfg, world: int) -> dict[str, Role]:
                                   f"every rank; give {name} all {world} ranks, or use one of "
                                   f"{list(engines(ROLE_KIND[name], spans_world=False))}")
         roles[name] = Role(name=name, ranks=ranks, engine=engine, cpu_offload=bool(offload))
-    _check_shared_ranks(roles, mode)
+    holding = (("critic",) if cfg.needs_critic else ()) + (("reward",) if cfg.reward.uses_model else ())
+    _check_shared_ranks(roles, mode, holding)
     return roles
 
 
-def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
+def _check_shared_ranks(roles: dict[str, Role], mode: str, holding: tuple[str, ...] = ("critic", "reward")) -> None:
+    """`holding`: the roles of the job that hold device memory besides the actor's (a critic only when the
+    estimator reads values, a reward only when it is a model)."""
     actor, rollout = roles["actor"], roles["rollout"]
     if 0 not in actor.ranks:
         raise VerlConfigError(f"actor.ranks={list(actor.ranks)} must include rank 0, which logs the metrics and "
@@ -99,7 +102,7 @@ def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
                               f"(shared: {sorted(shared)}); the rollout runs either on the actor's ranks (the same "
                               f"list) or on ranks of its own (disjoint lists, weights sent by the 3D-HybridEngine)")
     if mode == "split" and rollout_engine(rollout.engine).exclusive and not rollout.cpu_offload:
-        for other in ("critic", "reward"):
+        for other in holding:
             shared = sorted(set(roles[other].ranks) & set(rollout.ranks))
             if shared:
                 raise VerlConfigError(f"{other}.ranks={list(roles[other].ranks)} overlaps the {rollout.engine} "
