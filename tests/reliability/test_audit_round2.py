@@ -400,7 +400,8 @@ def test_behaves_unused_critic_does_not_block_an_exclusive_rollout():
     """A GRPO job has no critic: its default ranks (the second half in split placement) overlapping a vLLM rollout
     refused every one_step_off / async vLLM job; only roles that hold memory count (a critic only for gae)."""
     own = ["trainer.placement=split", "rollout.engine=vllm", "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]",
-           "data.train_batch_size=4", "actor.mini_batch_size=4", "rollout.n=4", "actor.micro_batch_size=4"]
+           "data.train_batch_size=4", "actor.mini_batch_size=4", "rollout.n=4", "actor.micro_batch_size=4",
+           "rollout.in_process=false"]
     load_config(PPOConfig, None, own).validate_world(2)
     with pytest.raises(VerlConfigError, match=r"critic.ranks=\[1\] overlaps the vllm rollout on ranks \[1\]"):
         load_config(PPOConfig, None, [*own, "algorithm.adv_estimator=gae"]).validate_world(2)
@@ -428,3 +429,14 @@ def test_behaves_fsdp_role_on_one_rank_of_several_shards_alone():
     which never builds the actor: one_step_off / async with the rollout on rank 1 hung until the timeout."""
     from verl.testing import run_distributed
     assert run_distributed(_fsdp_one_rank_role, world_size=2, timeout=180) == [1, None]
+
+
+def test_clear_in_process_vllm_on_part_of_the_ranks():
+    """vLLM started inside a trainer process on rank 1 of 2 (one_step_off) created its groups over both ranks
+    and hung the job until the collective timeout; refused before step 1, naming the way out."""
+    own = ["trainer.placement=split", "rollout.engine=vllm", "actor.ranks=[0]", "rollout.ranks=[1]",
+           "reward.ranks=[0]", "trainer.mode=one_step_off"]
+    with pytest.raises(VerlConfigError, match=r"rollout.ranks=\[1\] are not all 2 ranks, .* set "
+                                              r"rollout.in_process=false"):
+        load_config(PPOConfig, None, own).validate_world(2)
+    load_config(PPOConfig, None, [*own, "rollout.in_process=false"]).validate_world(2)

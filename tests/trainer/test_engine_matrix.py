@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -53,6 +56,8 @@ def overrides(rollout: str, mode: str, training: str) -> list[str]:
         extra += OWN_RANKS + (["actor.ranks=[0,1]", "critic.ranks=[0,1]"] if training == "megatron" else [])
     if rollout == "vllm":
         extra += VLLM_SHAPE
+        if mode != "sync":  # on ranks of its own vLLM runs in a process of its own (see verl.distributed.roles)
+            extra += ["rollout.in_process=false"]
     return extra
 
 
@@ -66,13 +71,28 @@ def _cells():
                 yield pytest.param(rollout, mode, training, marks=marks, id=f"{rollout}-{mode}-{training}")
 
 
+def _steps(argv: list[str]) -> list[dict]:
+    out = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("trainer.output_dir=")))
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+
+
 def _train(rank: int, world_size: int, argv: list[str]) -> list[dict]:
     from verl.trainer.main_ppo import main
     assert main(argv) == 0
-    out = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("trainer.output_dir=")))
-    if rank != 0:
-        return []
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in r]
+    return _steps(argv) if rank == 0 else []
+
+
+def _launch(argv: list[str], world: int) -> list[dict]:
+    """The run's step metrics: spawned gloo ranks, or torchrun where the engine starts processes of its own
+    (which the spawned ranks, being daemons, may not)."""
+    if "rollout.in_process=false" not in argv:
+        return run_distributed(_train, world, args=(argv,), timeout=600)[0]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), f"--nproc_per_node={world}", "-m", "verl.trainer.main_ppo", *argv],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _steps(argv)
 
 
 @pytest.mark.parametrize("rollout, mode, training", list(_cells()))
@@ -87,7 +107,7 @@ def test_every_engine_mode_and_training_engine(tmp_path, rollout, mode, training
             cfg.validate_world(world)
         assert not (tmp_path / "run").exists()
         return
-    steps = run_distributed(_train, world, args=(argv,), timeout=600)[0]
+    steps = _launch(argv, world)
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r

@@ -81,6 +81,15 @@ def resolve_roles(cfg, world: int) -> dict[str, Role]:
         roles[name] = Role(name=name, ranks=ranks, engine=engine, cpu_offload=bool(offload))
     holding = (("critic",) if cfg.needs_critic else ()) + (("reward",) if cfg.reward.uses_model else ())
     _check_shared_ranks(roles, mode, holding)
+    gen, r = roles["rollout"], cfg.rollout
+    # one replica per rank (tp=1) in-process: each rank's engine creates groups over the whole job (seen to hang
+    # on CPU); tp > 1 in-process is vLLM's torchrun launcher, which takes the job's ranks by design
+    if rollout_engine(gen.engine).in_process_spans_world and r.in_process and r.tp == 1 and gen.ranks != everyone:
+        raise VerlConfigError(f"rollout.ranks={list(gen.ranks)} are not all {world} ranks, but rollout.engine="
+                              f"{gen.engine} started in the trainer's processes (rollout.in_process=true) creates its "
+                              f"process groups over every rank, which the other ranks never join; set "
+                              f"rollout.in_process=false (the engine in a process of its own), or give the rollout "
+                              f"every rank")
     return roles
 
 
