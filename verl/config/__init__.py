@@ -7,7 +7,7 @@ from verl.config.base import apply_overrides, describe, field_docs, from_dict, l
 
 _PPO = ("MegatronConfig", "ActorConfig", "FSDPConfig", "AlgorithmConfig", "CriticConfig", "DataConfig",
         "KLControlConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RolloutConfig",
-        "TinyModelConfig", "TrainerConfig", "WarmupConfig")
+        "TinyModelConfig", "TrainerConfig", "ValConfig", "WarmupConfig")
 
 __all__ = ["apply_overrides", "describe", "field_docs", "from_dict", "load_config", "load_yaml", "to_dict", *_PPO]
 

@@ -3,6 +3,7 @@ logging metrics and writing checkpoints. The algorithm itself lives in `verl.tra
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -12,8 +13,7 @@ import torch.distributed as dist
 
 from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
-from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_prompt_dataset, make_task, prompt_text,
-                       task_corpus)
+from verl.data import BatchSampler, PromptDataset, fit_prompt_lengths, load_splits, prompt_text, task_corpus
 from verl.dataflow.trace import merge_traces
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
@@ -23,24 +23,19 @@ from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.memory import check_memory_fits, hf_shape, model_shape
 from verl.trainer.ppo_flow import build_ppo_dataflow
+from verl.rewards import check_sources
+from verl.trainer.validation import Validator, validation_due
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
 from verl.distributed.collectives import barrier, reduce_metrics
 from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, build_reward
-from verl.workers.engine import ModuleEngine
+from verl.workers.engine import BaseModelView, ModuleEngine
 from verl.workers.request import EngineRequest
 from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
-
-
-def load_dataset(cfg: PPOConfig) -> PromptDataset:
-    d = cfg.data
-    if d.train_files:
-        return load_prompt_dataset(d.train_files, d.prompt_key, d.answer_key)
-    return PromptDataset.from_records(make_task(d.task, d.num_examples, seed=cfg.trainer.seed, max_operand=d.max_operand), source=f"task {d.task}")
 
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
@@ -52,13 +47,13 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | N
         from verl.models.pretrained import load_pretrained, resolve_model_path
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
-              else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
+              else [prompt_text(p) + str(a) for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
     if placement is not None:  # again with the vocabulary the corpus allowed (at most model.tiny.vocab_size)
         check_memory_fits(cfg, model_shape(cfg, tiny_vocab=len(tokenizer)), placement.world_size,
                           placement.device.type)
     model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
-    return model.to(getattr(torch, cfg.model.dtype)), tokenizer
+    return model.to(getattr(torch, cfg.model.dtype)), tokenizer  # model.dtype, as a loaded model gets it
 
 
 def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
@@ -98,7 +93,11 @@ class PPOTrainer:
         # with the tiny model's vocabulary once its tokenizer is trained)
         shape = model_shape(cfg) if actor_model is None else hf_shape(actor_model.config.to_dict(), ("actor_model",))
         check_memory_fits(cfg, shape, placement.world_size, placement.device.type)
-        self.dataset = load_dataset(cfg)
+        self.dataset, self.val_dataset = load_splits(cfg.data, cfg.val, cfg.trainer.seed)
+        check_sources(cfg.reward, [self.dataset, self.val_dataset])
+        derived = cfg.resolve_run_length(len(self.dataset))
+        if derived and placement.is_main:
+            print(f"verl: {derived}", flush=True)
         if actor_model is not None:
             if tokenizer is None:
                 raise VerlConfigError("PPOTrainer(actor_model=...) needs tokenizer=... (the model's own tokenizer)")
@@ -109,6 +108,10 @@ class PPOTrainer:
         self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
                                           cfg.data.max_prompt_length, cfg.data.overlong_prompts,
                                           source=", ".join(cfg.data.train_files) or f"task {cfg.data.task}")
+        if self.val_dataset is not None:
+            self.val_dataset = fit_prompt_lengths(self.val_dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
+                                                  cfg.data.max_prompt_length, cfg.data.overlong_prompts,
+                                                  source=", ".join(cfg.data.val_files) or "the held-out split")
         # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
@@ -116,7 +119,8 @@ class PPOTrainer:
         if cfg.warmup.steps and cfg.warmup.batch_size > len(self.dataset):
             raise VerlConfigError(f"warmup.batch_size={cfg.warmup.batch_size} examples per warm-start step exceeds the "
                                   f"{len(self.dataset)} rows of the dataset; use at most {len(self.dataset)}")
-        self.reward_fn = build_reward(cfg.reward, placement.device) if self.places["reward"] else None
+        self.reward_fn = build_reward(cfg.reward, placement.device, cfg.rollout.max_new_tokens) \
+            if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
         # one_step_off: the generated batches waiting to be trained on, kept between the flow's runs and in
@@ -132,6 +136,7 @@ class PPOTrainer:
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.val_history: list[tuple[int, dict[str, float]]] = []
         self.node_seconds: dict[str, float] = {}
 
     def _split_stages(self) -> None:
@@ -174,6 +179,7 @@ class PPOTrainer:
         if cfg.rollout.decoder == "train":  # the samples' log-probs come from the padded training forward
             actor_cfg = dataclasses.replace(actor_cfg, padding_free=False)
         limit = cfg.trainer.max_nonfinite_steps
+        generation_model = self._apply_lora()
         if places["actor"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
             self.actor = ActorWorker(self._engine("actor", init_dir), actor_cfg,
@@ -181,19 +187,75 @@ class PPOTrainer:
                                      **kw)
         if cfg.needs_ref and places["ref"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
-            self.ref = ActorWorker(self._engine("ref", init_dir), actor_cfg, **kw)
+            # with LoRA the reference is the actor's base model, adapters off: no second copy of the weights
+            ref = BaseModelView(self.actor.engine) if cfg.actor.lora.enabled else self._engine("ref", init_dir)
+            self.ref = ActorWorker(ref, actor_cfg, **kw)
         if cfg.needs_critic and places["critic"] is not None:
-            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit)
+            mini = cfg.critic.mini_batch_size // places["critic"].dp_size * cfg.rollout.n
+            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit,
+                                       responses_per_mini=mini)
         if places["rollout"] is not None:
             rollout_cfg = cfg.rollout
             if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward sees
                 rollout_cfg = dataclasses.replace(rollout_cfg, max_batch_size=cfg.actor.micro_batch_size)
-            engine = build_rollout(rollout_cfg, model=self.policy, model_path=str(init_dir) if init_dir else None,
+            engine = build_rollout(rollout_cfg, model=generation_model, model_path=str(init_dir) if init_dir else None,
                                    tokenizer=self.tokenizer)
             self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
                                          placement=places["rollout"])
         if roles["rollout"].ranks != roles["actor"].ranks:
             self._link_rollout()
+
+    def _apply_lora(self) -> torch.nn.Module:
+        """actor.lora: adapters into the policy (the same initial ones on every rank); returns the model a torch /
+        hf rollout generates with: the policy itself (adapter sync, or no LoRA), or for a merged sync a plain copy
+        that receives base + scale * B A."""
+        lora = self.cfg.actor.lora
+        if not lora.enabled:
+            return self.policy
+        from verl.models.lora import apply_lora
+        plain = None
+        if lora.sync == "merged" and self.places["rollout"] is not None \
+                and not self.roles["rollout"].spec.needs_model_dir:
+            plain = copy.deepcopy(self.policy)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.trainer.seed)
+            apply_lora(self.policy, lora)
+        return self.policy if plain is None else plain
+
+    def _lora_base(self, resume: Path | None) -> None:
+        """LoRA checkpoints hold the adapter only, so a warmed-up base is kept as output_dir/lora_base (a Hugging
+        Face directory written once, after the warm start) and a resumed run loads it instead of warming up."""
+        base = self.out_dir / "lora_base"
+        if resume is None:
+            if self.placement.is_main:
+                export_hf(self.policy, self.tokenizer, base)
+            barrier(self.placement)
+            return
+        if not (base / "config.json").is_file():
+            raise VerlConfigError(f"resuming a LoRA run that warmed its base up (warmup.steps="
+                                  f"{self.cfg.warmup.steps}) needs that base, {base}, which is missing; start afresh "
+                                  f"(trainer.overwrite=true) or restore the directory")
+        from transformers import AutoModelForCausalLM
+        warmed = AutoModelForCausalLM.from_pretrained(str(base), dtype=next(self.policy.parameters()).dtype)
+        self.policy.load_state_dict(warmed.state_dict())
+
+    def memory_report(self) -> dict[str, float]:
+        """perf/actor_ref_memory_mb (the distinct weights the actor and reference hold on this rank, the reference's
+        shared base counted once) beside perf/model_memory_mb (one copy of the policy), and the actor's optimizer
+        state (perf/actor_optim_memory_mb)."""
+        from verl.models.lora import unique_bytes
+        if self.actor is None or not isinstance(self.actor.engine, ModuleEngine):
+            return {}
+        modules = [self.actor.engine.module]
+        if self.ref is not None and isinstance(self.ref.engine, ModuleEngine):
+            modules.append(self.ref.engine.module)
+        model = sum(p.numel() * p.element_size() for n, p in self.policy.named_parameters() if ".lora_" not in n)
+        optim = self.actor.engine.optimizer
+        state = 0 if optim is None else sum(t.numel() * t.element_size() for st in optim.state.values()
+                                            for t in st.values() if isinstance(t, torch.Tensor))
+        mb = float(1 << 20)
+        return {"perf/actor_ref_memory_mb": unique_bytes(*modules) / mb, "perf/model_memory_mb": model / mb,
+                "perf/actor_optim_memory_mb": state / mb}
 
     def _link_rollout(self) -> None:
         """A rollout on its own ranks: the actor's ranks send it the weights over a group of both sets (created on
@@ -221,7 +283,7 @@ class PPOTrainer:
         own per-rank layout): all go to one DCP checkpoint."""
         modules, sharded = {}, {}
         for name, w in {"actor": self.actor, "ref": self.ref, "critic": self.critic}.items():
-            if w is None:
+            if w is None or getattr(w.engine, "view_of", None) is not None:  # a LoRA reference holds nothing
                 continue
             if isinstance(w.engine, ModuleEngine):
                 modules[name] = (w.engine.module, w.engine.optimizer)
@@ -284,12 +346,15 @@ class PPOTrainer:
                 world = world.subset(tuple(range(world.world_size)), dist.group.WORLD)
             info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, world,
                                      self.cfg.trainer.seed)
+        if self.cfg.actor.lora.enabled and self.cfg.warmup.steps > 0:
+            self._lora_base(resume)
         self._build_workers()
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
         if self.rollout is not None or self.actor is not None:  # both sides of a rollout on its own ranks
             sync_rollout_weights(self.actor, self.rollout)
+        info.update(self.memory_report())
         if self.cfg.streaming:  # from here on new versions flow in the background
             self._start_stream()
         return info
@@ -394,8 +459,10 @@ class PPOTrainer:
             m.update(out["sync_metrics"])
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
-        if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
-            m.update(out.get("reward_metrics") or {})
+        if self.reward_fn is not None:  # one source's own mean / std repeat reward/mean: only its extras
+            one = self.reward_fn.sources[0].label if len(self.reward_fn.sources) == 1 else None
+            m.update({k: v for k, v in (out.get("reward_metrics") or {}).items()
+                      if k not in (f"reward/{one}/mean", f"reward/{one}/std")})
         if self.actor is not None and batch.weight_version is not None:
             stale = (self.step - batch.weight_version).float()
             m.update({"rollout/staleness_mean": float(stale.mean()), "rollout/staleness_max": float(stale.max())})
@@ -438,19 +505,25 @@ class PPOTrainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=cfg.trainer.total_steps, initial=self.step, desc=f"{cfg.algorithm.adv_estimator}",
                        dynamic_ncols=True)
+        validator, shown = self._validator(), {}
+        if validator is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
+            info.update(self._validate(validator))
         if info:
             logger.log(self.step, info)
             if p.is_main:
                 print("  ".join(f"{k}={v:.4g}" for k, v in info.items()), flush=True)
         try:
-            while self.step < cfg.trainer.total_steps:
+            while self.step < cfg.trainer.total_steps and not cfg.trainer.val_only:
                 metrics = self.train_step()
                 self.step += 1
+                if validator is not None and validation_due(cfg, self.step):
+                    metrics.update(self._validate(validator))
+                    shown = {k: metrics[k] for k in ("val/pass@1",)}
                 self.history.append(metrics)
                 logger.log(self.step, metrics)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(progress_fields(metrics))
+                    bar.set_postfix(progress_fields({**shown, **metrics}))
                 every, last = cfg.trainer.save_every, self.step == cfg.trainer.total_steps
                 if (every and self.step % every == 0) or (last and cfg.trainer.save_final):
                     self.save()
@@ -460,17 +533,45 @@ class PPOTrainer:
             if bar is not None:
                 bar.close()
             logger.close()
-        self._finish()
+        if not cfg.trainer.val_only:
+            self._finish()
         return self.history
+
+    def _validator(self) -> Validator | None:
+        """Validation's runner when the job has held-out prompts (verl.trainer.validation), else None."""
+        if self.val_dataset is None:
+            return None
+        return Validator(self.cfg, self.val_dataset, self.rollout, self.reward_fn, self.placement, self.out_dir)
+
+    def _validate(self, validator: Validator) -> dict[str, float]:
+        """One validation (collective), kept in `val_history` as (step, metrics)."""
+        metrics = validator.run(self.step)
+        self.val_history.append((self.step, metrics))
+        return metrics
 
     def close(self) -> None:
         """Shuts the rollout engine down (vLLM / SGLang hold processes, threads and process groups)."""
         if self.rollout is not None:
             self.rollout.engine.close()
 
+    def _export_lora(self, out_dir: Path) -> None:
+        """The adapter in PEFT's format (output_dir/hf_actor) and, with actor.lora.export_merged, the merged model
+        (output_dir/hf_actor_merged); collective over the actor's ranks (FSDP2 gathers each tensor)."""
+        from verl.models.lora import export_adapter, merged_model
+        module, write = self.actor.engine.module, self.placement.global_rank == self.roles["actor"].ranks[0]
+        export_adapter(module, out_dir / "hf_actor", base_model=self.cfg.model.path, write=write)
+        if write and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(out_dir / "hf_actor"))
+        if self.cfg.actor.lora.export_merged:
+            merged = merged_model(module)
+            if write:
+                export_hf(merged, self.tokenizer, out_dir / "hf_actor_merged")
+
     def _finish(self) -> None:
         out_dir = self.out_dir
-        if self.cfg.trainer.export_hf and self.actor is not None:
+        if self.cfg.trainer.export_hf and self.actor is not None and self.cfg.actor.lora.enabled:
+            self._export_lora(out_dir)
+        elif self.cfg.trainer.export_hf and self.actor is not None:
             engine = self.actor.engine
             if isinstance(engine, TorchEngine):
                 if self.placement.is_main:
@@ -542,4 +643,6 @@ def progress_fields(m: dict[str, float]) -> dict[str, str]:
            "sync_ms": f"{1e3 * m.get('perf/sync_s', 0.0):.1f}"}
     if "rollout/mismatch_max" in m:
         out["mismatch"] = f"{m['rollout/mismatch_max']:.2g}"
+    if "val/pass@1" in m:  # the latest held-out accuracy
+        out["val_acc"] = f"{m['val/pass@1']:.3f}"
     return out
