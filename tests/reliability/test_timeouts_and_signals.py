@@ -308,7 +308,9 @@ def test_behaves_timeouts_default_and_reach_every_ppo_node():
     from verl.config import PPOConfig, load_config
     from verl.trainer.ppo_flow import node_configs
     cfg = load_config(PPOConfig, None, [])
-    assert cfg.trainer.collective_timeout_s == 600 and cfg.trainer.node_timeout_s == 0
+    assert cfg.trainer.collective_timeout_s == 600 and cfg.trainer.node_timeout_s == 3600  # finite by default
+    assert all(c.timeout_s == 3600 for c in node_configs(cfg, cfg.roles(1)).values())
+    cfg = load_config(PPOConfig, None, ["trainer.node_timeout_s=0"])  # off on request
     assert all(c.timeout_s == 0 for c in node_configs(cfg, cfg.roles(1)).values())
     cfg = load_config(PPOConfig, None, ["trainer.node_timeout_s=900"])
     nodes = node_configs(cfg, cfg.roles(1))
