@@ -19,24 +19,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, TurnRequest, TurnSource, turn_seed
+from verl.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, TurnRequest, TurnSource,
+                               length_limit, turn_seed)
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchRollout", "model_length_limit", "process_logits", "sample_tokens"]
+__all__ = ["TorchRollout", "model_length_limit", "model_vocab_size", "process_logits", "sample_tokens"]
 
 
 def model_length_limit(config: RolloutConfig, model: torch.nn.Module) -> int | None:
-    """rollout.max_model_len, else the model's max_position_embeddings (None when it has none)."""
-    return config.max_model_len or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """The one length rule (`verl.rollout.base.length_limit`) for a model object."""
+    return length_limit(config.max_model_len, getattr(getattr(model, "config", None), "max_position_embeddings", None))
+
+
+def model_vocab_size(model: torch.nn.Module) -> int | None:
+    """The token ids a model embeds (its input embedding's rows), None when it does not say."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    return int(rows) if rows is not None else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -79,6 +88,8 @@ class TorchRollout(RolloutEngine):
     # successful update_weights calls (a class default: HFRollout skips this __init__); a load inside the pause
     # hook's first call, which no earlier version can reveal, shows here
     _loads: int = 0
+    last_swap_s: float = 0.0
+    """Seconds the last update_weights took to put its staged tensors in place (the swap itself)."""
 
     @classmethod
     def from_config(cls, config: RolloutConfig, *, model=None, model_path: str | None = None, tokenizer=None):
@@ -90,11 +101,16 @@ class TorchRollout(RolloutEngine):
             from transformers import AutoModelForCausalLM
             dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        elif config.dtype != "auto" and next(model.parameters()).dtype != getattr(torch, config.dtype):
+            # a generation copy of its own in rollout.dtype (e.g. bfloat16 beside a float32 actor)
+            import copy
+            model = copy.deepcopy(model).to(getattr(torch, config.dtype))
         return cls(model, tokenizer if tokenizer is not None else model_path, config)
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
         config = config or RolloutConfig(engine="torch")
         super().__init__(Tokenizer.wrap(tokenizer), max_model_len=model_length_limit(config, model))
+        self.vocab_size = model_vocab_size(model)
         self.model = model  # may be the actor's own module: put back in its training mode after each call
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None
@@ -372,24 +388,30 @@ class TorchRollout(RolloutEngine):
     def weight_names(self) -> set[str]:
         return {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
 
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = dict(self.model.named_parameters())
+        tensors.update(dict(self.model.named_buffers()))
+        return {n: t.data for n, t in tensors.items()}
+
     @torch.no_grad()
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """All or nothing: every tensor is checked (name, shape, dtype) before it is copied, and a failure
-        restores the tensors this call already overwrote, so the engine keeps its previous weights."""
+        """Atomic: every tensor is checked (name, shape, dtype) and staged in a copy of its own while the stream
+        is consumed, then all of them replace the engine's at once (`last_swap_s`: that swap alone; it is the
+        only moment the weights change, so no token is ever computed from a mix of two versions). A failure
+        while staging leaves the engine's weights untouched."""
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
-        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        try:
-            for name, tensor in named_tensors:
-                dst = self._checked_destination(params, name, tensor)
-                undo.append((dst, dst.detach().clone()))
-                dst.copy_(tensor.to(dst.device))  # stays on the device hf_device_map chose
-        except BaseException:
-            for dst, old in reversed(undo):
-                dst.copy_(old)
-            raise
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor in named_tensors:
+            dst = self._checked_destination(params, name, tensor)
+            # stays on the device hf_device_map chose; a copy, since the stream's tensors are views it reuses
+            staged.append((dst, tensor.to(dst.device, copy=True)))
+        t0 = time.perf_counter()
+        for dst, new in staged:
+            dst.data = new
+        self.last_swap_s = time.perf_counter() - t0
         self._loads += 1
-        return len(undo)
+        return len(staged)
 
     def _checked_destination(self, params: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
         dst = params.get(name)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from verl.errors import VerlConfigError
+
 MicroLossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
                        tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 """loss_fn(outputs, fields) -> (loss, statistics) for one micro-batch: `outputs` are the engine's [b, R] response
@@ -52,6 +54,10 @@ class RolloutBatch:
     prompts: list = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     response_texts: list[str] = field(default_factory=list)
+    data_sources: list[str] = field(default_factory=list)
+    """Each sample's data source (its row's; empty when the rows had none)."""
+    extra_infos: list = field(default_factory=list)
+    """Each sample's row `extra_info` (upstream verl's layout; None where absent)."""
 
     @property
     def prompt_length(self) -> int:
@@ -64,10 +70,22 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def check_token_ids(self, vocab_size: int | None, what: str) -> None:
+        """Every id of input_ids in [0, vocab_size) (one host sync); else VerlConfigError naming the row, the
+        position and the id, instead of the embedding's bare IndexError (a device-side assert on a GPU)."""
+        ids = self.input_ids
+        if vocab_size is None or ids.numel() == 0:
+            return
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise VerlConfigError(f"{what}: row {row} of the batch has token id {int(ids[row, col])} at position "
+                                  f"{col}, outside the model's vocabulary of {vocab_size} ids [0, {vocab_size})")
+
     def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         """Rows `idx` (a slice or index tensor) of the batch."""
         rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
-        pick = (lambda xs: xs[idx]) if isinstance(idx, slice) else (lambda xs: [xs[i] for i in rows])
+        pick = (lambda xs: xs[idx]) if isinstance(idx, slice) else (lambda xs: [xs[i] for i in rows] if xs else [])
         return replace(self, input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
                        position_ids=self.position_ids[idx], response_mask=self.response_mask[idx],
                        group=self.group[idx],
@@ -75,7 +93,8 @@ class RolloutBatch:
                        weight_version=None if self.weight_version is None else self.weight_version[idx],
                        token_version=None if self.token_version is None else self.token_version[idx],
                        env_rewards=None if self.env_rewards is None else self.env_rewards[idx],
-                       prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts))
+                       prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts),
+                       data_sources=pick(self.data_sources), extra_infos=pick(self.extra_infos))
 
     def __getitem__(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         return self.select(idx)
@@ -107,7 +126,9 @@ class RolloutBatch:
                    token_version=None if any(x is None for x in tvs) else torch.cat(tvs),
                    env_rewards=None if any(x is None for x in ers) else torch.cat(ers),
                    prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
-                   response_texts=[x for b in pieces for x in b.response_texts])
+                   response_texts=[x for b in pieces for x in b.response_texts],
+                   data_sources=[x for b in pieces for x in b.data_sources],
+                   extra_infos=[x for b in pieces for x in b.extra_infos])
 
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
@@ -154,7 +175,9 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
         token_version=tver, weight_version=None if tver is None else _oldest_versions(tver),
         env_rewards=torch.tensor([o.reward or 0.0 for o in outputs], dtype=torch.float32) if multi_turn else None,
         prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
-        response_texts=[o.text for o in outputs])
+        response_texts=[o.text for o in outputs],
+        data_sources=[r.get("data_source", "default") for r in rows for _ in range(n)],
+        extra_infos=[r.get("extra_info") for r in rows for _ in range(n)])
 
 
 def _oldest_versions(token_version: torch.Tensor) -> torch.Tensor:
