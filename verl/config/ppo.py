@@ -792,8 +792,6 @@ class TrainerConfig:
     max_staleness batches."""
 
     def check(self) -> None:
-        require(self.output_dir.strip() != "", "output_dir", self.output_dir,
-                "is empty, which would write into the current directory; name a folder (e.g. outputs/run1)")
         from verl.utils.run_folder import check_output_dir
         check_output_dir(self.output_dir)
         require(0 < self.max_state_mb < 1 << 20, "max_state_mb", self.max_state_mb, "must be a number of MB > 0")
