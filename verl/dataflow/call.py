@@ -1,7 +1,8 @@
 """Calling one node on one rank: its inputs in, its declared outputs out (checked where they are made), with
 cpu_offload around the call, retries of transient errors, and the node's time limit.
 
-Timeouts: a node with ``timeout_s > 0`` still running after that long (retries, onload and offload included) is
+Timeouts: every node has a time limit (an hour unless its config says otherwise; 0 only on request). One
+with ``timeout_s > 0`` still running after that long (retries, onload and offload included) is
 interrupted. In the main thread the interrupt is SIGALRM (an interval timer, restored after the node), whose
 handler raises `NodeTimeout` inside the node: it stops pure-Python loops at their next bytecode and wakes the
 blocking calls Python retries after a signal (sleep, lock and queue waits, socket reads, subprocess waits). The
@@ -15,6 +16,7 @@ inside native code: a node stuck in a collective or a C extension is interrupted
 from __future__ import annotations
 
 import ctypes
+import difflib
 import signal
 import threading
 import time
@@ -109,7 +111,7 @@ def _normalize(entry: NodeEntry, out: Any) -> tuple:
                            f"return a dict with exactly these keys, or declare @CustomNode(output_keys=[...])")
     n = len(keys)
     if n == 1:
-        return (out,)
+        return (_one_output(keys[0], out),)
     if n == 0:
         if out is None or (isinstance(out, Mapping) and not out):
             return ()
@@ -125,6 +127,35 @@ def _normalize(entry: NodeEntry, out: Any) -> tuple:
     got = f"a {type(out).__name__} of length {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
     raise OutputError(f"returned {got} but declares {n} output_keys {list(keys)}; return a tuple in that order "
                        f"or a dict keyed by them")
+
+def _one_output(key: str, out: Any) -> Any:
+    """The value of a one-output node: what it returned, checked here where it is made (a consumer would
+    otherwise fail on it and be blamed). None is refused; so is a one-key dict whose key is a misspelling of
+    the output, and a dict keyed by the output itself gives its value, as it would for several outputs."""
+    if out is None:
+        raise OutputError(f"returned None for its output '{key}'; return the value (a node that makes nothing "
+                           f"declares no output_keys)")
+    if isinstance(out, Mapping) and len(out) == 1:
+        (got,) = out
+        if got == key:
+            return out[got]
+        if isinstance(got, str) and _misspelt(got, key):
+            raise OutputError(f"returned a dict with the one key {got!r}, close to its output '{key}'; return "
+                               f"the value itself, {{'{key}': value}}, or, for a dict-valued output, "
+                               f"{{'{key}': {{{got!r}: ...}}}}")
+    return out
+
+
+def _misspelt(a: str, b: str) -> bool:
+    """`a` is one edit (insert, delete, replace) from `b`, ignoring case, or as close by difflib's ratio."""
+    a, b = a.lower(), b.lower()
+    if abs(len(a) - len(b)) <= 1:
+        short, long_ = sorted((a, b), key=len)
+        for i in range(len(long_)):
+            if long_[:i] + long_[i + 1:] == short or (len(a) == len(b) >= 3 and a[:i] + b[i] + a[i + 1:] == b):
+                return True
+    return difflib.SequenceMatcher(None, a, b).ratio() >= 0.8
+
 
 
 class OutputError(Exception):

@@ -19,7 +19,8 @@ when their next collective with it fails (the connection closes as the process e
 also stops them) and raise VerlRuntimeError saying so.
 
 Timeouts. Guarantees:
-- A node with ``timeout_s > 0`` that is still running after that long (on one rank; retries, onload and offload
+- Every node has a time limit (``timeout_s``: an hour unless its config says otherwise, 0 only on request,
+  `verl.dataflow.config.DEFAULT_NODE_TIMEOUT_S`). A node still running after that long (on one rank; retries, onload and offload
   included) is interrupted (`verl.dataflow.call`) and the run fails on every rank with VerlRuntimeError naming
   the node, the rank, the limit and the elapsed time.
 - Every process group has the job's collective timeout (`verl.distributed.collective_timeout`,
@@ -219,8 +220,8 @@ class _Run:
         before this process can end."""
         for ch, s in self.plan.queues_out:
             f = self.failure
-            self.collective(f"putting {ch.name}", ch.src, ch.put, vals[s], None if f is None else (f.node, f.rank,
-                                                                                             f.message))
+            self.collective(f"putting {ch.name}", sorted(set(ch.src) | set(ch.dst)), ch.put, vals[s],
+                            None if f is None else (f.node, f.rank, f.message))
             if f is not None:
                 try:
                     flush(self.df)
@@ -239,7 +240,8 @@ class _Run:
     def lost_peers(self, what: str, ranks: Sequence[int], exc: BaseException, waited: float) -> VerlRuntimeError:
         from verl.distributed.placement import collective_timeout
         why = " ".join(str(exc).split())[:240]
-        msg = (f"lost contact with ranks {list(ranks)} while {what}, after {waited:.1f} s ({type(exc).__name__}: "
+        peers = [r for r in ranks if r != self.plan.rank] or list(ranks)  # the ones it waited for, not itself
+        msg = (f"lost contact with ranks {peers} while {what}, after {waited:.1f} s ({type(exc).__name__}: "
                f"{why}); a rank died or was interrupted, or stayed inside a node longer than the collective "
                f"timeout ({collective_timeout().total_seconds():g} s, trainer.collective_timeout_s)")
         f = self.failure

@@ -19,8 +19,10 @@ from verl.dataflow.trace import merge_traces
 from verl.distributed import Placement
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import Tokenizer, build_rollout
+from verl.rollout.base import length_limit
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
+from verl.trainer.memory import check_memory_fits, hf_shape, model_shape
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.rewards import check_sources
 from verl.trainer.validation import Validator, validation_due
@@ -40,9 +42,10 @@ from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
 
 
-def load_policy(cfg: PPOConfig, dataset: PromptDataset):
+def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
-    the tiny local Llama with a BPE trained on the data."""
+    the tiny local Llama with a BPE trained on the data, in model.dtype. With a `placement`, a step that cannot
+    fit in memory with the tiny model's vocabulary is refused before the model is built (verl.trainer.memory)."""
     from verl.models.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
@@ -50,6 +53,9 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [prompt_text(p) + str(a) for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
+    if placement is not None:  # again with the vocabulary the corpus allowed (at most model.tiny.vocab_size)
+        check_memory_fits(cfg, model_shape(cfg, tiny_vocab=len(tokenizer)), placement.world_size,
+                          placement.device.type)
     model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
     return model.to(getattr(torch, cfg.model.dtype)), tokenizer  # model.dtype, as a loaded model gets it
 
@@ -60,7 +66,7 @@ def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
     if heads % cfg.rollout.tp:
         raise VerlConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the model's {heads} attention heads; "
                               f"use one of {[d for d in range(1, heads + 1) if heads % d == 0]}")
-    limit = cfg.rollout.max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    limit = length_limit(cfg.rollout.max_model_len, getattr(hf_config, "max_position_embeddings", None))
     need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if limit is not None and need > limit:
         raise VerlConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
@@ -75,11 +81,11 @@ class PPOTrainer:
                  tokenizer=None):
         """`actor_model` (with `tokenizer`): a Hugging Face causal LM object to train instead of `model.*`, e.g.
         one loaded with `device_map=...`, whose `hf_device_map` must agree with the actor's ranks."""
+        cfg.engine_specs()["rollout"].require("rollout.engine")  # an engine that cannot run here: said first
         notes = cfg.validate_world(placement.world_size)  # before anything touches the disk
         if placement.is_main:
             for note in notes:
                 print(f"verl: {note}", flush=True)
-        cfg.engine_specs()["rollout"].require("rollout.engine")
         self.cfg, self.placement = cfg, placement
         self.roles = cfg.roles(placement.world_size)
         if actor_model is not None:
@@ -87,6 +93,10 @@ class PPOTrainer:
         self.places = role_placements(placement, self.roles)
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
+        # before the data is read or generated: what the config alone says a step needs (load_policy checks again
+        # with the tiny model's vocabulary once its tokenizer is trained)
+        shape = model_shape(cfg) if actor_model is None else hf_shape(actor_model.config.to_dict(), ("actor_model",))
+        check_memory_fits(cfg, shape, placement.world_size, placement.device.type)
         self.dataset, self.val_dataset = load_splits(cfg.data, cfg.val, cfg.trainer.seed)
         check_sources(cfg.reward, [self.dataset, self.val_dataset])
         derived = cfg.resolve_run_length(len(self.dataset))
@@ -97,7 +107,7 @@ class PPOTrainer:
                 raise VerlConfigError("PPOTrainer(actor_model=...) needs tokenizer=... (the model's own tokenizer)")
             self.policy, self.tokenizer = actor_model, tokenizer
         else:
-            self.policy, self.tokenizer = load_policy(cfg, self.dataset)
+            self.policy, self.tokenizer = load_policy(cfg, self.dataset, placement)
         check_generation_layout(cfg, self.policy.config)
         self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
                                           cfg.data.max_prompt_length, cfg.data.overlong_prompts,
@@ -110,6 +120,9 @@ class PPOTrainer:
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+        if cfg.warmup.steps and cfg.warmup.batch_size > len(self.dataset):
+            raise VerlConfigError(f"warmup.batch_size={cfg.warmup.batch_size} examples per warm-start step exceeds the "
+                                  f"{len(self.dataset)} rows of the dataset; use at most {len(self.dataset)}")
         self.reward_fn = build_reward(cfg.reward, placement.device, cfg.rollout.max_new_tokens) \
             if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)

@@ -199,6 +199,7 @@ class ModuleEngine:
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,
                 padding_free: bool = False, max_tokens: int = 0, share_prefix: bool = False) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] (0 on padding): log-probs and entropy, or values."""
+        batch.check_token_ids(self.vocab_size, f"{type(self).__name__}.forward")
         parts = [self._forward(mb, temperature, packed) for _, mb, packed
                  in self._micro_batches(batch, micro_batch_size, max_tokens, padding_free, share_prefix)]
         return {k: torch.cat([p[k] for p in parts]) * batch.response_mask for k in parts[0]}
@@ -208,6 +209,7 @@ class ModuleEngine:
                    max_tokens: int = 0, share_prefix: bool = False) -> tuple[list[dict], OptimizerStep]:
         """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step (`step`).
         Returns each micro-batch's statistics (floats) and what the step did."""
+        batch.check_token_ids(self.vocab_size, f"{type(self).__name__}.train_step")
         from verl.models.lora import adapter_dropout
         with adapter_dropout(self.module):
             stats, losses = self._accumulate(batch, micro_batch_size, loss_fn, extra, temperature, padding_free,
@@ -229,6 +231,12 @@ class ModuleEngine:
             losses.append(loss.detach())
             stats.append({k: float(v) for k, v in s.items()})
         return stats, losses
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the module embeds (its input embedding's rows)."""
+        emb = self.module.get_input_embeddings() if hasattr(self.module, "get_input_embeddings") else None
+        return getattr(emb, "num_embeddings", None)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor a loss function filled (on the last pipeline stage): here every rank is the last stage."""
