@@ -20,9 +20,9 @@ also stops them) and raise VerlRuntimeError saying so.
 
 Timeouts. Guarantees:
 - Every node has a time limit (``timeout_s``: an hour unless its config says otherwise, 0 only on request,
-  `verl.dataflow.config.DEFAULT_NODE_TIMEOUT_S`). A node still running after that long (on one rank; retries, onload and offload
-  included) is interrupted (`verl.dataflow.call`) and the run fails on every rank with VerlRuntimeError naming
-  the node, the rank, the limit and the elapsed time.
+  `verl.dataflow.config.DEFAULT_NODE_TIMEOUT_S`). A node still running after that long (on one rank; retries,
+  onload and offload included) is interrupted (`verl.dataflow.call`) and the run fails on every rank with
+  VerlRuntimeError naming the node, the rank, the limit and the elapsed time.
 - Every process group has the job's collective timeout (`verl.distributed.collective_timeout`,
   ``trainer.collective_timeout_s``). A rank whose peer died or hangs outside the agreement points leaves its
   collective after at most that long; a collective of the runtime itself (an agreement, a transfer, the final
