@@ -19,7 +19,8 @@ from verl.rollout.config import RolloutConfig
 
 @dataclass(kw_only=True, slots=True)
 class TinyModelConfig:
-    """A Llama-architecture model built locally with random weights (no download)."""
+    """A model built locally with random weights (no download): Llama-architecture by default, or another family
+    (a mixture-of-experts one with num_experts routed experts per layer)."""
 
     hidden_size: int = 128
     """Width of the residual stream."""
@@ -35,6 +36,15 @@ class TinyModelConfig:
     """Longest sequence (prompt + response) the model supports."""
     vocab_size: int = 96
     """Target size of the BPE vocabulary trained in memory on the task's text."""
+    family: Literal["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] = "llama"
+    """Hugging Face model family (its model_type); qwen3_moe / qwen2_moe / mixtral / olmoe are mixture-of-experts."""
+    num_experts: int = 4
+    """Routed experts per MoE layer (MoE families only)."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k; MoE families only)."""
+    moe_intermediate_size: int = 0
+    """SwiGLU width of one expert (MoE families only); 0: intermediate_size // num_experts_per_tok, so a token's
+    expert compute matches the dense MLP's."""
 
     def check(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
@@ -44,6 +54,16 @@ class TinyModelConfig:
                 f"must be a multiple of num_heads={self.num_heads}")
         require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
                 f"must divide num_heads={self.num_heads} (grouped-query attention)")
+        require(self.num_experts >= 1, "num_experts", self.num_experts, "must be >= 1")
+        require(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
+                f"must be in [1, num_experts={self.num_experts}]")
+        require(self.moe_intermediate_size >= 0, "moe_intermediate_size", self.moe_intermediate_size,
+                "must be >= 0 (0: intermediate_size // num_experts_per_tok)")
+
+    @property
+    def expert_size(self) -> int:
+        """The SwiGLU width of one expert."""
+        return self.moe_intermediate_size or max(1, self.intermediate_size // self.num_experts_per_tok)
 
 
 @dataclass(kw_only=True, slots=True)

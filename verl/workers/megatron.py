@@ -317,13 +317,14 @@ class MegatronEngine:
         from verl.models.layout import hf_tensor_shapes
         p = self.placement
         full = gather_hf_state_dict(self.model)
-        src = p.rank_of(0, p.dp_rank, 0)
+        # experts are spread over the data-parallel ranks (EP): only rank 0 then holds the whole model
+        src, group = (0, None) if p.ep_size > 1 else (p.rank_of(0, p.dp_rank, 0), p.mp)
         out = {}
         for name, shape in sorted(hf_tensor_shapes(self.model.arch).items()):
             dtype = self.model.gpt.config.params_dtype
             t = full[name].contiguous() if full is not None else torch.empty(shape, dtype=dtype)
-            if p.tp_size * p.pp_size > 1:
-                dist.broadcast(t, src=src, group=p.mp)
+            if p.ep_size > 1 or p.tp_size * p.pp_size > 1:
+                dist.broadcast(t, src=src, group=group)
             out[name] = t
         return out
 
