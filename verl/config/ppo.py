@@ -194,6 +194,32 @@ class MegatronConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the megatron models."""
+    ep: int = 1
+    """Expert-parallel size of mixture-of-experts models: each of ep ranks holds num_experts / ep experts of every
+    MoE layer, tokens travel to them by all-to-all. EP groups are made of data-parallel ranks: etp x ep x pp must
+    divide the world, ep the number of experts."""
+    etp: int | None = None
+    """Expert tensor-parallel size: each expert's matrices split over etp ranks (None: tp, megatron-core's
+    default; 1 keeps experts whole while attention runs at tp)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss of MoE layers (Switch Transformer's, per layer, added to the
+    actor's loss); 0 disables it (transformers' default: its output_router_logits is off). moe/aux_loss logs the
+    loss's value either way."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss of MoE layers (ST-MoE: the squared log-sum-exp of the router logits, keeping
+    them small); 0 disables it."""
+
+    def check(self) -> None:
+        for name in ("tp", "pp", "ep"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(self.etp is None or self.etp >= 1, "etp", self.etp, "must be >= 1 (or null: tp)")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0 (0 disables it)")
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect."""
+        return self.tp if self.etp is None else self.etp
 
 
 @dataclass(kw_only=True, slots=True)
@@ -303,6 +329,11 @@ class ActorConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm", "token-sum"] = "token-mean"
     """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
+    router_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts router replay (R3): 'rollout' makes the actor's training forwards (old log-probs, update)
+    send each token to the experts the rollout engine chose for it instead of routing it again, so training and
+    rollout compute with the same experts (moe/router_mismatch_frac is then 0). Needs a rollout engine that
+    records routes and an actor engine that replays them (`verl.engines`: router_replay)."""
     fused_loss_head: bool = True
     """Compute the update's loss straight from the hidden states and the LM head weight with one fused op
     (verl.ops.linear_rl_loss, vocab-parallel on megatron: 3 GEMMs, gradients in its forward pass, no [tokens,
@@ -348,6 +379,9 @@ class ActorConfig:
         require(self.padding_free or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
                 "needs actor.padding_free=true (the shared prompt is a packed layout)")
         spec = _check_engine("training", self.engine)
+        require(spec.router_replay or self.router_replay == "off", "router_replay", self.router_replay,
+                f"needs an actor engine that replays routes; actor.engine={self.engine} cannot (engines that can: "
+                f"{list(engines('training', router_replay=True))})")
         require(spec.prefix_sharing or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
                 f"is not supported on actor.engine={self.engine}; use one of "
                 f"{list(engines('training', prefix_sharing=True))}, or set it to false")
@@ -945,6 +979,11 @@ class PPOConfig:
                             ("actor.ppo_epochs", self.actor.ppo_epochs), ("trainer.total_steps", self.trainer.total_steps)):
             if value < 1:
                 raise VerlConfigError(f"{name} must be >= 1, got {value}")
+        if self.actor.router_replay == "rollout" and not rollout_engine(self.rollout.engine).router_replay:
+            raise VerlConfigError(f"actor.router_replay=rollout replays the experts the rollout engine chose for each "
+                                  f"token, but rollout.engine={self.rollout.engine} does not record them (engines that "
+                                  f"do: {list(engines('rollout', router_replay=True))}); pick one of those, or set "
+                                  f"actor.router_replay=off")
         if self.rollout.decoder == "train" and (self.rollout.engine != "torch" or self.actor.engine != "torch"):
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
@@ -980,6 +1019,8 @@ class PPOConfig:
         m = self.actor.megatron
         if actor_ranks % (m.tp * m.pp):
             raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {actor_ranks} ranks")
+        from verl.distributed.placement import check_expert_layout
+        check_expert_layout(world=actor_ranks, pp=m.pp, ep=m.ep, etp=m.expert_tp)
         return actor_ranks // (m.tp * m.pp)
 
     def validate_world(self, world_size: int) -> list[str]:

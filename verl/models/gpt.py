@@ -212,6 +212,12 @@ def build_gpt(hf_config, pg: Placement, options: BuildOptions | None = None) -> 
     if options.value_head and pg.is_last_stage:
         model.output_layer = ValueHead(arch.hidden_size, sequence_parallel=pg.sequence_parallel,
                                        dtype=config.params_dtype, std=options.init_method_std)
+    if config.params_dtype != torch.float32:
+        # the local spec's torch norms (and the MoE router) are created in float32 whatever params_dtype says;
+        # megatron's Float16Module casts the whole model, so do the same: one dtype, as the checkpoint's
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(config.params_dtype)
     built_options = dataclasses.replace(options)
     return MegatronGPT(module=model, arch=arch, layout=layout, pg=pg, hf_config=hf_config, options=built_options,
                        spec="te" if use_te else "local")

@@ -298,8 +298,8 @@ def set_route_contexts(gpt, arch, mb: dict, length: int, *, sequence_parallel: b
     routes ("routes" [b, s, L, K]: compared, and replayed when mb["replay_routes"]), and which tokens are real."""
     routes, replay = mb.get("routes"), bool(mb.get("replay_routes", False))
     split = tp if sequence_parallel else 1
-    valid = mb["attention_mask"].bool()
-    valid = F.pad(valid, (0, length - valid.shape[1]), value=False).transpose(0, 1)
+    valid = mb["attention_mask"].long()
+    valid = (F.pad(valid, (0, length - valid.shape[1])) > 0).transpose(0, 1)
     valid = (valid.chunk(split, dim=0)[tp_rank] if split > 1 else valid).reshape(-1)
     index = {layer: i for i, layer in enumerate(arch.moe.layers)}
     for layer, router in routers(gpt):

@@ -104,6 +104,10 @@ class GenerationOutput:
     token_versions: list[int] | None = field(default=None)
     """The weight version that produced each generated token (what the engine's `pause_hook` returned before
     sampling it; same length as token_ids), or None when no hook was set (partial rollouts)."""
+    routes: torch.Tensor | None = field(default=None)
+    """[prompt + generated tokens fed to the model, L, K] int16: the K experts each token went to in each of the
+    model's L mixture-of-experts layers (the prompt's tokens, then every generated token but the last, which is
+    never fed back), or None when the engine records no routes (`EngineSpec.router_replay`)."""
 
 
 class RolloutEngine(abc.ABC):

@@ -7,6 +7,10 @@ token sits in the last column; positions come from the attention mask, so paddin
 Models without a KV cache (`use_cache` unsupported) are run with `kv_cache=False`: the full sequence is
 recomputed each step (slow, but exact).
 
+Mixture-of-experts models run their experts on verl's fused token dispatch (verl.models.hf_moe) and the engine
+records the experts every token went to in every MoE layer (`GenerationOutput.routes`: the prompt's tokens and the
+generated ones fed back), which router replay trains with (actor.router_replay=rollout).
+
 Partial rollouts: with a `pause_hook` set (see RolloutEngine.pause_hook) the engine asks it for the weight
 version before sampling every token. When the version moved (or weights were loaded through update_weights
 meanwhile) it rebuilds the KV cache of every computed row by prefilling the ids fed so far with the current
@@ -98,6 +102,10 @@ class TorchRollout(RolloutEngine):
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None
         self._fast = None
+        from verl.models.hf_moe import RouteRecorder, install_experts
+        install_experts(model)
+        # the train decoder re-runs the whole buffer at every step: its routes are the actor's own, not recorded
+        self._routes = RouteRecorder.attach(model) if config.decoder != "train" else None
         # token positions computed, the non-padding ones, and KV rebuilds after a weight update mid-generation
         self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}
         if self.config.decoder == "fast" and self.config.kv_cache:
@@ -157,14 +165,16 @@ class TorchRollout(RolloutEngine):
         budgets = [self.budget(len(p), params) for p in prompts]
         rows = list(range(B))  # the batch row of each row the decoder computes (finished rows leave it)
         versions: list[list[int]] | None = None if self.pause_hook is None else [[] for _ in range(B)]
+        routes = _Routes(self._routes, B)
         try:
             forward, logits, mask, seq = self._prefill(prompts, params, width)
+            routes.prefill(mask.shape[1])
             # only a pausable generation keeps the ids fed so far ([rows, L], aligned with mask) to rebuild from
             pause = None if versions is None else _Pause(loads=self._loads, cap=mask.shape[1] + params.max_new_tokens)
             seq = None if pause is None else seq
             for _ in range(max(budgets)):
                 if pause is not None:
-                    forward, logits = self._pause(pause, forward, logits, seq, mask, params)
+                    forward, logits = self._pause(pause, forward, logits, seq, mask, params, routes)
                 processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
                 nxt = sample_tokens(processed, params, [gens[r] for r in rows])
                 if params.logprobs:
@@ -193,15 +203,19 @@ class TorchRollout(RolloutEngine):
                 if seq is not None:
                     seq = torch.cat([seq, nxt[:, None].to(seq.device)], 1)
                 logits = forward(nxt[:, None].to(mask.device), mask)
+                routes.step()
         finally:
             if self._fast is not None:
                 self._fast.finish()  # the KV buffers go back before anything else (training) runs
-        return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
+        outs = [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
                              params.stop, None if versions is None else versions[r])
                 for r, (i, j) in enumerate(batch)]
+        for r, o in enumerate(outs):
+            o.routes = routes.of_row(r, len(o.prompt_token_ids), len(tokens[r]))
+        return outs
 
     def _pause(self, pause: "_Pause", forward, logits: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor,
-               params: SamplingParams):
+               params: SamplingParams, routes: "_Routes"):
         """Asks the pause hook for the weight version before a token is sampled; when the weights changed since
         the cache was computed, returns the rebuilt forward and fresh logits, else (forward, logits) as given."""
         returned = self.pause_hook()
@@ -212,7 +226,11 @@ class TorchRollout(RolloutEngine):
                                    f"version (an int) the engine holds after the call") from None
         stale = (pause.version is not None and version != pause.version) or self._loads != pause.loads
         pause.version, pause.loads = version, self._loads
-        return self._rebuild(forward, seq, mask, params, pause.cap) if stale else (forward, logits)
+        if not stale:
+            return forward, logits
+        out = self._rebuild(forward, seq, mask, params, pause.cap)
+        routes.rebuilt()  # every token so far was computed again, with the new weights' routes
+        return out
 
     def _rebuild(self, forward, seq: torch.Tensor, mask: torch.Tensor, params: SamplingParams, cap: int):
         """(forward, last logits [rows, V]) from the current weights over the ids fed so far: the fast decoder
@@ -326,15 +344,27 @@ class TorchRollout(RolloutEngine):
 
     # -- weights and memory ----------------------------------------------------------------------------------
 
+    def _named_weights(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers by module name, and (mixture-of-experts models, whose transformers modules keep
+        the experts fused) by checkpoint name as views into them: a megatron actor sends the latter."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        from verl.models.config import arch_from_hf
+        from verl.models.layout import hf_checkpoint_view
+        try:
+            arch = arch_from_hf(self.model.config)
+        except (VerlConfigError, AttributeError):
+            return params
+        return {**params, **hf_checkpoint_view(params, arch)}
+
     def weight_names(self) -> set[str]:
-        return {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+        return set(self._named_weights())
 
     @torch.no_grad()
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """All or nothing: every tensor is checked (name, shape, dtype) before it is copied, and a failure
         restores the tensors this call already overwrote, so the engine keeps its previous weights."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        params = self._named_weights()
         undo: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for name, tensor in named_tensors:
@@ -378,6 +408,46 @@ class TorchRollout(RolloutEngine):
             for n, p in self.model.named_parameters():
                 p.data = p.data.to(self._offloaded[n])
             self._offloaded = None
+
+
+class _Routes:
+    """The experts each row's tokens went to, one column per token fed to the model (None: nothing recorded):
+    the prefill's [B, P, L, K], then one column per decode step (a recomputing forward's last)."""
+
+    def __init__(self, recorder, batch: int):
+        self.recorder, self.batch = recorder, batch
+        self.cols: list[torch.Tensor] = []
+        self.width = 0
+        self.ok = recorder is not None
+
+    def _take(self) -> torch.Tensor | None:
+        ids = self.recorder.take(self.batch) if self.ok else None
+        self.ok = ids is not None
+        return ids
+
+    def prefill(self, width: int) -> None:
+        ids = self._take()
+        if ids is not None:
+            self.cols, self.width = [ids[:, -width:]], width
+
+    def step(self) -> None:
+        ids = self._take()
+        if ids is not None:
+            self.cols.append(ids[:, -1:])
+
+    def rebuilt(self) -> None:
+        """A KV rebuild ran the prompt and every fed token again: its routes replace the recorded ones."""
+        ids = self._take()
+        if ids is not None:
+            self.cols = [ids]
+
+    def of_row(self, r: int, prompt_len: int, generated: int) -> torch.Tensor | None:
+        """[prompt_len + generated - 1, L, K]: the row's prompt tokens (left-padded to `width`), then each generated
+        token the model was fed (all but the last)."""
+        if not self.ok or not self.cols:
+            return None
+        row = torch.cat([c[r] for c in self.cols])
+        return row[self.width - prompt_len:self.width + max(generated - 1, 0)].clone()
 
 
 @dataclass(slots=True)
