@@ -50,3 +50,22 @@ def moe_matrix_body(rank, world_size, jobs):
             r = moe_layout_case(job["path"], job["out_dir"], tuple(layout), job["batch"], job["ref"])
             out.append({"case": job["name"], "layout": tuple(layout), **r})
     return out
+
+
+def loader_errors_body(rank, world_size, paths):
+    """What the strict loader says about a checkpoint missing one expert tensor, and one with an extra tensor."""
+    from transformers import AutoConfig
+
+    from verl.distributed import destroy_process_groups, init_process_groups
+    from verl.models import build_gpt, load_hf_checkpoint
+    pg = init_process_groups(tp=1, pp=1, ep=2)
+    out = {}
+    for name, path in paths.items():
+        model = build_gpt(AutoConfig.from_pretrained(str(path)), pg)
+        try:
+            load_hf_checkpoint(model, path)
+            out[name] = "loaded"
+        except Exception as e:  # noqa: BLE001 - the message is the point
+            out[name] = f"{type(e).__name__}: {e}"
+    destroy_process_groups()
+    return out

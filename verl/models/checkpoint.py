@@ -98,6 +98,15 @@ def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: b
                               f"{shown}. Loading would drop them and compute something else than the checkpoint; "
                               f"check that config.json matches the weights (e.g. attention_bias, "
                               f"num_hidden_layers), or pass strict=False to ignore them")
+    optional = {"lm_head.weight"} if model.arch.tie_word_embeddings or model.options.value_head else set()
+    absent = sorted(set(hf_tensor_shapes(model.arch)) - set(reader.files) - optional)
+    if absent and strict:
+        # checked on every rank against the whole model (not only this rank's shards), so every rank refuses:
+        # an expert only one expert-parallel rank holds would otherwise stop that rank alone
+        reader.close()
+        shown = ", ".join(absent[:8]) + (f", ... ({len(absent)} in all)" if len(absent) > 8 else "")
+        raise VerlConfigError(f"checkpoint {path} lacks {shown}, which the {model.arch.model_type} model needs; is it "
+                              f"a checkpoint of this architecture and size (num_experts, num_hidden_layers)?")
     params = dict(model.gpt.named_parameters())
     loaded, missing = [], []
     try:
