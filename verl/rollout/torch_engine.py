@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -82,6 +83,8 @@ class TorchRollout(RolloutEngine):
     # successful update_weights calls (a class default: HFRollout skips this __init__); a load inside the pause
     # hook's first call, which no earlier version can reveal, shows here
     _loads: int = 0
+    last_swap_s: float = 0.0
+    """Seconds the last update_weights took to put its staged tensors in place (the swap itself)."""
 
     @classmethod
     def from_config(cls, config: RolloutConfig, *, model=None, model_path: str | None = None, tokenizer=None):
@@ -93,6 +96,10 @@ class TorchRollout(RolloutEngine):
             from transformers import AutoModelForCausalLM
             dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        elif config.dtype != "auto" and next(model.parameters()).dtype != getattr(torch, config.dtype):
+            # a generation copy of its own in rollout.dtype (e.g. bfloat16 beside a float32 actor)
+            import copy
+            model = copy.deepcopy(model).to(getattr(torch, config.dtype))
         return cls(model, tokenizer if tokenizer is not None else model_path, config)
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
@@ -344,39 +351,57 @@ class TorchRollout(RolloutEngine):
 
     # -- weights and memory ----------------------------------------------------------------------------------
 
-    def _named_weights(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers by module name, and (mixture-of-experts models, whose transformers modules keep
-        the experts fused) by checkpoint name as views into them: a megatron actor sends the latter."""
+    def _module_weights(self) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        return params
+
+    def _expert_slots(self) -> dict:
+        """Checkpoint name -> where it lives in the module, for the experts a transformers MoE module keeps fused
+        (verl.models.layout.hf_module_slots): a megatron actor sends them by those names. {} otherwise."""
         from verl.models.config import arch_from_hf
-        from verl.models.layout import hf_checkpoint_view
+        from verl.models.layout import hf_module_slots
         try:
-            arch = arch_from_hf(self.model.config)
+            return hf_module_slots(arch_from_hf(self.model.config))
         except (VerlConfigError, AttributeError):
-            return params
-        return {**params, **hf_checkpoint_view(params, arch)}
+            return {}
 
     def weight_names(self) -> set[str]:
-        return set(self._named_weights())
+        return set(self._module_weights()) | set(self._expert_slots())
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {n: t.data for n, t in self._module_weights().items()}
+        tensors.update({n: slot.view(tensors) for n, slot in self._expert_slots().items()})  # views: written in place
+        return tensors
 
     @torch.no_grad()
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """All or nothing: every tensor is checked (name, shape, dtype) before it is copied, and a failure
-        restores the tensors this call already overwrote, so the engine keeps its previous weights."""
-        params = self._named_weights()
-        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        try:
-            for name, tensor in named_tensors:
+        """Atomic: every tensor is checked (name, shape, dtype) and staged in a copy of its own while the stream
+        is consumed, then all of them replace the engine's at once (`last_swap_s`: that swap alone; it is the
+        only moment the weights change, so no token is ever computed from a mix of two versions). A failure
+        while staging leaves the engine's weights untouched. An MoE expert's tensor (checkpoint name) is staged
+        into a copy of the fused parameter that holds it."""
+        params, slots = self._module_weights(), self._expert_slots()
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fused: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
+            slot = slots.get(name)
+            if slot is None:
                 dst = self._checked_destination(params, name, tensor)
-                undo.append((dst, dst.detach().clone()))
-                dst.copy_(tensor.to(dst.device))  # stays on the device hf_device_map chose
-        except BaseException:
-            for dst, old in reversed(undo):
-                dst.copy_(old)
-            raise
+                # stays on the device hf_device_map chose; a copy, since the stream's tensors are views it reuses
+                staged.append((dst, tensor.to(dst.device, copy=True)))
+                continue
+            self._checked_destination({name: slot.view(params)}, name, tensor)
+            if slot.param not in fused:
+                fused[slot.param] = params[slot.param].detach().clone()
+            slot.view(fused).copy_(tensor)
+        staged += [(params[n], t) for n, t in fused.items()]
+        t0 = time.perf_counter()
+        for dst, new in staged:
+            dst.data = new
+        self.last_swap_s = time.perf_counter() - t0
         self._loads += 1
-        return len(undo)
+        return len(staged)
 
     def _checked_destination(self, params: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
         dst = params.get(name)
