@@ -16,6 +16,11 @@ Time: thread CPU time of one thread (OMP_NUM_THREADS=1, immune to the other jobs
 `--reps` rounds that interleave the variants. Memory: peak extra resident memory of one fwd+bwd, each variant in
 its own process (VmHWM reset just before, freed tensors returned to the OS), inputs excluded.
 
+Every size runs twice: with PyTorch's default allocator, and with THP_MEM_ALLOC_ENABLE=1 (PyTorch then asks for
+transparent huge pages for every tensor, as verl's CPU kernels do for their own large outputs). The dispatch is
+memory-bound; on a CPU much of its time is the first touch of freshly allocated output pages, so the second
+setting shows what is left when every variant gets huge pages: the kernels' own difference.
+
     python benchmarks/kernels/bench_moe_dispatch.py             # 4096x1024x8 and 16384x2048x64, top-2
 Writes benchmarks/results/bench_moe_dispatch.json.
 """
@@ -115,9 +120,12 @@ def _child_time(T: int, H: int, E: int, reps: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------- parent
 
-def _run_child(argv: list, timeout: float) -> dict:
+ALLOCATORS = {"default": {}, "thp_all": {"THP_MEM_ALLOC_ENABLE": "1"}}
+
+
+def _run_child(argv: list, timeout: float, allocator: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **ALLOCATORS[allocator])
     p = subprocess.run([sys.executable, __file__, "--child", *map(str, argv)], env=env, capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT)
     if p.returncode != 0:
@@ -125,17 +133,17 @@ def _run_child(argv: list, timeout: float) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _measure(T: int, H: int, E: int, reps: int) -> dict:
-    timing = _run_child(["time", T, H, E, reps], timeout=3600)
-    mem = {v: _run_child(["mem", v, T, H, E], timeout=3600) for v in VARIANTS}
+def _measure(T: int, H: int, E: int, reps: int, allocator: str) -> dict:
+    timing = _run_child(["time", T, H, E, reps], timeout=3600, allocator=allocator)
+    mem = {v: _run_child(["mem", v, T, H, E], timeout=3600, allocator=allocator) for v in VARIANTS}
     sec = timing["seconds"]
-    row = {"tokens": T, "hidden": H, "experts": E, "top_k": TOP_K,
+    row = {"allocator": allocator, "tokens": T, "hidden": H, "experts": E, "top_k": TOP_K,
            "seconds": sec, "peak_extra_mib": {v: mem[v]["peak_mib"] for v in VARIANTS},
            "speedup_vs_eager": sec["eager"] / sec["verl"], "speedup_vs_megatron": sec["megatron"] / sec["verl"],
            "memory_vs_eager": mem["verl"]["peak_mib"] / mem["eager"]["peak_mib"],
            "memory_vs_megatron": mem["verl"]["peak_mib"] / mem["megatron"]["peak_mib"],
            "losses": timing["losses"]}
-    print(f"T={T} H={H} E={E}: verl {sec['verl'] * 1e3:.0f} ms, megatron {sec['megatron'] * 1e3:.0f} ms, eager "
+    print(f"[{allocator}] T={T} H={H} E={E}: verl {sec['verl'] * 1e3:.0f} ms, megatron {sec['megatron'] * 1e3:.0f} ms, eager "
           f"{sec['eager'] * 1e3:.0f} ms -> {row['speedup_vs_megatron']:.2f}x megatron, {row['speedup_vs_eager']:.2f}x "
           f"eager; peak MiB verl {mem['verl']['peak_mib']:.0f}, megatron {mem['megatron']['peak_mib']:.0f}, eager "
           f"{mem['eager']['peak_mib']:.0f}", flush=True)
@@ -158,7 +166,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_moe_dispatch.json"))
     args = ap.parse_args()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
-    rows = [_measure(T, H, E, args.reps) for T, H, E in sizes]
+    rows = [_measure(T, H, E, args.reps, a) for a in ALLOCATORS for T, H, E in sizes]
     meta = {"command": "python " + " ".join(["benchmarks/kernels/bench_moe_dispatch.py", *sys.argv[1:]]),
             "threads": 1, "timing": "thread CPU time, min over reps, variants interleaved",
             "memory": "peak extra resident memory of one fwd+bwd (VmHWM), a process per variant",

@@ -4,6 +4,11 @@
 // (token, slot) pairs per expert, an exclusive scan over (expert, chunk) gives every chunk its first row per
 // expert, and each chunk then places its pairs in token order. Rows are moved with memcpy (unscaled) or one
 // multiply-add pass per row, parallel over destination rows, so every output row is written by one thread.
+//
+// The outputs are large (T*K rows of the hidden size) and written right after they are allocated, so the first
+// touch of their pages is a good part of the cost: on Linux they are advised to transparent huge pages first,
+// which turns 512 page faults into one (a 32 MiB buffer is written 3-4x faster where the system leaves THP to
+// madvise, measured; PyTorch's own allocator does the same for every tensor when THP_MEM_ALLOC_ENABLE=1).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -12,8 +17,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #include "verl/moe.h"
 
@@ -22,6 +32,18 @@ namespace {
 
 // Pairs per chunk of the counting sort: large enough that a chunk's histogram row is cheap next to its pairs.
 constexpr int64_t kPairsPerChunk = 1 << 14;
+
+// Advises the whole 2 MiB pages inside `t`'s buffer to be backed by transparent huge pages (before first touch).
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t lo = (p + kHuge - 1) & ~(kHuge - 1), hi = (p + t.nbytes()) & ~(kHuge - 1);
+  if (hi >= lo + 2 * kHuge) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // a hint: errors ignored
+#else
+  (void)t;
+#endif
+}
 
 struct CpuKernels {
   static void route_index(const at::Tensor& ids_t, int64_t num_experts, at::Tensor& dst_t, at::Tensor& src_t,
@@ -84,6 +106,7 @@ struct CpuKernels {
     const int64_t n = out.size(0), H = out.size(1);
     const int64_t* src = src_t.data_ptr<int64_t>();
     const int64_t grain = std::max<int64_t>(1, 16384 / H);
+    advise_huge_pages(out);
     if (!scale.defined()) {  // a byte copy per row: exact for every dtype
       const int64_t row_bytes = H * x.element_size();
       const char* xs = static_cast<const char*>(x.data_ptr());
@@ -112,6 +135,7 @@ struct CpuKernels {
   static void combine_rows(const at::Tensor& x, const at::Tensor& dst_t, const at::Tensor& weights, at::Tensor& out) {
     const int64_t T = out.size(0), H = out.size(1), K = dst_t.size(1);
     const int64_t* dst = dst_t.data_ptr<int64_t>();
+    advise_huge_pages(out);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "moe_combine_rows", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const scalar_t* xs = x.data_ptr<scalar_t>();

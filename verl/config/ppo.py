@@ -414,7 +414,8 @@ class ActorConfig:
                 "needs actor.padding_free=true (the shared prompt is a packed layout)")
         spec = _check_engine("training", self.engine)
         require(spec.router_replay or self.router_replay == "off", "router_replay", self.router_replay,
-                f"needs an actor engine that replays routes; actor.engine={self.engine} cannot (engines that can: "
+                f"needs an actor engine that replays routes; actor.engine={self.engine} cannot "
+                f"({spec.router_replay_why or 'router_replay=False in verl.engines'}; engines that can: "
                 f"{list(engines('training', router_replay=True))})")
         require(spec.prefix_sharing or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
                 f"is not supported on actor.engine={self.engine}; use one of "
@@ -1046,10 +1047,12 @@ class PPOConfig:
                             ("actor.ppo_epochs", self.actor.ppo_epochs), ("trainer.total_steps", self.trainer.total_steps)):
             if value < 1:
                 raise VerlConfigError(f"{name} must be >= 1, got {value}")
-        if self.actor.router_replay == "rollout" and not rollout_engine(self.rollout.engine).router_replay:
+        gen = rollout_engine(self.rollout.engine)
+        if self.actor.router_replay == "rollout" and not gen.router_replay:
             raise VerlConfigError(f"actor.router_replay=rollout replays the experts the rollout engine chose for each "
-                                  f"token, but rollout.engine={self.rollout.engine} does not record them (engines that "
-                                  f"do: {list(engines('rollout', router_replay=True))}); pick one of those, or set "
+                                  f"token, but rollout.engine={self.rollout.engine} does not record them "
+                                  f"({gen.router_replay_why or 'router_replay=False in verl.engines'}; engines that do: "
+                                  f"{list(engines('rollout', router_replay=True))}); pick one of those, or set "
                                   f"actor.router_replay=off")
         if self.rollout.decoder == "train" and (self.rollout.engine != "torch" or self.actor.engine != "torch"):
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
