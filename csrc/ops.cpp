@@ -43,11 +43,12 @@ TORCH_LIBRARY(verl, m) {
   // [T*K] (an empty [0] tensor without probs) in that order, dst_of [T, K] int64 (the row of each pair), and
   // tokens_per_expert [E] int64. moe_unpermute: out [T, H] = sum_k probs[t, k] * permuted[dst_of[t, k]] (probs None:
   // a plain sum), accumulated in float (double for double). The backward of moe_permute is moe_unpermute; that of
-  // moe_unpermute is moe_unpermute_backward (grad_probs is an empty [0] tensor without probs).
+  // moe_unpermute is moe_unpermute_backward, which reads `permuted` only for grad_probs (an empty [0] tensor
+  // without probs).
   m.def("moe_permute(Tensor hidden, Tensor expert_ids, Tensor? probs, int num_experts) -> "
         "(Tensor permuted, Tensor permuted_probs, Tensor dst_of, Tensor tokens_per_expert)");
   m.def("moe_unpermute(Tensor permuted, Tensor dst_of, Tensor? probs) -> Tensor");
-  m.def("moe_unpermute_backward(Tensor grad, Tensor permuted, Tensor dst_of, Tensor? probs) -> "
+  m.def("moe_unpermute_backward(Tensor grad, Tensor dst_of, Tensor? probs, Tensor? permuted) -> "
         "(Tensor grad_permuted, Tensor grad_probs)");
 
   // ---- RL advantages (verl/ops/rl.py; drivers in verl/rl_advantage.h, kernels in {cpu,cuda}/rl_advantage) --

@@ -130,8 +130,9 @@ def test_opcheck(device):
     y = permuted.clone().requires_grad_()
     checks = [(torch.ops.verl.moe_permute.default, (h, ids, p, 4)), (torch.ops.verl.moe_permute.default, (h, ids, None, 4)),
               (torch.ops.verl.moe_unpermute.default, (y, dst_of, p)), (torch.ops.verl.moe_unpermute.default, (y, dst_of, None)),
-              (torch.ops.verl.moe_unpermute_backward.default, (torch.randn(13, 5, device=device), y.detach(), dst_of,
-                                                               p.detach()))]
+              (torch.ops.verl.moe_unpermute_backward.default, (torch.randn(13, 5, device=device), dst_of, p.detach(),
+                                                               y.detach())),
+              (torch.ops.verl.moe_unpermute_backward.default, (torch.randn(13, 5, device=device), dst_of, None, None))]
     for op, args in checks:
         torch.library.opcheck(op, args)
 

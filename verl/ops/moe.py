@@ -135,9 +135,11 @@ def _register() -> None:
         return permuted.new_empty([dst_of.shape[0], permuted.shape[1]])
 
     @torch.library.register_fake("verl::moe_unpermute_backward")
-    def _(grad, permuted, dst_of, probs):
-        gp = permuted.new_empty([0]) if probs is None else probs.new_empty(dst_of.shape)
-        return permuted.new_empty(permuted.shape), gp
+    def _(grad, dst_of, probs, permuted):
+        torch._check(probs is None or permuted is not None,
+                     lambda: "moe_unpermute_backward: `permuted` is needed for the gradient of `probs`")
+        gp = grad.new_empty([0]) if probs is None else probs.new_empty(dst_of.shape)
+        return grad.new_empty([dst_of.shape[0] * dst_of.shape[1], grad.shape[1]]), gp
 
     def permute_setup(ctx, inputs, output):
         _, _, probs, _ = inputs
@@ -154,12 +156,14 @@ def _register() -> None:
 
     def unpermute_setup(ctx, inputs, output):
         permuted, dst_of, probs = inputs
-        ctx.save_for_backward(permuted, dst_of, probs)
+        # the rows themselves only matter for the weights' gradient: without weights they are not kept
+        ctx.permuted_dtype = permuted.dtype
+        ctx.save_for_backward(dst_of, probs, None if probs is None else permuted)
 
     def unpermute_backward(ctx, grad):
-        permuted, dst_of, probs = ctx.saved_tensors
-        grad_permuted, grad_probs = torch.ops.verl.moe_unpermute_backward(grad, permuted, dst_of, probs)
-        return grad_permuted, None, None if probs is None else grad_probs
+        dst_of, probs, permuted = ctx.saved_tensors
+        grad_permuted, grad_probs = torch.ops.verl.moe_unpermute_backward(grad, dst_of, probs, permuted)
+        return grad_permuted.to(ctx.permuted_dtype), None, None if probs is None else grad_probs
 
     torch.library.register_autograd("verl::moe_permute", permute_backward, setup_context=permute_setup)
     torch.library.register_autograd("verl::moe_unpermute", unpermute_backward, setup_context=unpermute_setup)

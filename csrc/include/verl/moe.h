@@ -109,19 +109,24 @@ Tensor unpermute(const Tensor& permuted_in, const Tensor& dst_of_in, const std::
   return out;
 }
 
-// (d permuted [T*K, H], d probs [T, K] in probs' dtype, or an empty [0] tensor without probs).
+// (d permuted [T*K, H] in grad's dtype, d probs [T, K] in probs' dtype, or an empty [0] tensor without probs).
+// `permuted` (moe_unpermute's input) is read only for d probs, so without probs autograd need not keep it.
 template <class K>
-std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad_in, const Tensor& permuted_in,
-                                              const Tensor& dst_of_in, const std::optional<Tensor>& probs) {
+std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad_in, const Tensor& dst_of_in,
+                                              const std::optional<Tensor>& probs,
+                                              const std::optional<Tensor>& permuted_opt) {
   const char* op = "moe_unpermute_backward";
-  check_dst_of(permuted_in, dst_of_in, op);
+  check_floating(grad_in, op, "grad");
+  TORCH_CHECK(dst_of_in.dim() == 2 && dst_of_in.scalar_type() == at::kLong && grad_in.dim() == 2 &&
+                  grad_in.size(0) == dst_of_in.size(0), op, ": `grad` must be [tokens, hidden] and `dst_of` int64 ",
+              "[tokens, top_k] (moe_permute's), got ", grad_in.sizes(), " and ", dst_of_in.scalar_type(), " ",
+              dst_of_in.sizes());
+  check_same_device(grad_in, dst_of_in, op, "grad", "dst_of");
   const Tensor dst_of = dst_of_in.contiguous();
-  TORCH_CHECK(grad_in.dim() == 2 && grad_in.size(0) == dst_of.size(0) && grad_in.size(1) == permuted_in.size(1), op,
-              ": `grad` must be [", dst_of.size(0), ", ", permuted_in.size(1), "] (moe_unpermute's output), got ",
-              grad_in.sizes());
-  const Tensor grad = grad_in.to(permuted_in.scalar_type()).contiguous();
-  const Tensor permuted = permuted_in.contiguous();
-  const Tensor w = checked_weights(probs, dst_of.sizes(), permuted, op, "probs");
+  const Tensor grad = grad_in.contiguous();
+  const Tensor w = checked_weights(probs, dst_of.sizes(), grad, op, "probs");
+  TORCH_CHECK(!w.defined() || (permuted_opt.has_value() && permuted_opt->defined()), op,
+              ": `permuted` is needed for the gradient of `probs`");
   const int64_t n = dst_of.numel();
   const Tensor flat = dst_of.view({-1});
   Tensor src_of = at::empty({n}, dst_of.options());
@@ -133,9 +138,13 @@ std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad_in, const Tenso
       w_perm.index_put_({flat}, w.view({-1}));
     }
   }
-  Tensor grad_permuted = at::empty_like(permuted);
+  Tensor grad_permuted = at::empty({n, grad.size(1)}, grad.options());
   if (grad_permuted.numel() > 0) K::gather_rows(grad, src_of, w_perm, grad_permuted);
-  if (!w.defined()) return {grad_permuted, at::empty({0}, permuted.options())};
+  if (!w.defined()) return {grad_permuted, at::empty({0}, grad.options())};
+  check_dst_of(*permuted_opt, dst_of, op);
+  const Tensor permuted = permuted_opt->to(grad.scalar_type()).contiguous();
+  TORCH_CHECK(permuted.size(1) == grad.size(1), op, ": `permuted` has ", permuted.size(1), " columns but `grad` ",
+              grad.size(1));
   Tensor grad_w = at::zeros(dst_of.sizes(), w.options());
   if (n > 0 && permuted.size(1) > 0) K::combine_backward(grad, permuted, dst_of, grad_w);
   return {grad_permuted, grad_w.to(probs->scalar_type())};
