@@ -3,8 +3,9 @@ an eager PyTorch reference, side by side in one run.
 
 The work of one MoE layer's dispatch as megatron-core's all-to-all dispatcher does it (top-k routing already
 done): permute the tokens to expert-contiguous rows with their routing weights, then (after the experts, here
-the identity) unpermute them and combine each token's K rows; forward and backward (loss = sum of the combined
-rows + sum of the permuted weights, so every gradient path runs).
+the identity) unpermute them and combine each token's K rows; forward and backward. The loss is
+<combined rows, g> + sum of the permuted weights, g a fixed random [T, H] tensor: the dense gradient a next layer
+hands back (a plain sum would hand back a stride-0 tensor no model produces), and every gradient path runs.
 
     verl       verl.ops.moe_permute / moe_unpermute (verl._C: a stable counting sort, row gathers, a per-token
                combine; the backward is gathers too)
@@ -49,7 +50,7 @@ def _inputs(T: int, H: int, E: int) -> dict:
     routing = torch.zeros(T, E, dtype=torch.bool).scatter(1, ids, True)
     dense = torch.zeros(T, E).scatter(1, ids, probs)
     return {"hidden": torch.randn(T, H, generator=g), "ids": ids, "probs": probs, "routing": routing,
-            "dense_probs": dense, "E": E}
+            "dense_probs": dense, "E": E, "upstream": torch.randn(T, H, generator=g)}
 
 
 def _step(variant: str, x: dict):
@@ -78,7 +79,7 @@ def _step(variant: str, x: dict):
         h = x["hidden"].detach().requires_grad_()
         p = x[probs_of].detach().requires_grad_()
         out, pp = run(h, p)
-        loss = out.sum() + pp.sum()
+        loss = (out * x["upstream"]).sum() + pp.sum()
         loss.backward()
         return float(loss.detach())
     return step
