@@ -66,7 +66,8 @@ def main() -> int:
         rows[name] = _run(name, run_args, args.steps, tmp)
         r = rows[name]
         print(f"{name:<15} router mismatch {r.get('moe/router_mismatch_frac', float('nan')):.4f}  log-prob mismatch "
-              f"{r['rollout/mismatch_mean']:.2e} (kl {r['rollout/mismatch_kl']:.2e})  reward {r['reward_first']:.3f} -> "
+              f"{r['rollout/mismatch_mean']:.2e} (kl {r['rollout/mismatch_kl']:.2e})  "
+              f"reward {r['reward_first']:.3f} -> "
               f"{r['reward_last']:.3f}", flush=True)
     meta = {"command": "python " + " ".join(["benchmarks/e2e/bench_router_replay.py", *sys.argv[1:]]),
             "dtype": "bfloat16", "steps": args.steps}

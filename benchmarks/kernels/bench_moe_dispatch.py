@@ -144,7 +144,8 @@ def _measure(T: int, H: int, E: int, reps: int, allocator: str) -> dict:
            "memory_vs_eager": mem["verl"]["peak_mib"] / mem["eager"]["peak_mib"],
            "memory_vs_megatron": mem["verl"]["peak_mib"] / mem["megatron"]["peak_mib"],
            "losses": timing["losses"]}
-    print(f"[{allocator}] T={T} H={H} E={E}: verl {sec['verl'] * 1e3:.0f} ms, megatron {sec['megatron'] * 1e3:.0f} ms, eager "
+    print(f"[{allocator}] T={T} H={H} E={E}: verl {sec['verl'] * 1e3:.0f} ms, "
+          f"megatron {sec['megatron'] * 1e3:.0f} ms, eager "
           f"{sec['eager'] * 1e3:.0f} ms -> {row['speedup_vs_megatron']:.2f}x megatron, {row['speedup_vs_eager']:.2f}x "
           f"eager; peak MiB verl {mem['verl']['peak_mib']:.0f}, megatron {mem['megatron']['peak_mib']:.0f}, eager "
           f"{mem['eager']['peak_mib']:.0f}", flush=True)

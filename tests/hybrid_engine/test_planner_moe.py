@@ -72,8 +72,8 @@ def moe_shards(sd, cfg, layout: Placement, rank: int) -> dict[str, torch.Tensor]
         out[m + "mlp.router.weight"] = sd[h + "mlp.gate.weight"].clone()
         for e in range(ep * local, (ep + 1) * local):
             x = f"{h}mlp.experts.{e}."
-            out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat(
-                [sd[x + "gate_proj.weight"].chunk(layout.etp_size)[et], sd[x + "up_proj.weight"].chunk(layout.etp_size)[et]])
+            gate, up = (sd[x + f"{n}_proj.weight"].chunk(layout.etp_size)[et] for n in ("gate", "up"))
+            out[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate, up])
             out[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"] = \
                 sd[x + "down_proj.weight"].chunk(layout.etp_size, dim=1)[et].clone()
     return out
@@ -126,7 +126,8 @@ def test_each_rank_receives_exactly_the_experts_it_lacks(dp, ep):
     # everything a rank holds (attention, norms, router, embeddings, its experts) is used in place
     assert sum(traffic["received"]) < total * dp * (ep - 1) / ep
     got = simulate(plan, [moe_shards(sd, cfg, layout, r) for r in range(dp)])
-    assert all(torch.equal(got[r][k], v) for r in range(dp) for k, v in expected_generation(sd, cfg, 1, 0, "hf").items())
+    want = expected_generation(sd, cfg, 1, 0, "hf")
+    assert all(torch.equal(got[r][k], v) for r in range(dp) for k, v in want.items())
 
 
 def test_vllm_fused_moe_format_is_refused():

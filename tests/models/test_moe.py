@@ -198,4 +198,5 @@ def test_mixed_dense_and_sparse_layers():
     assert arch.moe.layers == (1,)
     shapes = hf_tensor_shapes(arch)
     assert "model.layers.0.mlp.gate_proj.weight" in shapes and "model.layers.3.mlp.down_proj.weight" in shapes
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in shapes and "model.layers.1.mlp.gate_proj.weight" not in shapes
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in shapes
+    assert "model.layers.1.mlp.gate_proj.weight" not in shapes

@@ -128,8 +128,9 @@ def test_opcheck(device):
     ids = _ids(13, 2, 4, g).to(device)
     permuted, _, dst_of, _ = torch.ops.verl.moe_permute(h.detach(), ids, None, 4)
     y = permuted.clone().requires_grad_()
-    checks = [(torch.ops.verl.moe_permute.default, (h, ids, p, 4)), (torch.ops.verl.moe_permute.default, (h, ids, None, 4)),
-              (torch.ops.verl.moe_unpermute.default, (y, dst_of, p)), (torch.ops.verl.moe_unpermute.default, (y, dst_of, None)),
+    ops = torch.ops.verl
+    checks = [(ops.moe_permute.default, (h, ids, p, 4)), (ops.moe_permute.default, (h, ids, None, 4)),
+              (ops.moe_unpermute.default, (y, dst_of, p)), (ops.moe_unpermute.default, (y, dst_of, None)),
               (torch.ops.verl.moe_unpermute_backward.default, (torch.randn(13, 5, device=device), dst_of, p.detach(),
                                                                y.detach())),
               (torch.ops.verl.moe_unpermute_backward.default, (torch.randn(13, 5, device=device), dst_of, None, None))]

@@ -1051,7 +1051,8 @@ class PPOConfig:
         if self.actor.router_replay == "rollout" and not gen.router_replay:
             raise VerlConfigError(f"actor.router_replay=rollout replays the experts the rollout engine chose for each "
                                   f"token, but rollout.engine={self.rollout.engine} does not record them "
-                                  f"({gen.router_replay_why or 'router_replay=False in verl.engines'}; engines that do: "
+                                  f"({gen.router_replay_why or 'router_replay=False in verl.engines'}; "
+                                  f"engines that do: "
                                   f"{list(engines('rollout', router_replay=True))}); pick one of those, or set "
                                   f"actor.router_replay=off")
         if self.rollout.decoder == "train" and (self.rollout.engine != "torch" or self.actor.engine != "torch"):

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError
 
-__all__ = ["Placement", "check_expert_layout", "init_placement", "init_process_groups", "destroy_process_groups", "pick_device",
+__all__ = ["Placement", "check_expert_layout", "init_placement", "init_process_groups", "destroy_process_groups",
+           "pick_device",
            "collective_timeout", "new_group", "DEFAULT_TIMEOUT_S", "free_port"]
 
 DEFAULT_TIMEOUT_S = 600.0

@@ -141,7 +141,8 @@ def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Pat
                 continue
             pg = model.pg
             try:
-                shard = _read_shard(reader, spec, spec.chunk_index(tp=pg.tp_rank, dp=pg.dp_rank, etp=pg.etp_rank), param)
+                k = spec.chunk_index(tp=pg.tp_rank, dp=pg.dp_rank, etp=pg.etp_rank)
+                shard = _read_shard(reader, spec, k, param)
             except Exception as e:
                 raise VerlRuntimeError(f"reading {spec.hf_names} for {spec.name} from {path} failed: {e}",
                                        rank=dist.get_rank() if dist.is_initialized() else None, cause=e) from e

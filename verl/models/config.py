@@ -185,8 +185,8 @@ def arch_from_hf(hf_config) -> ArchSpec:
     """Reads the architecture from a transformers config; refuses what the megatron model cannot reproduce."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type in UNSUPPORTED_MOE:
-        raise VerlConfigError(f"model_type {model_type!r} is a mixture-of-experts variant verl's megatron models do not "
-                              f"support ({UNSUPPORTED_MOE[model_type]}); supported MoE families: {MOE_MODEL_TYPES} "
+        raise VerlConfigError(f"model_type {model_type!r} is a mixture-of-experts variant verl's megatron models do "
+                              f"not support ({UNSUPPORTED_MOE[model_type]}); supported MoE families: {MOE_MODEL_TYPES} "
                               f"(softmax top-k token-choice routing)")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise VerlConfigError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")

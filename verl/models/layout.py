@@ -262,7 +262,8 @@ def hf_tensor_groups(arch: ArchSpec, *, value_head: bool = False) -> tuple[Tenso
             # per head: the same few numbers for every head; over the projection: vLLM gathers q / k across TP
             # before the norm, so both are whole on every generation rank
             for x, shape in zip("qk", _qk_norm_shapes(arch)):
-                groups.append(TensorGroup(kind="replicated", names=(f"{p}.self_attn.{x}_norm.weight",), shapes=(shape,)))
+                groups.append(TensorGroup(kind="replicated", names=(f"{p}.self_attn.{x}_norm.weight",),
+                                          shapes=(shape,)))
         groups += [
             TensorGroup(kind="row", names=(f"{p}.self_attn.o_proj.weight",), shapes=((h, q),)),
             TensorGroup(kind="replicated", names=(f"{p}.post_attention_layernorm.weight",), shapes=((h,),)),
@@ -336,10 +337,11 @@ def _mlp_table(arch: ArchSpec, tp: int, hp: str, layer: int) -> dict[str, tuple]
         return _swiglu_table("mlp.", f"{hp}.mlp.gate_proj.weight", f"{hp}.mlp.up_proj.weight",
                              f"{hp}.mlp.down_proj.weight", h, arch.ffn_hidden_size, tp)
     moe, names = arch.moe, _hf_mlp_names(arch, hp)
-    table = {"mlp.router.weight": ("replicated", (moe.num_experts, h), None, (_seg(names["router"], 0, moe.num_experts),))}
+    router = (_seg(names["router"], 0, moe.num_experts),)
+    table = {"mlp.router.weight": ("replicated", (moe.num_experts, h), None, router)}
     if moe.shared_ffn_hidden_size:
-        table.update(_swiglu_table("mlp.shared_experts.", names["shared_gate"], names["shared_up"], names["shared_down"],
-                                   h, moe.shared_ffn_hidden_size, tp))
+        shared = (names["shared_gate"], names["shared_up"], names["shared_down"])
+        table.update(_swiglu_table("mlp.shared_experts.", *shared, h, moe.shared_ffn_hidden_size, tp))
     if moe.shared_gate:
         table["mlp.shared_experts.gate_weight"] = ("replicated", (1, h), None, (_seg(names["shared_scale"], 0, 1),))
     return table

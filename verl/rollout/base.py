@@ -228,7 +228,7 @@ class RolloutEngine(abc.ABC):
 
     def _finish(self, prompt_index: int, sample_index: int, prompt: list[int], tokens: list[int], reason: str,
                 logprobs: list[float] | None, stop: Sequence[str],
-                token_versions: list[int] | None = None) -> GenerationOutput:
+                token_versions: list[int] | None = None, routes: torch.Tensor | None = None) -> GenerationOutput:
         """Builds an output; cuts the text before the first stop string."""
         text = self.tokenizer.decode(tokens)
         for s in stop:
@@ -237,4 +237,4 @@ class RolloutEngine(abc.ABC):
                 text, reason = text[:at], "stop"
         return GenerationOutput(prompt_index=prompt_index, sample_index=sample_index, prompt_token_ids=list(prompt),
                                 token_ids=list(tokens), text=text, finish_reason=reason, logprobs=logprobs,
-                                token_versions=token_versions)
+                                token_versions=token_versions, routes=routes)

@@ -214,12 +214,10 @@ class TorchRollout(RolloutEngine):
         finally:
             if self._fast is not None:
                 self._fast.finish()  # the KV buffers go back before anything else (training) runs
-        outs = [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
-                             params.stop, None if versions is None else versions[r])
+        return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
+                             params.stop, None if versions is None else versions[r],
+                             routes=routes.of_row(r, len(prompt_ids[i]), len(tokens[r])))
                 for r, (i, j) in enumerate(batch)]
-        for r, o in enumerate(outs):
-            o.routes = routes.of_row(r, len(o.prompt_token_ids), len(tokens[r]))
-        return outs
 
     def _pause(self, pause: "_Pause", forward, logits: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor,
                params: SamplingParams, routes: "_Routes"):

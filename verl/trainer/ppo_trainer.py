@@ -66,7 +66,8 @@ def check_moe_layout(cfg: PPOConfig, hf_config) -> None:
     parallel_layout(arch_from_hf(hf_config), m.tp, ep=m.ep, etp=m.expert_tp)
     if moe and m.tp > 1 and not m.sequence_parallel:
         raise VerlConfigError(f"actor.megatron.tp={m.tp} with a mixture-of-experts policy needs "
-                              f"actor.megatron.sequence_parallel=true (megatron-core's MoE layer refuses TP without it)")
+                              f"actor.megatron.sequence_parallel=true (megatron-core's MoE layer refuses TP without "
+                              f"it)")
 
 
 def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
