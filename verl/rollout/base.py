@@ -109,6 +109,10 @@ class GenerationOutput:
     """The weight version that produced each generated token (what the engine's `pause_hook` returned before
     sampling it; same length as token_ids), or None when no hook was set (partial rollouts). In a multi-turn
     trajectory observation tokens hold -1."""
+    routes: torch.Tensor | None = field(default=None)
+    """[prompt + generated tokens fed to the model, L, K] int16: the K experts each token went to in each of the
+    model's L mixture-of-experts layers (the prompt's tokens, then every generated token but the last, which is
+    never fed back), or None when the engine records no routes (`EngineSpec.router_replay`)."""
     loss_mask: list[int] | None = field(default=None)
     """Multi-turn trajectories (verl.agents): 1 on the tokens the engine sampled, 0 on the observation and template
     tokens appended between turns (same length as token_ids); None: every token was sampled."""
@@ -340,7 +344,7 @@ class RolloutEngine(abc.ABC):
 
     def _finish(self, prompt_index: int, sample_index: int, prompt: list[int], tokens: list[int], reason: str,
                 logprobs: list[float] | None, stop: Sequence[str],
-                token_versions: list[int] | None = None) -> GenerationOutput:
+                token_versions: list[int] | None = None, routes: torch.Tensor | None = None) -> GenerationOutput:
         """Builds an output; cuts the text before the first stop string."""
         text = self.tokenizer.decode(tokens)
         for s in stop:
@@ -349,7 +353,7 @@ class RolloutEngine(abc.ABC):
                 text, reason = text[:at], "stop"
         return GenerationOutput(prompt_index=prompt_index, sample_index=sample_index, prompt_token_ids=list(prompt),
                                 token_ids=list(tokens), text=text, finish_reason=reason, logprobs=logprobs,
-                                token_versions=token_versions)
+                                token_versions=token_versions, routes=routes)
 
 
 def _cut(out: GenerationOutput, budget: int) -> GenerationOutput:
@@ -358,4 +362,6 @@ def _cut(out: GenerationOutput, budget: int) -> GenerationOutput:
         return out
     return dataclasses.replace(out, token_ids=out.token_ids[:budget], finish_reason="length",
                                logprobs=None if out.logprobs is None else out.logprobs[:budget],
-                               token_versions=None if out.token_versions is None else out.token_versions[:budget])
+                               token_versions=None if out.token_versions is None else out.token_versions[:budget],
+                               routes=None if out.routes is None else
+                               out.routes[:len(out.prompt_token_ids) + budget - 1])
