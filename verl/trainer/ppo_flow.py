@@ -84,8 +84,9 @@ def ref_log_prob(batch, ref):
 
 @DataflowNode(input_keys=[], output_keys=["ref_log_probs"])
 def no_reference():
-    """No KL term in the loss or the reward: the update runs without reference log-probs."""
-    return None
+    """No KL term in the loss or the reward: the update runs without reference log-probs (None, returned keyed by
+    the output: a bare None is refused as a node that forgot its return value)."""
+    return {"ref_log_probs": None}
 
 
 @DataflowNode(input_keys=["batch", "critic"], output_keys=["values"])
