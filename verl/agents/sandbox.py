@@ -370,7 +370,7 @@ _LIMIT_ERRORS = (  # the final line of a Python traceback → the limit behind i
     (re.compile(r"^[\w.]*MemoryError\b"), "memory_limit", "the program ran out of its {memory_mb} MiB of memory"),
     (re.compile(r"\[Errno 27\]"), "file_limit", "a file grew beyond the {file_mb} MiB limit"),
     (re.compile(r"\[Errno 28\]"), "disk_limit", "the program's /tmp ({disk_mb} MiB) is full"),
-    (re.compile(r"\[Errno 11\] Resource temporarily unavailable|can't start new thread"), "process_limit",
+    (re.compile(r"\[Errno 11\] Resource temporarily unavailable|can't start new thread|^BlockingIOError\b"), "process_limit",
      "more than {max_procs} processes/threads"),
 )
 
