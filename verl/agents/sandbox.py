@@ -370,8 +370,8 @@ _LIMIT_ERRORS = (  # the final line of a Python traceback → the limit behind i
     (re.compile(r"^[\w.]*MemoryError\b"), "memory_limit", "the program ran out of its {memory_mb} MiB of memory"),
     (re.compile(r"\[Errno 27\]"), "file_limit", "a file grew beyond the {file_mb} MiB limit"),
     (re.compile(r"\[Errno 28\]"), "disk_limit", "the program's /tmp ({disk_mb} MiB) is full"),
-    (re.compile(r"\[Errno 11\] Resource temporarily unavailable|can't start new thread|^BlockingIOError\b"), "process_limit",
-     "more than {max_procs} processes/threads"),
+    (_PROCESS_LIMIT := re.compile(r"\[Errno 11\] Resource temporarily unavailable|can't start new thread"),
+     "process_limit", "more than {max_procs} processes/threads"),
 )
 
 
@@ -396,6 +396,8 @@ def _classify(exit_code: int, cpu: float, stderr: str, limits: SandboxLimits) ->
     for pattern, reason, detail in _LIMIT_ERRORS:
         if pattern.search(last):
             return reason, detail.format(**values) + f" (exit code {exit_code})"
+    if _PROCESS_LIMIT.search(stderr):  # forked children's tracebacks interleave: the last line may be any of them
+        return "process_limit", _LIMIT_ERRORS[-1][2].format(**values) + f" (exit code {exit_code})"
     return "error", f"exit code {exit_code}"
 
 
