@@ -172,3 +172,48 @@ def test_rows_that_stop_early_leave_the_batch_with_the_same_samples():
     slow_share = slow_engine.take_metrics()["rollout/padded_share"]
     assert 0 <= fast_share < slow_share
     assert fast_engine.take_metrics() == {}  # the count restarts after each read
+
+
+@torch.no_grad()
+def test_rows_joining_a_running_batch_decode_as_they_would_alone():
+    """Continuous batching (multi-turn rollouts): a row that joins a batch mid-decode, and the row it joins, get the
+    logits they get decoded alone; so does the joined row after the first one leaves and the columns nobody uses
+    any more are trimmed."""
+    model = tiny_model(seed=4, noise=0.1).eval()
+    dec = LlamaFamilyDecoder(model)
+
+    def alone(prompt: list[int], feed: list[int]) -> list[torch.Tensor]:
+        dec.start(1, 32)
+        mask = torch.ones(1, len(prompt), dtype=torch.long)
+        out = [dec.step(torch.tensor([prompt]), mask)]
+        for t in feed:
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], 1)
+            out.append(dec.step(torch.tensor([[t]]), mask))
+        return out
+    ones = lambda n: torch.ones(1, n, dtype=torch.long)  # noqa: E731
+    a, b = [5, 6, 7, 8, 9, 10, 11], [12, 13]
+    want_a, want_b = alone(a, [20, 21, 22]), alone(b, [30, 31, 32])
+    dec.prepare(1)
+    got_a, mask = [dec.join(torch.tensor([a]), ones(len(a)), 8)], ones(len(a))
+    for t in (20, 21):
+        mask = torch.cat([mask, ones(1)], 1)
+        got_a.append(dec.step(torch.tensor([[t]]), mask))
+    got_b = [dec.join(torch.tensor([b]), ones(len(b)), 8)]  # joins at column 9, right-aligned
+    mask = torch.cat([mask, torch.cat([torch.zeros(1, mask.shape[1] - len(b), dtype=torch.long), ones(len(b))], 1)])
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    both = dec.step(torch.tensor([[22], [30]]), mask)
+    got_a.append(both[:1])
+    got_b.append(both[1:])
+    dec.select(torch.tensor([1]))  # a is done
+    mask = mask[1:]
+    first = int(mask.argmax(-1).min())
+    assert first == 7
+    dec.trim(first)
+    mask = mask[:, first:]
+    for t in (31, 32):
+        mask = torch.cat([mask, ones(1)], 1)
+        got_b.append(dec.step(torch.tensor([[t]]), mask))
+    for got, want in ((got_a, want_a), (got_b, want_b)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -366,3 +366,39 @@ def test_torchrun_tp2_one_engine_over_two_ranks(model_dir):
         want = _hf_greedy(hf, ids, 12)
         assert [g[fmt] for g in got] == [want, want], fmt
     assert all("called generate with different prompts" in g.get("mismatch", "") for g in got)
+
+
+# -- multi-turn (verl.agents) ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chatml_dir(tmp_path_factory):
+    from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
+    tok = tiny_tokenizer(["alpha beta gamma obs tool\n user assistant 0 1 2 3 x"] * 20, 90, chat="chatml")
+    return str(save_tiny(tiny_model(tokenizer=tok, seed=5, **SHAPE), tok, tmp_path_factory.mktemp("chatml")))
+
+
+def test_multi_turn_trajectories_on_vllm_equal_the_torch_engine_greedy(chatml_dir, monkeypatch):
+    """The agent loop on vLLM's scheduler (turns added between engine steps): greedy trajectories are the torch
+    engine's, token for token, observations included, and the trained tokens are exactly those vLLM sampled."""
+    from tests.agents.test_loop import ROWS, recorded
+    from verl.agents.loop import AgentLoop
+    from verl.config.ppo import AgentConfig
+    from verl.rollout import build_rollout
+    from verl.rollout.vllm_engine import VLLMRollout
+    vllm = VLLMRollout(RolloutConfig(engine="vllm", kv_cache_memory_mb=32), chatml_dir)
+    torch_engine = build_rollout(RolloutConfig(engine="torch"), model=_hf(chatml_dir), tokenizer=vllm.tokenizer)
+    cfg = AgentConfig(env="tests.agents.test_loop:ScriptedEnv", env_settings={"turns": 2}, max_tokens_per_turn=6)
+    params = SamplingParams(max_new_tokens=64, n=1, temperature=0, logprobs=True)
+    seen = recorded(monkeypatch)
+    outs = {}
+    for name, eng in (("vllm", vllm), ("torch", torch_engine)):
+        loop = AgentLoop(cfg, vllm.tokenizer, response_length=64)
+        outs[name], metrics = loop.rollout(eng, ROWS, params)
+        loop.close()
+        assert metrics["rollout/turns_mean"] == 3.0
+        if name == "vllm":
+            for key, o in enumerate(outs[name]):
+                assert [t for t, m in zip(o.token_ids, o.loss_mask) if m] == [t for turn in seen[key] for t in turn]
+    assert [o.token_ids for o in outs["vllm"]] == [o.token_ids for o in outs["torch"]]
+    assert [o.loss_mask for o in outs["vllm"]] == [o.loss_mask for o in outs["torch"]]
+    vllm.close()

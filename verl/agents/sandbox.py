@@ -54,7 +54,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl.config.base import check_finite, require
 from verl.errors import VerlRuntimeError
 
 __all__ = ["SandboxLimits", "SandboxResult", "run_python", "run_python_async", "sandbox_available"]
@@ -96,6 +95,9 @@ class SandboxLimits:
     otherwise weighs like the trainer's whole process)."""
 
     def check(self) -> None:
+        # imported here: verl.config (the package) imports the PPO config tree, whose agent section embeds these
+        # limits, so a module-level import would be circular when this module is imported first
+        from verl.config.base import check_finite, require
         check_finite(self)
         for name in ("wall_s", "cpu_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
@@ -368,8 +370,8 @@ _LIMIT_ERRORS = (  # the final line of a Python traceback → the limit behind i
     (re.compile(r"^[\w.]*MemoryError\b"), "memory_limit", "the program ran out of its {memory_mb} MiB of memory"),
     (re.compile(r"\[Errno 27\]"), "file_limit", "a file grew beyond the {file_mb} MiB limit"),
     (re.compile(r"\[Errno 28\]"), "disk_limit", "the program's /tmp ({disk_mb} MiB) is full"),
-    (re.compile(r"\[Errno 11\] Resource temporarily unavailable|can't start new thread"), "process_limit",
-     "more than {max_procs} processes/threads"),
+    (_PROCESS_LIMIT := re.compile(r"\[Errno 11\] Resource temporarily unavailable|can't start new thread"),
+     "process_limit", "more than {max_procs} processes/threads"),
 )
 
 
@@ -394,6 +396,8 @@ def _classify(exit_code: int, cpu: float, stderr: str, limits: SandboxLimits) ->
     for pattern, reason, detail in _LIMIT_ERRORS:
         if pattern.search(last):
             return reason, detail.format(**values) + f" (exit code {exit_code})"
+    if _PROCESS_LIMIT.search(stderr):  # forked children's tracebacks interleave: the last line may be any of them
+        return "process_limit", _LIMIT_ERRORS[-1][2].format(**values) + f" (exit code {exit_code})"
     return "error", f"exit code {exit_code}"
 
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from verl.agents.sandbox import SandboxLimits
 from verl.config.base import ConfigValueError, Range, check_finite, from_dict, require
 from verl.distributed.roles import Role, resolve_roles
 from verl.engines import ROLE_KIND, engine_spec, engines, rollout_engine, training_engine
@@ -572,10 +573,12 @@ class AlgorithmConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RewardSourceConfig:
-    """One reward source of an ensemble: a rule function or a reward model, with its weight."""
+    """One reward source of an ensemble: a rule function, a reward model or the agent environment's own reward, with
+    its weight."""
 
-    type: Literal["rule", "model"] = "rule"
-    """Rule-based function from the reward registry, or a model-based reward model."""
+    type: Literal["rule", "model", "env"] = "rule"
+    """Rule-based function from the reward registry, a model-based reward model, or env: the reward each
+    multi-turn trajectory's environment gave (agent.env; the sum of its steps' rewards)."""
     name: str | None = None
     """Registered rule-based reward, or an importable 'module:function' (type=rule only)."""
     label: str | None = None
@@ -597,17 +600,23 @@ class RewardSourceConfig:
 
     @property
     def display_name(self) -> str:
-        return self.label or (self.name if self.type == "rule" else "model")
+        return self.label or (self.name if self.type == "rule" else self.type)
 
     def validate(self, key: str) -> None:
         """Checks that need no registry or file system; `key` is this source's dotted key in messages."""
-        if self.type not in ("rule", "model"):
+        if self.type not in ("rule", "model", "env"):
             raise VerlConfigError(f"{key}.type={self.type!r} is not a reward source type; use 'rule' (a registered "
-                                  f"function) or 'model' (a reward model directory)")
+                                  f"function), 'model' (a reward model directory) or 'env' (the agent environment's "
+                                  f"reward)")
         if not math.isfinite(self.weight):
             raise VerlConfigError(f"{key}.weight={self.weight} must be a finite number (the source's factor in "
                                   f"the weighted sum)")
-        if self.type == "rule":
+        if self.type == "env":
+            for extra in ("name", "model_path", "tokenizer_path"):
+                if getattr(self, extra) is not None:
+                    raise VerlConfigError(f"{key}.{extra} is not read by type=env (the environment's own reward); "
+                                          f"remove it")
+        elif self.type == "rule":
             if not self.name:
                 raise VerlConfigError(f"{key}.name is missing: a rule source names its reward function "
                                       f"(e.g. name: arithmetic, or my_pkg.rewards:fn)")
@@ -630,8 +639,9 @@ class RewardConfig:
     (`sources`). The score of a response is sum_i weight_i * s_i, with s_i source i's score (z-scored over the
     batch when the source sets `normalize`)."""
 
-    type: Literal["rule", "model"] = "rule"
-    """One-source shorthand: a rule-based function from the reward registry, or a model-based reward model."""
+    type: Literal["rule", "model", "env"] = "rule"
+    """One-source shorthand: a rule-based function from the reward registry, a model-based reward model, or env (the
+    agent environment's own reward)."""
     name: str = "arithmetic"
     """One-source shorthand: registered rule-based reward (see verl.rewards.list_rewards()), a 'module:function'
     reference, or a Python file and its function, 'path/to/file.py:compute_score' (upstream verl's
@@ -663,6 +673,8 @@ class RewardConfig:
             return list(self.sources)
         if self.type == "model":
             return [RewardSourceConfig(type="model", model_path=self.model_path)]
+        if self.type == "env":
+            return [RewardSourceConfig(type="env")]
         return [RewardSourceConfig(type=self.type, name=self.name)]
 
     @property
@@ -750,6 +762,64 @@ class WarmupConfig:
 
 MAX_CONFIG_BYTES = 16 << 20
 """The largest config (as JSON text) a job may have: it is stored in every checkpoint's trainer_state.json."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """Multi-turn rollouts with tools (verl.agents, docs/agents.md): each prompt row is an environment episode whose
+    turns the rollout engine generates, token-in-token-out. Off while `env` is unset (one response per sample)."""
+
+    env: str | None = None
+    """Registered environment (tools, arithmetic_tools, single_turn) or a 'module:Class' of your own; None: the
+    single-turn rollout."""
+    env_settings: dict = field(default_factory=dict)
+    """Keyword settings of the environment's constructor (e.g. {system_prompt: ..., describe_tools: false})."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the environment offers: registered (calculator, final_answer, python, sleep) or 'module:attr'."""
+    tool_settings: dict = field(default_factory=dict)
+    """Settings per tool, by name (e.g. {sleep: {latency_s: 0.5}}), passed to its constructor."""
+    format: str = "hermes"
+    """Tool-call convention: hermes (<tool_call>{json}</tool_call>, results in role 'tool'; ChatML, Qwen) or json
+    (Llama-3-style, results in role 'ipython'), or a registered / 'module:Class' format."""
+    max_turns: int = 4
+    """Most assistant turns per trajectory; every turn and observation shares rollout.max_new_tokens."""
+    max_tokens_per_turn: int = 0
+    """Most tokens one turn may sample (0: whatever room rollout.max_new_tokens leaves)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call: past it the model reads a timeout observation (tool/<name>/error_rate)."""
+    max_concurrent_tools: int = 16
+    """Tool calls running at once on a rank (over every trajectory)."""
+    step_timeout_s: float = 60.0
+    """Longest one environment step may take (all its tool calls included) before the rollout fails naming it."""
+    log_mismatches: int = 3
+    """Trajectories per step whose append-only check failed that are explained on stderr (all are counted in
+    rollout/tito_mismatch)."""
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)
+    """Limits of every run of the python tool (verl.agents.sandbox: CPU, memory, file, process and output limits,
+    wall-clock timeout, no network)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.env is not None
+
+    def check(self) -> None:
+        check_finite(self)
+        require(self.max_turns >= 1, "max_turns", self.max_turns, "must be >= 1 (one turn is a single-turn episode)")
+        require(self.max_tokens_per_turn >= 0, "max_tokens_per_turn", self.max_tokens_per_turn,
+                "must be >= 0 (0: no cap besides rollout.max_new_tokens)")
+        require(self.tool_timeout_s > 0, "tool_timeout_s", self.tool_timeout_s, "must be > 0")
+        require(self.step_timeout_s > 0, "step_timeout_s", self.step_timeout_s, "must be > 0")
+        require(self.max_concurrent_tools >= 1, "max_concurrent_tools", self.max_concurrent_tools, "must be >= 1")
+        require(self.log_mismatches >= 0, "log_mismatches", self.log_mismatches, "must be >= 0")
+        if self.env is None:
+            require(not self.tools, "tools", self.tools, "needs agent.env (the environment that offers them)")
+            return
+        from verl.agents import get_env, get_format
+        from verl.agents.tools import TOOLS
+        get_env(self.env)
+        get_format(self.format)
+        for name in self.tools:
+            TOOLS.get(name)  # unknown names fail here; settings when the loop builds the tools
 
 
 @dataclass(kw_only=True, slots=True)
@@ -866,6 +936,8 @@ class PPOConfig:
     """Prompts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tools (off by default)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """Policy update."""
     ref: RefConfig = field(default_factory=RefConfig)
@@ -1048,6 +1120,17 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
                                   f"{self.rollout.engine} / {self.actor.engine})")
+        if not self.agent.enabled and any(s.type == "env" for s in self.reward.resolved_sources()):
+            raise VerlConfigError("a reward source of type env scores with the agent environment's own reward, and "
+                                  "agent.env is not set; set agent.env, or use a rule or model source")
+        if self.agent.enabled and self.actor.router_replay != "off":
+            raise VerlConfigError("agent.env with actor.router_replay=rollout: a multi-turn trajectory's observation "
+                                  "tokens are appended by the environment, never routed by the rollout engine, so "
+                                  "there are no routes to replay for them; set actor.router_replay=off")
+        if self.agent.enabled and self.rollout.decoder == "train":
+            raise VerlConfigError("agent.env with rollout.decoder=train: the train decoder samples in the training "
+                                  "batch's padded layout, which a multi-turn trajectory's observations do not have; "
+                                  "use rollout.decoder=fast (or model)")
         if self.rollout.compare_full_gather and not training_engine(self.actor.engine).model_parallel \
                 and self.rollout.sync != "delta":
             raise VerlConfigError(f"rollout.compare_full_gather times the full gather of a model-parallel actor's "

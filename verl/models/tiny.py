@@ -60,6 +60,13 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
+CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
+"""The special tokens of `tiny_tokenizer(chat="chatml")`, after `SPECIAL_TOKENS` (ids 4, 5)."""
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Plain ChatML (SmolLM2's template without its default system message): what multi-turn (agent) jobs on the tiny
+model use, so that turns end on a special token (<|im_end|>, the EOS) as in real chat models."""
+
 SAMPLE_TEXT = [
     "the quick brown fox jumps over the lazy dog",
     "one two three four five six seven eight nine ten",
@@ -78,24 +85,35 @@ _SHAPE_TO_HF = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(TinyModelConfig))
 
 
-def tiny_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 96) -> PreTrainedTokenizerFast:
+def tiny_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 96,
+                   chat: Literal["plain", "chatml"] = "plain") -> PreTrainedTokenizerFast:
     """BPE trained in memory on ``corpus`` (default: `SAMPLE_TEXT` and `CHAT_EXAMPLE`), with at most
     ``vocab_size`` tokens (fewer when the corpus runs out of merges). Digits are always single tokens, so a
     number is spelled the same way wherever it appears (what keeps the arithmetic task learnable by a tiny
     model); characters the corpus never shows become ``<unk>``. Like Llama's tokenizer it starts every encoded
     text with ``<s>`` (its own special-token rule, which the rollout's prompt encoding follows); left padding
-    (for generation) and a plain ``<|role|> text`` chat template."""
+    (for generation) and a plain ``<|role|> text`` chat template; ``chat="chatml"`` adds ``<|im_start|>`` and
+    ``<|im_end|>`` as special tokens (the latter the EOS) and the `CHATML_TEMPLATE` (multi-turn jobs)."""
+    if chat not in ("plain", "chatml"):
+        raise VerlConfigError(f"tiny_tokenizer: chat={chat!r}; use 'plain' or 'chatml'")
+    specials = SPECIAL_TOKENS + (CHATML_TOKENS if chat == "chatml" else [])
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Digits(individual_digits=True)
     tok.decoder = decoders.Fuse()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
-    tok.train_from_iterator(SAMPLE_TEXT + CHAT_EXAMPLE if corpus is None else list(corpus), trainer=trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    texts = SAMPLE_TEXT + CHAT_EXAMPLE if corpus is None else list(corpus)
+    # special tokens are matched before the BPE model sees the text: learning merges across them would only add
+    # tokens that encoding never produces (but a model could sample)
+    for special in specials[len(SPECIAL_TOKENS):]:
+        texts = [t.replace(special, "\n") for t in texts]
+    tok.train_from_iterator(texts, trainer=trainer)
     bos = SPECIAL_TOKENS.index("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", bos)])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                 unk_token="<unk>", padding_side="left")
-    hf.chat_template = CHAT_TEMPLATE
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                 eos_token="<|im_end|>" if chat == "chatml" else "</s>", unk_token="<unk>",
+                                 padding_side="left")
+    hf.chat_template = CHATML_TEMPLATE if chat == "chatml" else CHAT_TEMPLATE
     return hf
 
 

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 
-__all__ = ["SamplingParams", "GenerationOutput", "RolloutEngine", "Prompt", "FINISH_REASONS", "length_limit",
-           "check_token_ids"]
+__all__ = ["SamplingParams", "GenerationOutput", "RolloutEngine", "Prompt", "FINISH_REASONS", "TurnRequest",
+           "TurnSource", "turn_seed", "length_limit", "check_token_ids"]
 
 Prompt = str | Sequence[int]
 FINISH_REASONS = ("stop", "length")
@@ -105,11 +107,53 @@ class GenerationOutput:
     """Log-probability of each generated token when SamplingParams.logprobs, else None."""
     token_versions: list[int] | None = field(default=None)
     """The weight version that produced each generated token (what the engine's `pause_hook` returned before
-    sampling it; same length as token_ids), or None when no hook was set (partial rollouts)."""
+    sampling it; same length as token_ids), or None when no hook was set (partial rollouts). In a multi-turn
+    trajectory observation tokens hold -1."""
     routes: torch.Tensor | None = field(default=None)
     """[prompt + generated tokens fed to the model, L, K] int16: the K experts each token went to in each of the
     model's L mixture-of-experts layers (the prompt's tokens, then every generated token but the last, which is
     never fed back), or None when the engine records no routes (`EngineSpec.router_replay`)."""
+    loss_mask: list[int] | None = field(default=None)
+    """Multi-turn trajectories (verl.agents): 1 on the tokens the engine sampled, 0 on the observation and template
+    tokens appended between turns (same length as token_ids); None: every token was sampled."""
+    reward: float | None = field(default=None)
+    """Multi-turn trajectories: the environment's reward (the sum of its steps'); None for single-turn samples."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TurnRequest:
+    """One turn of a multi-turn trajectory for the engine to generate (`RolloutEngine.serve`)."""
+
+    key: int
+    """Which trajectory (the source's own numbering)."""
+    prompt_ids: list[int]
+    """The whole context: the prompt and every earlier turn and observation, as ids."""
+    max_new_tokens: int
+    """Most tokens this turn may sample (the engine's max_model_len cuts it further)."""
+    seed: int | None
+    """The trajectory's seed (sample j of prompt i: seed + i·n + j); turn t samples from `turn_seed(seed, t)`."""
+    turn: int
+    """0 for the first turn."""
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of turn `turn` of a trajectory seeded `seed`: the seed itself for the first turn (a one-turn
+    trajectory samples exactly what `generate` would), a stream of its own for every later turn."""
+    return None if seed is None else seed + turn * 1_000_003
+
+
+class TurnSource(Protocol):
+    """Where `RolloutEngine.serve` takes turns from and gives them back (verl.agents' loop implements it)."""
+
+    def take(self, block: bool, limit: int | None = None) -> list[TurnRequest]:
+        """The requests ready now (at most `limit`; the others stay ready); with `block`, waits until one is or
+        every trajectory is done."""
+
+    def finish(self, request: TurnRequest, output: GenerationOutput) -> None:
+        """A turn is done (it may make the trajectory's next turn ready later, once its tools answered)."""
+
+    def done(self) -> bool:
+        """Every trajectory is finished: nothing will be ready again."""
 
 
 def length_limit(configured: int | None, positions: int | None) -> int | None:
@@ -196,6 +240,37 @@ class RolloutEngine(abc.ABC):
         with self._engine_errors("generate"):
             return self._generate(ids, params)
 
+    def serve(self, source: TurnSource, params: SamplingParams) -> None:
+        """Multi-turn generation: generates every turn `source` hands out and gives it back as soon as it is done,
+        until the source is done. A trajectory waiting for its tools is simply not among the ready requests, so the
+        engine keeps generating for the others. This base version runs waves (all ready requests as one batch); the
+        torch engine joins requests into its running batch between tokens, vLLM adds them to its scheduler."""
+        if self.released:
+            raise VerlRuntimeError(f"the {self.name} rollout engine is released; call resume() before serve()")
+        with self._engine_errors("serve"):
+            while not source.done():
+                requests = source.take(block=True, limit=getattr(getattr(self, "config", None), "max_batch_size", None))
+                if requests:
+                    self._check_contexts(requests)
+                    for r, out in zip(requests, self._generate_turns(requests, params)):
+                        source.finish(r, out)
+
+    def _check_contexts(self, requests: Sequence[TurnRequest]) -> None:
+        for r in requests:
+            if not r.prompt_ids or (self.max_model_len is not None and len(r.prompt_ids) >= self.max_model_len):
+                raise VerlRuntimeError(f"turn {r.turn} of trajectory {r.key} has a context of {len(r.prompt_ids)} "
+                                       f"tokens, which leaves no room within max_model_len={self.max_model_len}")
+
+    def _generate_turns(self, requests: Sequence[TurnRequest], params: SamplingParams) -> list[GenerationOutput]:
+        """One wave of turns. This default samples them as one `_generate` call seeded by the first request (engines
+        with per-sample streams override it so that every turn samples from its own `turn_seed`), then cuts each to
+        its own budget."""
+        first = requests[0]
+        wave = dataclasses.replace(params, n=1, max_new_tokens=max(r.max_new_tokens for r in requests),
+                                   seed=turn_seed(first.seed, first.turn))
+        outs = self._generate([list(r.prompt_ids) for r in requests], wave)
+        return [_cut(o, r.max_new_tokens) for r, o in zip(requests, outs)]
+
     def _encode(self, i: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, (str, torch.Tensor)) or (len(prompt) > 0 and isinstance(prompt[0], dict)):
             return self.tokenizer.encode_prompt(prompt)
@@ -279,3 +354,14 @@ class RolloutEngine(abc.ABC):
         return GenerationOutput(prompt_index=prompt_index, sample_index=sample_index, prompt_token_ids=list(prompt),
                                 token_ids=list(tokens), text=text, finish_reason=reason, logprobs=logprobs,
                                 token_versions=token_versions, routes=routes)
+
+
+def _cut(out: GenerationOutput, budget: int) -> GenerationOutput:
+    """`out` limited to `budget` tokens (a wave samples up to its longest request's budget)."""
+    if len(out.token_ids) <= budget:
+        return out
+    return dataclasses.replace(out, token_ids=out.token_ids[:budget], finish_reason="length",
+                               logprobs=None if out.logprobs is None else out.logprobs[:budget],
+                               token_versions=None if out.token_versions is None else out.token_versions[:budget],
+                               routes=None if out.routes is None else
+                               out.routes[:len(out.prompt_token_ids) + budget - 1])

@@ -106,23 +106,87 @@ class LlamaFamilyDecoder:
     @torch.no_grad()
     def start(self, batch: int, max_len: int) -> None:
         """Fuses the current weights and allocates the cache for `batch` rows of at most `max_len` positions."""
-        emb = self.base.embed_tokens.weight
+        self.prepare(max_len)
+        self._allocate(batch, max_len)
+
+    @torch.no_grad()
+    def prepare(self, max_len: int) -> None:
+        """Fuses the current weights and computes cos/sin for `max_len` positions (no cache yet: `join` adds rows)."""
         self.layers = []
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
             gu_w, gu_b = _fused([mlp.gate_proj, mlp.up_proj])
-            shape = (batch, self.n_kv, max_len, self.head_dim)
             self.layers.append(dict(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
                 qkv_w=qkv_w, qkv_b=qkv_b, o=_weight_bias(attn.o_proj), gu_w=gu_w, gu_b=gu_b,
-                down=_weight_bias(mlp.down_proj),
-                act=mlp.act_fn, k=emb.new_empty(shape), v=emb.new_empty(shape)))
+                down=_weight_bias(mlp.down_proj), act=mlp.act_fn, k=None, v=None))
+        self._rope(max_len)
+        self.length = 0
+
+    def _rope(self, max_len: int) -> None:
         # the model's own rotary module gives cos/sin for every position a row can reach
+        emb = self.base.embed_tokens.weight
         positions = torch.arange(max_len, device=emb.device)[None]
         cos, sin = self.base.rotary_emb(emb[:1, None], positions)
         self.cos, self.sin = cos[0], sin[0]
+
+    def _allocate(self, batch: int, max_len: int) -> None:
+        emb = self.base.embed_tokens.weight
+        shape = (batch, self.n_kv, max_len, self.head_dim)
+        for L in self.layers:
+            L["k"], L["v"] = emb.new_empty(shape), emb.new_empty(shape)
         self.length = 0
+
+    def clear(self) -> None:
+        """Drops the cache but keeps the fused weights (a continuous batch that ran empty)."""
+        for L in self.layers:
+            L["k"] = L["v"] = None
+        self.length = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows the cache holds (0 before the first `join` after `prepare`)."""
+        return 0 if not self.layers or self.layers[0]["k"] is None else self.layers[0]["k"].shape[0]
+
+    @torch.no_grad()
+    def join(self, ids: torch.Tensor, mask: torch.Tensor, reserve: int) -> torch.Tensor:
+        """Adds rows to a running batch (continuous batching): prefills `ids` ([b, S] left-padded, `mask` [b, S])
+        on their own, then puts them below the current rows, every row right-aligned at max(length, S) columns
+        with room for `reserve` more. Returns the new rows' last logits [b, V]. A row's positions come from its
+        mask, so moving its cache right by some padding columns changes nothing it computes; the padding columns
+        hold zeros (never an uninitialised value that attention weights of 0 would still turn into NaN). The
+        caller pads the current rows' mask on the left by max(S - length, 0) and the new rows' by
+        max(length - S, 0)."""
+        old = [(L["k"], L["v"]) for L in self.layers] if self.rows else None
+        before, rows = self.length, self.rows
+        b, S = ids.shape
+        width = max(before, S)
+        cap = width + reserve
+        if cap > self.cos.shape[0]:
+            self._rope(cap)
+        self._allocate(b, S)
+        logits = self.step(ids, mask)
+        for i, L in enumerate(self.layers):
+            for name in ("k", "v"):
+                new = L[name]
+                merged = new.new_zeros((rows + b, self.n_kv, cap, self.head_dim))
+                merged[rows:, :, width - S:width] = new[:, :, :S]
+                if old is not None:
+                    merged[:rows, :, width - before:width] = old[i][0 if name == "k" else 1][:, :, :before]
+                L[name] = merged
+        self.length = width
+        return logits
+
+    @torch.no_grad()
+    def trim(self, columns: int) -> None:
+        """Drops the first `columns` cache columns (padding no row attends to any more: a long-running batch
+        would otherwise widen with every row that joins). The caller drops the same columns of its mask."""
+        if columns <= 0:
+            return
+        for L in self.layers:
+            L["k"], L["v"] = L["k"][:, :, columns:], L["v"][:, :, columns:]
+        self.length -= columns  # positions come from the masks: the cos/sin table stays as it is
 
     @torch.no_grad()
     def select(self, rows: torch.Tensor) -> None:
@@ -146,8 +210,9 @@ class LlamaFamilyDecoder:
         t0, t1 = self.length, self.length + S
         if not self.layers:
             raise ValueError("LlamaFamilyDecoder.step() before start(): call start(batch, max_len) first")
-        if t1 > self.cos.shape[0]:
-            raise ValueError(f"decoding position {t1} exceeds the max_len {self.cos.shape[0]} given to start()")
+        if t1 > self.layers[0]["k"].shape[2]:
+            raise ValueError(f"decoding position {t1} exceeds the cache's max_len {self.layers[0]['k'].shape[2]} "
+                             f"(given to start(), or length + reserve given to join())")
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, t0:t1]
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, S, d]
         keys = mask[:, None, None, :t1].bool()  # [B, 1, 1, L]

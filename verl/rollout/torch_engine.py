@@ -20,6 +20,7 @@ kept or computed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, length_limit
+from verl.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, TurnRequest, TurnSource,
+                               length_limit, turn_seed)
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
@@ -161,23 +163,65 @@ class TorchRollout(RolloutEngine):
             self.model.train(was_training)
         return out
 
+    # -- multi-turn (verl.agents) ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _generate_turns(self, requests, params: SamplingParams) -> list[GenerationOutput]:
+        """A wave of turns, each from its own `turn_seed` stream and within its own budget."""
+        params = dataclasses.replace(params, n=1, max_new_tokens=max(r.max_new_tokens for r in requests))
+        prompts = [list(r.prompt_ids) for r in requests]
+        was_training = self.model.training
+        self.model.eval()
+        out: list[GenerationOutput] = []
+        try:
+            for b in range(0, len(requests), self.config.max_batch_size):
+                rs = requests[b:b + self.config.max_batch_size]
+                out += self._generate_batch([(b + k, 0) for k in range(len(rs))], prompts, params, None,
+                                            seeds=[turn_seed(r.seed, r.turn) for r in rs],
+                                            limits=[r.max_new_tokens for r in rs])
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def serve(self, source: TurnSource, params: SamplingParams) -> None:
+        """Continuous batching with the fast decoder: between two tokens the rows that finished their turn leave
+        the batch (their trajectory goes to its tools) and the turns that became ready join it (prefilled on their
+        own, then appended to the cache), so no trajectory waits for another's tools or turn. Without the fast
+        decoder, or with a pause hook (partial rollouts rebuild the cache of a fixed batch), it runs waves."""
+        if self._fast is None or self.pause_hook is not None:
+            return super().serve(source, params)
+        if self.released:
+            raise VerlRuntimeError("the torch rollout engine is released; call resume() before serve()")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._engine_errors("serve"), torch.inference_mode():
+                _Continuous(self, source, params).run()
+        finally:
+            self._fast.finish()
+            self.model.train(was_training)
+
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             ids |= set(self.tokenizer.eos_token_ids)
         return ids
 
-    def _generate_batch(self, batch, prompt_ids, params: SamplingParams, width: int | None) -> list[GenerationOutput]:
+    def _generate_batch(self, batch, prompt_ids, params: SamplingParams, width: int | None,
+                        seeds: list[int | None] | None = None,
+                        limits: list[int] | None = None) -> list[GenerationOutput]:
+        """`seeds` / `limits`: per-row seeds and token limits (multi-turn waves) instead of the call's."""
         prompts = [prompt_ids[i] for i, _ in batch]
-        gens = [None if params.seed is None else torch.Generator().manual_seed(params.sample_seed(i, j))
-                for i, j in batch]
+        gens = [None if s is None else torch.Generator().manual_seed(s)
+                for s in (seeds if seeds is not None else [params.sample_seed(i, j) for i, j in batch])]
         stop_ids = self._stop_ids(params)
         B = len(batch)
         tokens = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         done = [False] * B
         reasons = ["length"] * B
-        budgets = [self.budget(len(p), params) for p in prompts]
+        limits = limits or [params.max_new_tokens] * B
+        budgets = [min(self.budget(len(p), params), lim) for p, lim in zip(prompts, limits)]
         rows = list(range(B))  # the batch row of each row the decoder computes (finished rows leave it)
         versions: list[list[int]] | None = None if self.pause_hook is None else [[] for _ in range(B)]
         routes = _Routes(self._routes, B)
@@ -538,3 +582,121 @@ class _TrainForward:
         targets[:, self.t] = nxt.to(targets.device)
         lp, _ = lm_head_logprob_entropy(self.hidden, self.model.get_output_embeddings(), targets, p.temperature)
         return lp[:, self.t].tolist()
+
+
+@dataclass(slots=True)
+class _Row:
+    """A turn in the continuous batch."""
+
+    request: TurnRequest
+    gen: torch.Generator | None
+    limit: int
+    tokens: list[int]
+    logprobs: list[float]
+    done: bool = False
+
+
+class _Continuous:
+    """One `TorchRollout.serve` call: the fast decoder's cache holds the rows in `rows` (finished ones ride along,
+    masked, until they are an eighth of the batch), `mask` [rows, columns] their real positions, `logits` the next
+    token's logits of each row."""
+
+    def __init__(self, engine: TorchRollout, source: TurnSource, params: SamplingParams):
+        self.engine, self.source, self.params = engine, source, params
+        self.fast, self.tok = engine._fast, engine.tokenizer
+        self.stop_ids = engine._stop_ids(params)
+        self.rows: list[_Row] = []
+        self.mask: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.device = engine._input_device()
+        self.fast.prepare(1)
+
+    def live(self) -> int:
+        return sum(not r.done for r in self.rows)
+
+    def run(self) -> None:
+        while True:
+            ready = self.source.take(block=self.live() == 0,
+                                     limit=self.engine.config.max_batch_size - self.live())
+            if ready:
+                self.engine._check_contexts(ready)
+                self._admit(ready)
+            if self.live() == 0:
+                if self.source.done():
+                    return
+                continue
+            self._step()
+
+    def _admit(self, requests: list[TurnRequest]) -> None:
+        self._compact(force=True)
+        new = [_Row(request=r, gen=None if r.seed is None else torch.Generator().manual_seed(turn_seed(r.seed, r.turn)),
+                    limit=min(r.max_new_tokens, self.engine.budget(len(r.prompt_ids), self.params)), tokens=[],
+                    logprobs=[]) for r in requests]
+        ids, mask = self.tok.pad([r.prompt_ids for r in requests], side="left")
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        rows = self.rows + new
+        reserve = max(r.limit - len(r.tokens) for r in rows)
+        logits = self.fast.join(ids, mask, reserve)
+        self.engine._count_prefill(mask)
+        width = self.fast.length
+        parts = [] if self.mask is None else [_left(self.mask, width)]
+        self.mask = torch.cat(parts + [_left(mask, width)])
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        self.rows = rows
+
+    def _step(self) -> None:
+        params = self.params
+        logits = self.logits.to("cpu") if self.logits.device.type != "cpu" else self.logits
+        processed = process_logits(logits, params)
+        nxt = sample_tokens(processed, params, [r.gen for r in self.rows])
+        lp = processed.log_softmax(-1).gather(-1, nxt[:, None])[:, 0].tolist() if params.logprobs else None
+        finished = []
+        for k, (row, t) in enumerate(zip(self.rows, nxt.tolist())):
+            if row.done:
+                continue
+            row.tokens.append(t)
+            if lp is not None:
+                row.logprobs.append(lp[k])
+            stop = t in self.stop_ids
+            if stop or len(row.tokens) >= row.limit:
+                row.done = True
+                finished.append((row, "stop" if stop else "length"))
+        for row, reason in finished:
+            r = row.request
+            self.source.finish(r, self.engine._finish(r.key, 0, r.prompt_ids, row.tokens, reason,
+                                                      row.logprobs if params.logprobs else None, params.stop))
+        if self.live() == 0:
+            return
+        self._compact(force=False)
+        live = torch.tensor([not r.done for r in self.rows])
+        self.engine.stats["positions"] += len(self.rows)
+        self.engine.stats["valid_positions"] += int(live.sum())
+        feed = torch.where(live, torch.tensor([r.tokens[-1] if r.tokens else 0 for r in self.rows]),
+                           torch.tensor(self.tok.pad_token_id))
+        self.mask = torch.cat([self.mask, live.long()[:, None].to(self.mask.device)], 1)
+        self.logits = self.fast.step(feed[:, None].to(self.device), self.mask)
+
+    def _compact(self, force: bool) -> None:
+        """Drops finished rows (all of them when `force`, else once they are an eighth of the batch: each drop
+        copies the cache) and the leading columns no remaining row uses."""
+        dead = len(self.rows) - self.live()
+        if dead == 0 or (not force and 8 * dead < len(self.rows)):
+            return
+        keep = [k for k, r in enumerate(self.rows) if not r.done]
+        self.rows = [self.rows[k] for k in keep]
+        if not keep:
+            self.fast.clear()  # an empty batch: the next join starts a fresh cache
+            self.mask = self.logits = None
+            return
+        index = torch.tensor(keep, device=self.mask.device)
+        self.fast.select(index)
+        self.mask, self.logits = self.mask[index], self.logits[index.to(self.logits.device)]
+        first = int(self.mask.argmax(-1).min())  # the leftmost column any remaining row uses
+        self.fast.trim(first)
+        self.mask = self.mask[:, first:]
+
+
+def _left(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """`mask` padded with zero columns on the left to `width` columns."""
+    pad = width - mask.shape[1]
+    return mask if pad == 0 else torch.cat([mask.new_zeros((mask.shape[0], pad)), mask], 1)

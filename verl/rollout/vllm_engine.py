@@ -44,7 +44,8 @@ import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import vllm_worker
-from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, length_limit
+from verl.rollout.base import (GenerationOutput, RolloutEngine, SamplingParams, TurnRequest, TurnSource,
+                               length_limit, turn_seed)
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
@@ -248,6 +249,66 @@ class VLLMRollout(RolloutEngine):
             lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, tokens)] if params.logprobs else None
             outs.append(self._finish(i, j, prompt_ids[i], tokens, comp.finish_reason, lps, params.stop))
         return outs
+
+    def serve(self, source: TurnSource, params: SamplingParams) -> None:
+        """Multi-turn generation on vLLM's own scheduler: ready turns are added as requests between engine steps
+        (each with its trajectory's `turn_seed` and its own budget) and handed back as they finish, so a trajectory
+        waiting on its tools never holds the batch. An interrupted serve aborts what it had added."""
+        if self.released:
+            raise VerlRuntimeError("the vllm rollout engine is released; call resume() before serve()")
+        if self.config.tp > 1 and self.config.in_process:
+            raise VerlConfigError(f"multi-turn rollouts (agent.env) with rollout.tp={self.config.tp} in-process: the "
+                                  f"ranks of one vLLM engine would add turns in the order their own tools answer, "
+                                  f"which SPMD generation cannot take; use rollout.tp=1 or rollout.in_process=false")
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise VerlRuntimeError("vLLM holds unfinished requests that verl did not submit; the engine is shared "
+                                   "with other code, which it must not be")
+        pending: dict[str, TurnRequest] = {}  # by vLLM's internal request id (what abort takes)
+        external: dict[str, str] = {}  # the id outputs carry (internal = external + "-" + 8 random characters)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and not self.on_cpu else []
+        try:
+            with self._engine_errors("serve"), torch.random.fork_rng(devices=devices):
+                while True:
+                    ready = source.take(block=not pending, limit=self.config.max_batch_size - len(pending))
+                    if ready:
+                        self._check_contexts(ready)
+                        added = self._add_turns(ready, params)
+                        pending.update(added)
+                        external.update((rid.rsplit("-", 1)[0], rid) for rid in added)
+                    if not pending:
+                        if source.done():
+                            return
+                        continue
+                    for out in engine.step():
+                        if out.finished:  # outputs carry the external id; enqueue returned the internal ones
+                            r = pending.pop(external.pop(out.request_id))
+                            source.finish(r, self._turn_output(r, out, params))
+        except BaseException:
+            if pending:
+                engine.abort_request(list(pending), internal=True)
+            raise
+
+    def _add_turns(self, requests: list[TurnRequest], params: SamplingParams) -> dict[str, TurnRequest]:
+        import dataclasses
+        sps = [self._vllm_params(dataclasses.replace(params, max_new_tokens=min(
+            r.max_new_tokens, self.budget(len(r.prompt_ids), params))), self._seed(turn_seed(r.seed, r.turn)))
+            for r in requests]
+        ids = self.llm.enqueue([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], sps, use_tqdm=False)
+        return dict(zip(ids, requests))
+
+    def _seed(self, seed: int | None) -> int:
+        """`seed`, or one from the engine's own stream for an unseeded turn (never the trainer's global RNG)."""
+        return seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
+
+    def _turn_output(self, r: TurnRequest, out, params: SamplingParams) -> GenerationOutput:
+        comp = out.outputs[0]
+        if comp.finish_reason not in ("stop", "length"):
+            raise VerlRuntimeError(f"vLLM ended turn {r.turn} of trajectory {r.key} with finish_reason="
+                                   f"{comp.finish_reason!r}")
+        tokens = list(comp.token_ids)
+        lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, tokens)] if params.logprobs else None
+        return self._finish(r.key, 0, r.prompt_ids, tokens, comp.finish_reason, lps, params.stop)
 
     def _run(self, prompts: list[dict], sps: list) -> list:
         """Runs exactly these requests; if anything fails (or is interrupted) they are aborted, so none is left

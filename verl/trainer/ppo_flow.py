@@ -40,7 +40,7 @@ def generate(prompts, rollout, seed, rollout_version, gen_stats):
     batch = rollout.generate(prompts, seed=seed)
     if batch.token_version is None:
         batch.weight_version = torch.full((len(batch),), rollout_version, dtype=torch.long)
-    return batch, {**getattr(rollout.engine, "take_metrics", dict)(), **gen_stats}
+    return batch, {**rollout.take_metrics(), **gen_stats}
 
 
 @DataflowNode(input_keys=["prompts", "rollout", "seed"], output_keys=["baseline_batch"])
@@ -95,9 +95,11 @@ def values(batch, critic):
 
 
 def _token_rewards(scores, mask):
-    """Each response's score [B] on its last real token → [B, R]."""
+    """Each response's score [B] on its last trained token → [B, R]. The mask may have holes (a multi-turn
+    trajectory's observations): the last column where it is set, not its count, is that token."""
     out = torch.zeros_like(mask, dtype=torch.float32)
-    out[torch.arange(len(scores)), (mask.sum(-1).long() - 1).clamp(min=0)] = scores.float()
+    last = mask.shape[-1] - 1 - (mask > 0).flip(-1).long().argmax(-1)
+    out[torch.arange(len(scores)), last] = scores.float()
     return out * mask
 
 

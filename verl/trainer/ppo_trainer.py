@@ -15,7 +15,7 @@ import torch.distributed as dist
 from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
 from verl.data import BatchSampler, PromptDataset, fit_prompt_lengths, load_splits, prompt_text, task_corpus
-from verl.dataflow.trace import merge_traces
+from verl.dataflow.trace import merge_traces, write_trace
 from verl.distributed import Placement
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import Tokenizer, build_rollout
@@ -45,15 +45,23 @@ MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/pe
 def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
     the tiny local model (model.tiny: Llama by default, or another family, mixture-of-experts ones included) with
-    a BPE trained on the data, in model.dtype. With a `placement`, a step that cannot fit in memory with the tiny
-    model's vocabulary is refused before the model is built (verl.trainer.memory)."""
+    a BPE trained on the data (for an agent job, in ChatML, on the data and the environment's demonstrations too),
+    in model.dtype. With a `placement`, a step that cannot fit in memory with the tiny model's vocabulary is
+    refused before the model is built (verl.trainer.memory)."""
     from verl.models.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [prompt_text(p) + str(a) for p, a in zip(dataset.prompts, dataset.answers)])
-    tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
+    chat = "chatml" if cfg.agent.enabled else "plain"
+    if cfg.agent.enabled:  # the conversations' own text (tags, JSON, newlines) gets tokens of its own
+        from verl.agents.loop import AgentLoop, demonstration_texts
+        draft = AgentLoop(cfg.agent, tiny_tokenizer(corpus, cfg.model.tiny.vocab_size, chat=chat),
+                          response_length=cfg.rollout.max_new_tokens)
+        corpus = corpus + demonstration_texts(draft, [dataset[i] for i in range(min(len(dataset), 500))],
+                                              cfg.trainer.seed)
+    tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size, chat=chat)
     if placement is not None:  # again with the vocabulary the corpus allowed (at most model.tiny.vocab_size)
         check_memory_fits(cfg, model_shape(cfg, tiny_vocab=len(tokenizer)), placement.world_size,
                           placement.device.type)
@@ -130,11 +138,16 @@ class PPOTrainer:
             self.policy, self.tokenizer = load_policy(cfg, self.dataset, placement)
         check_generation_layout(cfg, self.policy.config)
         check_moe_layout(cfg, self.policy.config)
-        self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
-                                          cfg.data.max_prompt_length, cfg.data.overlong_prompts,
+        self.agent = None
+        if cfg.agent.enabled:  # episodes open with the environment's messages: those are the prompts checked
+            from verl.agents.loop import AgentLoop
+            self.agent = AgentLoop(cfg.agent, self.tokenizer, response_length=cfg.rollout.max_new_tokens)
+        encode = Tokenizer.wrap(self.tokenizer).encode_prompt if self.agent is None else \
+            (lambda p: self.agent.prompt_ids({"prompt": p, "answer": ""}))
+        self.dataset = fit_prompt_lengths(self.dataset, encode, cfg.data.max_prompt_length, cfg.data.overlong_prompts,
                                           source=", ".join(cfg.data.train_files) or f"task {cfg.data.task}")
         if self.val_dataset is not None:
-            self.val_dataset = fit_prompt_lengths(self.val_dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
+            self.val_dataset = fit_prompt_lengths(self.val_dataset, encode,
                                                   cfg.data.max_prompt_length, cfg.data.overlong_prompts,
                                                   source=", ".join(cfg.data.val_files) or "the held-out split")
         # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
@@ -249,7 +262,7 @@ class PPOTrainer:
             engine = build_rollout(rollout_cfg, model=generation_model, model_path=str(init_dir) if init_dir else None,
                                    tokenizer=self.tokenizer)
             self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
-                                         placement=places["rollout"])
+                                         placement=places["rollout"], agent=self.agent)
         if roles["rollout"].ranks != roles["actor"].ranks:
             self._link_rollout()
 
@@ -405,7 +418,7 @@ class PPOTrainer:
             if world.distributed:
                 world = world.subset(tuple(range(world.world_size)), dist.group.WORLD)
             info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, world,
-                                     self.cfg.trainer.seed)
+                                     self.cfg.trainer.seed, agent=self.agent)
         if self.cfg.actor.lora.enabled and self.cfg.warmup.steps > 0:
             self._lora_base(resume)
         self._build_workers()
@@ -446,6 +459,9 @@ class PPOTrainer:
             self.folder.record(f"{stem}.json", "file")
             if self.cfg.streaming:
                 self.folder.record(f"{stem}_rollout.json", "file")
+            if self.cfg.agent.enabled:  # each rank's turns and tool calls, merged into the trace at the end
+                for r in range(self.placement.world_size):
+                    self.folder.record(f"{stem}_agent_{r}.json", "file")
         return broadcast_json(stem, self.placement)
 
     def _open_logger(self) -> MetricsLogger:
@@ -513,7 +529,17 @@ class PPOTrainer:
                   "gen_stats": gen_stats, "rollout": self.rollout, "reward_fn": self.reward_fn,
                   "actor": self.actor, "ref": self.ref, "critic": self.critic, "kl_ctrl": self.kl_ctrl,
                   "algo_cfg": self.cfg.algorithm}
-        return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
+        agent = getattr(self.rollout, "agent", None) if trace is not None else None
+        if agent is not None:
+            agent.record_spans, agent.spans = True, []
+        try:
+            return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
+        finally:
+            if agent is not None:
+                agent.record_spans = False
+                rank = self.placement.global_rank
+                write_trace(str(self.out_dir / f"{self.trace_stem}_agent_{rank}.json"),
+                            [agent.trace_events(rank)], {"agent": "tool calls and turns"}, ranks=[rank])
 
     def _produce(self) -> None:
         """async, on the rollout's ranks: generate every remaining batch into the flow's queue, each with the
@@ -556,7 +582,7 @@ class PPOTrainer:
             scores, mask = out["scores"], batch.response_mask
             m = {"reward/mean": float(scores.mean()), "reward/max": float(scores.max()),
                  "reward/min": float(scores.min()), "response/length": float(mask.sum(-1).mean()),
-                 "response/clip_ratio": float((mask[:, -1] > 0).float().mean()),
+                 "response/clip_ratio": float((batch.attention_mask[:, -1] > 0).float().mean()),
                  "advantage/mean": float((out["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
                  **out.get("kl_metrics", {}), **(out.get("mismatch_metrics") or {}),
                  **out.get("actor_metrics", {}), **out["sync_metrics"],
@@ -662,7 +688,7 @@ class PPOTrainer:
     def close(self) -> None:
         """Shuts the rollout engine down (vLLM / SGLang hold processes, threads and process groups)."""
         if self.rollout is not None:
-            self.rollout.engine.close()
+            self.rollout.close()
 
     def _export_lora(self, adapter_dir: Path, merged_dir: Path | None) -> None:
         """The adapter in PEFT's format (into `adapter_dir`, published as output_dir/hf_actor) and, with
@@ -716,12 +742,17 @@ class PPOTrainer:
             self.folder.replace_file(tmp, "curves.png")
             self.folder.forget(tmp.name)
         stem = self.trace_stem
-        rollout_trace = out_dir / f"{stem}_rollout.json"
-        if stem and rollout_trace.is_file():  # async: one timeline of both stages
+        if not stem:
+            return
+        # async: the rollout stage's trace; agent jobs: each rollout rank's turns and tool calls. One timeline.
+        extra = [out_dir / f"{stem}_rollout.json"] + sorted(out_dir.glob(f"{stem}_agent_*.json"))
+        extra = [p for p in extra if p.is_file()]
+        if extra:
             trace = out_dir / f"{stem}.json"
-            merge_traces([str(trace), str(rollout_trace)] if trace.is_file() else [str(rollout_trace)], str(trace))
-            rollout_trace.unlink()
-            self.folder.forget(rollout_trace.name)
+            merge_traces([str(p) for p in ([trace] if trace.is_file() else []) + extra], str(trace))
+            for p in extra:
+                p.unlink()
+                self.folder.forget(p.name)
 
 
 def role_placements(placement: Placement, roles: dict) -> dict[str, Placement | None]:
@@ -778,6 +809,9 @@ def progress_fields(m: dict[str, float]) -> dict[str, str]:
            "sync_ms": f"{1e3 * m.get('perf/sync_s', 0.0):.1f}"}
     if "rollout/mismatch_max" in m:
         out["mismatch"] = f"{m['rollout/mismatch_max']:.2g}"
+    if "rollout/tool_use_rate" in m:  # multi-turn rollouts: how often a tool is called, and turns per trajectory
+        out["tools"] = f"{m['rollout/tool_use_rate']:.2f}"
+        out["turns"] = f"{m['rollout/turns_mean']:.2f}"
     if "val/pass@1" in m:  # the latest held-out accuracy
         out["val_acc"] = f"{m['val/pass@1']:.3f}"
     return out

@@ -111,18 +111,22 @@ VAL_CURVE = "val/reward_mean"
 """Drawn on the reward panel when the run validated (verl.trainer.validation)."""
 CURVES = (("reward/mean", "mean reward"), ("actor/kl", "KL to reference (rollout policy without one)"),
           ("actor/entropy", "entropy"))
+AGENT_CURVES = (("rollout/tool_use_rate", "tool-use rate (trajectories calling a tool)"),
+                ("rollout/turns_mean", "turns per trajectory"))
+"""Panels added when the run logged them (multi-turn rollouts, verl.agents)."""
 
 
 def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
     """Reward (with the held-out reward of validation, when there is one), KL and entropy against step, one panel
-    each (Agg backend; no display needed)."""
+    each (Agg backend; no display needed); an agent run's tool-use rate and turns too."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = metrics_view(read_metrics(metrics_path))
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.2))
-    for ax, (key, label) in zip(axes, CURVES):
+    curves = CURVES + tuple(c for c in AGENT_CURVES if any(c[0] in r for r in records))
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.2))
+    for ax, (key, label) in zip(axes, curves):
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
             steps, values = zip(*pts)

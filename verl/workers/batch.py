@@ -3,6 +3,10 @@ that turns a rollout engine's `GenerationOutput`s into it.
 
 Layout: `input_ids` [B, P + R] holds left-padded prompts (P columns) followed by right-padded responses
 (R columns). Response position t is predicted by the logits at column P - 1 + t.
+
+Multi-turn trajectories (verl.agents) put every turn and the observations between them in the response columns:
+`attention_mask` is 1 on all of them (the observations are context), `response_mask` only on the tokens the
+engine sampled, so every loss, advantage, log-prob mismatch and metric that reads it skips the observations.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class RolloutBatch:
     position_ids: torch.Tensor
     """[B, P + R] positions counting real tokens only (left padding does not shift them)."""
     response_mask: torch.Tensor
-    """[B, R] float, 1 on response tokens up to and including EOS."""
+    """[B, R] float, the loss mask: 1 on the response tokens the engine sampled, up to and including EOS (0 on
+    padding, and on the observation / template tokens of a multi-turn trajectory, which attention_mask keeps)."""
     group: torch.Tensor
     """[B] long, index of the prompt each response answers (GRPO groups)."""
     rollout_log_probs: torch.Tensor | None = None
@@ -43,6 +48,9 @@ class RolloutBatch:
     token_version: torch.Tensor | None = None
     """[B, R] long: the policy version that produced each response token, -1 on padding (partial rollouts;
     None when the engine recorded no per-token versions)."""
+    env_rewards: torch.Tensor | None = None
+    """[B] float: the environment's reward of each multi-turn trajectory (reward source type=env); None for
+    single-turn rollouts."""
     routes: torch.Tensor | None = None
     """[B, P + R, L, K] int16: the K experts the rollout engine sent each token to in each of the model's L
     mixture-of-experts layers, aligned with input_ids; -1 where it computed nothing (padding, the last
@@ -88,6 +96,7 @@ class RolloutBatch:
                        rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
                        weight_version=None if self.weight_version is None else self.weight_version[idx],
                        token_version=None if self.token_version is None else self.token_version[idx],
+                       env_rewards=None if self.env_rewards is None else self.env_rewards[idx],
                        routes=None if self.routes is None else self.routes[idx],
                        prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts),
                        data_sources=pick(self.data_sources), extra_infos=pick(self.extra_infos))
@@ -111,8 +120,8 @@ class RolloutBatch:
         for b in pieces:
             groups.append(b.group - (b.group.min() if len(b) else 0) + offset)
             offset = int(groups[-1].max()) + 1 if len(b) else offset
-        lps, wvs, tvs = ([b.rollout_log_probs for b in pieces], [b.weight_version for b in pieces],
-                         [b.token_version for b in pieces])
+        lps, wvs, tvs, ers = ([b.rollout_log_probs for b in pieces], [b.weight_version for b in pieces],
+                              [b.token_version for b in pieces], [b.env_rewards for b in pieces])
         routes = None if any(b.routes is None for b in pieces) else torch.cat([left(b.routes, b, -1) for b in pieces])
         return cls(input_ids=torch.cat([left(b.input_ids, b, 0) for b in pieces]),
                    attention_mask=torch.cat([left(b.attention_mask, b, 0) for b in pieces]),
@@ -121,6 +130,7 @@ class RolloutBatch:
                    rollout_log_probs=None if any(x is None for x in lps) else torch.cat(lps),
                    weight_version=None if any(x is None for x in wvs) else torch.cat(wvs),
                    token_version=None if any(x is None for x in tvs) else torch.cat(tvs), routes=routes,
+                   env_rewards=None if any(x is None for x in ers) else torch.cat(ers),
                    prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
                    response_texts=[x for b in pieces for x in b.response_texts],
                    data_sources=[x for b in pieces for x in b.data_sources],
@@ -141,7 +151,9 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
     `response_length` columns; prompts are left-padded to the longest. When every output carries
     token_versions (partial rollouts), `token_version` holds them and `weight_version` each row's oldest; a
     row with no tokens takes the newest version in the batch (it adds no token to any loss, so only its
-    staleness reading depends on the choice). Otherwise both stay None and the caller sets weight_version."""
+    staleness reading depends on the choice). Otherwise both stay None and the caller sets weight_version.
+    Multi-turn outputs (`loss_mask`) keep their observation tokens out of `response_mask` and carry their
+    environment's reward into `env_rewards`."""
     if len(outputs) != len(rows) * n:
         raise ValueError(f"{len(outputs)} generation outputs for {len(rows)} prompts x n={n}")
     B, R = len(outputs), response_length
@@ -150,12 +162,14 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
     attn = torch.zeros((B, P + R), dtype=torch.long)
     logps = torch.zeros((B, R), dtype=torch.float32) if all(o.logprobs is not None for o in outputs) else None
     tver = torch.full((B, R), -1, dtype=torch.long) if all(o.token_versions is not None for o in outputs) else None
+    loss = torch.zeros((B, R), dtype=torch.float32)
     routes = _routes(outputs, P, R)
     for b, o in enumerate(outputs):
         p, r = o.prompt_token_ids, o.token_ids[:R]
         ids[b, P - len(p):P] = torch.as_tensor(p, dtype=torch.long)
         ids[b, P:P + len(r)] = torch.as_tensor(r, dtype=torch.long)
         attn[b, P - len(p):P + len(r)] = 1
+        loss[b, :len(r)] = 1.0 if o.loss_mask is None else torch.as_tensor(o.loss_mask[:R], dtype=torch.float32)
         if logps is not None:
             logps[b, :len(r)] = torch.as_tensor(o.logprobs[:R], dtype=torch.float32)
         if tver is not None:
@@ -163,11 +177,13 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
         if routes is not None:  # prompt tokens, then the generated ones the engine fed back
             fed = o.routes[:len(p) + len(r)]
             routes[b, P - len(p):P - len(p) + len(fed)] = fed
-    response_mask = attn[:, P:].float()
+    response_mask = attn[:, P:].float() * loss
+    multi_turn = any(o.loss_mask is not None for o in outputs)
     return RolloutBatch(
         input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
         response_mask=response_mask, group=torch.arange(len(rows)).repeat_interleave(n), rollout_log_probs=logps,
         token_version=tver, weight_version=None if tver is None else _oldest_versions(tver), routes=routes,
+        env_rewards=torch.tensor([o.reward or 0.0 for o in outputs], dtype=torch.float32) if multi_turn else None,
         prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
         response_texts=[o.text for o in outputs],
         data_sources=[r.get("data_source", "default") for r in rows for _ in range(n)],

@@ -48,8 +48,11 @@ class RolloutWorker:
     """
 
     def __init__(self, engine: RolloutEngine, cfg: RolloutConfig, *, max_prompt_length: int,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, agent=None):
+        """`agent`: a `verl.agents.loop.AgentLoop`: every sample is then a multi-turn episode of its environment."""
         self.engine, self.cfg = engine, cfg
+        self.agent = agent
+        self._agent_metrics: dict[str, float] = {}
         self.max_prompt_length = max_prompt_length
         self.placement = placement or Placement()
         self._hybrid = None       # the 3D-HybridEngine, planned at the first sync (collective)
@@ -96,10 +99,26 @@ class RolloutWorker:
         params.seed = None if seed is None else seed + gen.start * n
         if self.engine.released:
             self.engine.resume()
-        outs = self.engine.generate(self.encode(rows[gen]), params)
+        if self.agent is not None:
+            outs, self._agent_metrics = self.agent.rollout(self.engine, rows[gen], params)
+        else:
+            outs = self.engine.generate(self.encode(rows[gen]), params)
         if gen != mine:
             outs = self._exchange(outs, gen, mine, n)
         return batch_from_outputs(outs, rows[mine], n, self.cfg.max_new_tokens, self.tokenizer.pad_token_id)
+
+    def take_metrics(self) -> dict[str, float]:
+        """The engine's own metrics since the last call (torch: padded share) and the last rollout's agent metrics
+        (turns, tool calls, tool errors and latency, append-only check)."""
+        out = {**getattr(self.engine, "take_metrics", dict)(), **self._agent_metrics}
+        self._agent_metrics = {}
+        return out
+
+    def close(self) -> None:
+        """Stops the agent loop's tool thread and shuts the engine down."""
+        if self.agent is not None:
+            self.agent.close()
+        self.engine.close()
 
     def _exchange(self, outs: list, gen: slice, mine: slice, n: int) -> list:
         """Every generation replica's samples to every rank (one object all-gather); this rank keeps its
