@@ -2,7 +2,7 @@
 4 samples, one process and one thread each, both running at the same time), plus verl's scaling over 1, 2, 4
 processes.
 
-    bash benchmarks/e2e/setup_trl_env.sh                                        # once: TRL 1.16 venv
+    bash scripts/setup_env.sh trl                                               # once: the TRL environment
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny --quick          # ~5 steps each side
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny --full           # + the 1/2/4-process scaling
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload smollm2-gsm8k         # 3 TRL steps (~30-60 min here)
@@ -187,8 +187,8 @@ def _wait_trl(tp: subprocess.Popen, out: Path, limit_s: float | None, python: st
         print(f"TRL stopped at the time limit after {len(json.loads(out.read_text())['step_s'])} step(s)", flush=True)
         return
     if code != 0:
-        raise RuntimeError(f"TRL run failed with exit code {code} (is {python} the TRL venv? "
-                           f"bash benchmarks/e2e/setup_trl_env.sh)")
+        raise RuntimeError(f"TRL run failed with exit code {code} (is {python} the TRL environment's python? "
+                           f"bash scripts/setup_env.sh trl)")
 
 
 def side_by_side(wl: Workload, assets, steps, work: Path, tag: str, python: str,
