@@ -61,16 +61,20 @@ class RunInfo:
     command: str
     started: float
     load_start: float
+    commit: str | None
+    dirty: bool | None
+    """Whether tracked files differed from `commit` when the run started (the code it ran is then not exactly
+    the commit's)."""
 
     @classmethod
     def start(cls, argv: list[str] | None = None) -> "RunInfo":
+        commit, dirty = git_commit()
         return cls(command=_command(list(sys.argv if argv is None else argv)), started=time.time(),
-                   load_start=os.getloadavg()[0])
+                   load_start=os.getloadavg()[0], commit=commit, dirty=dirty)
 
     def meta(self) -> dict:
-        commit, dirty = git_commit()
         import torch
-        return {"command": self.command, "commit": commit, "dirty": dirty, "environment": _environment(),
+        return {"command": self.command, "commit": self.commit, "dirty": self.dirty, "environment": _environment(),
                 "date_utc": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(
                     timespec="seconds"),
                 "wall_s": round(time.time() - self.started, 1),
