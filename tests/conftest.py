@@ -124,13 +124,17 @@ def pytest_terminal_summary(terminalreporter):
     reasons = collections.Counter(_skip_reason(r) for r in terminalreporter.stats.get("skipped", []))
     deselected = getattr(terminalreporter.config, "_verl_deselected", collections.Counter())
     kind = strict_env()
-    terminalreporter.write_sep("=", f"skip summary ({'strict mode, VERL_TEST_ENV=' + kind if kind else 'not strict'})")
-    if not reasons:
-        terminalreporter.write_line("0 skipped")
-    for reason, n in reasons.most_common():
-        terminalreporter.write_line(f"{n:5d} skipped: {reason}")
-    for reason, n in deselected.most_common():
-        terminalreporter.write_line(f"{n:5d} deselected: {reason}")
+    head = f"skip summary ({'strict mode, VERL_TEST_ENV=' + kind if kind else 'not strict'})"
+    lines = [f"{n:5d} skipped: {reason}" for reason, n in reasons.most_common()] or ["0 skipped"]
+    lines += [f"{n:5d} deselected: {reason}" for reason, n in deselected.most_common()]
+    terminalreporter.write_sep("=", head)
+    for line in lines:
+        terminalreporter.write_line(line)
+    path = os.environ.get("VERL_SKIP_SUMMARY")
+    if path:  # .ci/run prints every environment's summary again at its very end
+        with open(path, "a") as f:
+            f.write("\n".join([f"{head}, {' '.join(terminalreporter.config.invocation_params.args) or 'tests'}:",
+                               *lines]) + "\n")
 
 
 def devices() -> list:

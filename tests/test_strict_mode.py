@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pytest(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     full.pop("PYTEST_ADDOPTS", None)
+    full.pop("VERL_SKIP_SUMMARY", None)  # CI's summary file is for its own runs, not these samples
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd,
                           env=full, capture_output=True, text=True, timeout=600)
 

@@ -67,9 +67,10 @@ class RunInfo:
     the commit's)."""
 
     @classmethod
-    def start(cls, argv: list[str] | None = None) -> "RunInfo":
+    def start(cls, argv: list[str] | None = None, command: str | None = None) -> "RunInfo":
+        """`command`: the reproducing command when it is not this process's own (e.g. a test that writes results)."""
         commit, dirty = git_commit()
-        return cls(command=_command(list(sys.argv if argv is None else argv)), started=time.time(),
+        return cls(command=command or _command(list(sys.argv if argv is None else argv)), started=time.time(),
                    load_start=os.getloadavg()[0], commit=commit, dirty=dirty)
 
     def meta(self) -> dict:
