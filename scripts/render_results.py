@@ -188,7 +188,7 @@ def e2e(data: dict) -> list[str]:
 def train_job(data: dict) -> list[str]:
     meta = data["meta"]
     rows = [{"config": meta.get("config"), "overrides": " ".join(meta.get("overrides") or []) or "-",
-             "steps": data["steps"], "job wall s": data["job_wall_s"],
+             "steps": data["steps"], "job wall s": data["job_wall_s"], "job CPU s": data.get("job_cpu_s"),
              "step s (median)": data.get("step_time_s_median"), "step CPU s (median)": data.get("cpu_time_s_median"),
              f"reward, first {data['window']} steps": data["reward_first"],
              f"reward, last {data['window']} steps": data["reward_last"]}]
@@ -278,9 +278,10 @@ def _r(results, name):
 def fig_default_job(res) -> str:
     d = _r(res, "train_default_job.json")
     load = d["meta"]["load_avg_1m"]
+    cpu = f", {d['job_cpu_s']:.0f} s of CPU time" if "job_cpu_s" in d else ""
     return (f"measured on {d['meta']['cpus']} CPU cores under a load average of {fmt(load['start'])}-"
-            f"{fmt(load['end'])}: mean reward {d['reward_first']:.2f} over the first {d['window']} GRPO steps → "
-            f"{d['reward_last']:.2f} over the last {d['window']}, in {d['job_wall_s']:.0f} s")
+            f"{fmt(load['end'])} from other jobs: mean reward {d['reward_first']:.2f} over the first {d['window']} "
+            f"GRPO steps → {d['reward_last']:.2f} over the last {d['window']}, in {d['job_wall_s']:.0f} s{cpu}")
 
 
 def fig_smollm2_step(res) -> str:

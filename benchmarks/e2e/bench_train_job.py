@@ -8,7 +8,7 @@ default job's reward and wall time, a real model's step time) come from here, no
 
 The job runs as `python -m verl.trainer.main_ppo [CONFIG] [overrides]` in a subprocess (its own output folder in
 a temporary directory, no checkpoints or exported model unless the config asks), at whatever niceness this
-process has. Recorded: the process's wall time, each step's time and CPU time (perf/step_time_s,
+process has. Recorded: the process's wall time and CPU time (its own cost on a shared machine), each step's time and CPU time (perf/step_time_s,
 perf/cpu_time_s) and the rollout / update split (timing/generate_s, timing/update_actor_s), the mean reward of the
 first and last `--window` steps, and the machine's load average before and after (in meta). Writes
 benchmarks/results/train_<tag>.json (tag default_job by default).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -30,18 +31,20 @@ QUIET = ["trainer.save_final=false", "trainer.save_every=0", "trainer.export_hf=
          "trainer.progress_bar=false", "trainer.tensorboard=false"]
 
 
-def run_job(config: str | None, overrides: list[str], out_dir: str, timeout: float) -> tuple[float, list[dict]]:
-    """(wall seconds of the job's process, its metrics.jsonl rows of training steps)."""
+def run_job(config: str | None, overrides: list[str], out_dir: str, timeout: float) -> tuple[float, float, list[dict]]:
+    """(wall seconds of the job's process, its CPU seconds (all threads, user + system), its metrics.jsonl rows of
+    training steps)."""
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *([config] if config else []), *QUIET, *overrides,
            f"trainer.output_dir={out_dir}"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode != 0:
         raise RuntimeError(f"the job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl")) if line.strip()]
-    return wall, [r for r in rows if "reward/mean" in r]
+    return wall, cpu, [r for r in rows if "reward/mean" in r]
 
 
 def summarise(rows: list[dict], window: int) -> dict:
@@ -74,8 +77,8 @@ def main() -> int:
     from verl.utils.results import RunInfo, write_result
     run = RunInfo.start()
     with tempfile.TemporaryDirectory(prefix="bench-train-job-") as work:
-        wall, rows = run_job(args.config, args.set, os.path.join(work, "run"), args.timeout)
-    result = {"job_wall_s": wall, **summarise(rows, args.window)}
+        wall, cpu, rows = run_job(args.config, args.set, os.path.join(work, "run"), args.timeout)
+    result = {"job_wall_s": wall, "job_cpu_s": cpu, **summarise(rows, args.window)}
     path = os.path.join(args.out, f"train_{args.tag}.json")
     write_result(path, result, run, config=args.config or "verl/trainer/config/default.yaml", overrides=args.set,
                  nice=os.nice(0))
