@@ -36,7 +36,28 @@ LEGACY = {
 }
 """Results files that do not reproduce from one command (kept until re-measured; see the section's note)."""
 
-PRE_PROVENANCE: dict[str, str] = {}
+_CMD_ONLY = "Its command is recorded; the commit and the machine's load are not."
+PRE_PROVENANCE: dict[str, str] = {
+    **{name: _CMD_ONLY for name in (
+        "bench_async.json", "bench_async_p2_curve_is_seed1.json", "bench_async_p2_curve_is_seed2.json",
+        "bench_async_p2_curve_seed1.json", "bench_async_p2_curve_seed2.json", "bench_async_p2_idle.json",
+        "bench_async_p2_len24.json", "bench_async_p2_len24_idle.json", "bench_async_p2_len96_idle.json",
+        "bench_async_p2_stream.json", "bench_async_p4_stream.json", "bench_async_smollm2_p2.json",
+        "bench_engines.json", "bench_engines_smollm2.json", "bench_reshard.json", "bench_scaling_grpo.json",
+        "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json",
+        "e2e_grpo_vs_trl_tiny_padded.json")},
+    "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
+                         "script's default run.",
+    "bench_padding_free.json": "No command recorded; `args` holds the arguments it ran with.",
+    "bench_rl.json": "No command recorded; meta.matrix says which matrix (`python benchmarks/kernels/bench_rl.py "
+                     "--quick` or `--full`).",
+    "bench_scaling.json": "No command recorded (the PPO job, `python benchmarks/scaling/bench_scaling.py`, steps "
+                          "unknown).",
+    "dataflow_overhead.json": "No command recorded; `mode` says which (`python benchmarks/dataflow/"
+                              "bench_overhead.py --quick` or `--full`).",
+    "megatron_layout_matrix.json": "No command recorded; `VERL_WRITE_RESULTS=1 python -m pytest -q "
+                                   "tests/models/test_matrix.py` writes it.",
+}
 """Results files written by one run of their benchmark before benchmarks recorded the commit and the machine's
 load (verl.utils.results), with how they were made as far as the file says."""
 
