@@ -34,7 +34,7 @@ import torch
 
 import verl.ops as O
 from verl.algos import get_advantage, get_policy_loss, kl_loss
-from verl.testing.tiny import TinyModelConfig, tiny_config, tiny_model
+from verl.models.tiny import TinyModelConfig, tiny_config, tiny_model
 
 __all__ = ["LoopConfig", "build_model", "grpo_loss", "train"]
 

@@ -188,7 +188,7 @@ def demo_setup(path: str, vocab_size: int = 32768, hidden_size: int = 256, promp
     """(model directory, tokenizer, dataset, reward) of a small local GRPO job whose LM head dominates: a 2-layer
     Llama with a `vocab_size` vocabulary (a tiny BPE tokenizer padded with added tokens so every id decodes) saved
     at `path` (TRL builds its reference model from the directory), and `demo_data`."""
-    from verl.testing.tiny import TinyModelConfig, save_tiny, tiny_config, tiny_model, tiny_tokenizer
+    from verl.models.tiny import TinyModelConfig, save_tiny, tiny_config, tiny_model, tiny_tokenizer
     tok = tiny_tokenizer()
     tok.add_tokens([f"<x{i}>" for i in range(vocab_size - len(tok))])
     shape = TinyModelConfig(hidden_size=hidden_size, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -27,7 +27,7 @@ PKG = ROOT / "verl"
 # (errors, the package roots, the command line).
 LAYERS = [
     ("ops", ("verl.ops", "verl._extension", "verl.errors", "verl.registry", "verl.algos")),
-    ("models", ("verl.models", "verl.distributed", "verl.rollout", "verl.hybrid_engine", "verl.protocol",
+    ("models", ("verl.models", "verl.engines", "verl.agents", "verl.distributed", "verl.rollout", "verl.hybrid_engine",
                 "verl.utils", "verl.config", "verl.data", "verl.rewards", "verl.testing")),
     ("workers", ("verl.workers",)),
     ("trainer", ("verl.trainer", "verl.dataflow", "verl.debug", "verl.cli")),

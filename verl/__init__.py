@@ -19,9 +19,9 @@ _LAZY = {
     "DataflowNode": "verl.dataflow", "CustomNode": "verl.dataflow", "Dataflow": "verl.dataflow",
     "build_dataflow": "verl.dataflow", "inject_node": "verl.dataflow", "run": "verl.dataflow",
     "NodeContext": "verl.dataflow", "NodeConfig": "verl.dataflow", "TransientError": "verl.dataflow",
-    "mark_transient": "verl.dataflow", "DataProto": "verl.protocol",
+    "mark_transient": "verl.dataflow",
 }
-_SUBMODULES = ("debug", "dataflow", "protocol")
+_SUBMODULES = ("debug", "dataflow")
 
 
 def __getattr__(name: str):

@@ -5,7 +5,7 @@
     @LOSSES.register("my_loss", "alias")          # decorator form (functions, classes)
     def my_loss(logprob, advantages, ...): ...
 
-    ENGINES.add("toy", ToyEngine, pausable=True)  # plain form (objects that are not defined at the call)
+    SOURCES.add("toy", ToySource, weight=0.5)     # plain form (objects that are not defined at the call)
     LOSSES.get("my_loss"); LOSSES.meta("my_loss"); LOSSES.names()
 
 Re-registering a name with another object is an error naming both registrants (a silent replacement would make

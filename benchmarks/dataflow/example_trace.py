@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from verl import CustomNode, DataflowNode, build_dataflow, inject_node  # noqa: E402
-from verl.protocol import DataProto  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 from verl.testing import run_distributed  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "results", "dataflow_example_trace.json")
@@ -39,7 +39,7 @@ def generate(prompts, actor, ctx):
         for _ in range(RESP):
             nxt = torch.distributions.Categorical(logits=actor(ids[:, -1])).sample()[:, None]
             ids = torch.cat([ids, nxt], dim=1)
-    batch = prompts.repeat_interleave(1)
+    batch = prompts.clone()
     batch["responses"] = ids[:, -RESP:]
     batch["full"] = ids
     return batch
@@ -133,7 +133,7 @@ def build():
 def _body(rank, world_size, path):
     torch.manual_seed(rank)
     ids = torch.randint(0, VOCAB, (8, 6))
-    prompts = DataProto.from_dict(tensors={"input_ids": ids}, non_tensors={"uid": [f"r{rank}-{i}" for i in range(8)]})
+    prompts = TensorDict({"input_ids": ids}, batch_size=[8])
     inputs = {"actor": _model(1), "ref_model": _model(1), "critic": _model(2)}
     if rank in (0, 1):
         inputs["prompts"] = prompts

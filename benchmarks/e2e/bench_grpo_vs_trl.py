@@ -89,7 +89,7 @@ def build_assets(work: Path, wl: Workload) -> tuple[Path, Path, list[list[int]]]
     from verl.rollout.tokenizer import Tokenizer
     if wl.name == "tiny":
         from verl.config import TinyModelConfig
-        from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+        from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
         tok = tiny_tokenizer(task_corpus("arithmetic"), TINY["vocab_size"])
         model = tiny_model(TinyModelConfig(**TINY), tokenizer=tok, tie_word_embeddings=True, seed=0)
         model_dir = save_tiny(model, tok, work / "model")

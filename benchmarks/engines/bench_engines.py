@@ -82,7 +82,7 @@ def run_job_worker(engine: str, model_dir: str, size: dict, out_path: str) -> No
 
 
 def _prompts(n: int) -> list[str]:
-    from verl.testing.tiny import SAMPLE_TEXT
+    from verl.models.tiny import SAMPLE_TEXT
     words = " ".join(SAMPLE_TEXT).split()
     return [" ".join(words[(7 * i) % 50:(7 * i) % 50 + 3 + i % 9]) for i in range(n)]
 
@@ -203,7 +203,7 @@ def main() -> int:
         return job_main(args)
     size_name = "full" if args.full else "quick"
     size = SIZES[size_name]
-    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
     tmp = tempfile.mkdtemp(prefix="verl-bench-engines-")
     tok = tiny_tokenizer()
     model = tiny_model(tokenizer=tok, seed=0, hidden_size=size["hidden"], num_layers=size["layers"],

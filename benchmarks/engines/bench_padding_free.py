@@ -59,7 +59,7 @@ def run(args) -> dict:
 
     from verl.config import ActorConfig, OptimConfig, TinyModelConfig
     from verl.distributed import init_placement
-    from verl.testing.tiny import tiny_model
+    from verl.models.tiny import tiny_model
     from verl.workers import ActorWorker, TorchEngine
     from verl.workers.packing import micro_batch_slices, padded_token_share
     torch.set_num_threads(args.threads)

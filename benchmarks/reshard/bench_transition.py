@@ -108,7 +108,7 @@ def main() -> int:
     from verl.utils.results import RunInfo, write_result
     run_info = RunInfo.start()
     size = "quick" if args.quick else "full"
-    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
     tmp = tempfile.mkdtemp(prefix="verl-bench-transition-")
     model = tiny_model(tokenizer=None, seed=0, max_position_embeddings=256, **MODELS[size])
     model_dir = str(save_tiny(model, tiny_tokenizer(), os.path.join(tmp, "model")))

@@ -80,7 +80,7 @@ def make_reward_model(path: str) -> None:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from verl.data import task_corpus
-    from verl.testing.tiny import tiny_tokenizer
+    from verl.models.tiny import tiny_tokenizer
     tok = tiny_tokenizer(task_corpus("arithmetic"))
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=256, num_labels=1, pad_token_id=tok.pad_token_id)

@@ -231,64 +231,30 @@ VERL_AVX2_INLINE __m256 load_mask8(const bool* m) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(w, _mm256_setzero_si256()));
 }
 
-// Rows [0, 8) starting at rp / vp / mp / ap / tp (row stride T). Blocks of 8 timesteps from the end; the first
-// T % 8 timesteps of each row finish in the scalar scan, continuing each lane's state.
+// The 8 lanes' running GAE state (one row each) between blocks of 8 timesteps.
+struct Lanes8 {
+  __m256 nv, run;
+  __m256i nbad, cnt;
+  __m256d s_lo, s_hi, q_lo, q_hi;
+};
+
+// The first T % 8 timesteps of each of the 8 rows, in the scalar scan continuing each lane's state, then each
+// row's statistics.
 template <typename S>
-VERL_AVX2 void gae_group8(const S* rp, const S* vp, const bool* mp, int64_t T, float gamma, float gl, S* ap, S* tp,
-                          ScanStats* out) {
-  const __m256 G = _mm256_set1_ps(gamma), GL = _mm256_set1_ps(gl), zero = _mm256_setzero_ps();
-  __m256 nv = zero, run = zero;
-  __m256i nbad = _mm256_setzero_si256(), cnt = _mm256_setzero_si256();
-  __m256d s_lo = _mm256_setzero_pd(), s_hi = s_lo, q_lo = s_lo, q_hi = s_lo;
-  const int64_t head = T % 8;
-  for (int64_t tb = T - 8; tb >= head; tb -= 8) {
-    __m256 R[8], V[8], M[8];
-    for (int r = 0; r < 8; ++r) {
-      R[r] = load8(rp + r * T + tb);
-      V[r] = vp ? load8(vp + r * T + tb) : zero;
-      M[r] = load_mask8(mp + r * T + tb);
-    }
-    transpose8(R);
-    transpose8(V);
-    transpose8(M);
-    for (int j = 7; j >= 0; --j) {
-      const __m256 keep = M[j];
-      const __m256 nw = _mm256_fmadd_ps(GL, run, _mm256_sub_ps(_mm256_fmadd_ps(G, nv, R[j]), V[j]));
-      run = _mm256_blendv_ps(run, nw, keep);
-      nv = _mm256_blendv_ps(nv, V[j], keep);
-      const __m256 fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(R[j], R[j]), zero, _CMP_EQ_OQ),
-                                       _mm256_cmp_ps(_mm256_sub_ps(V[j], V[j]), zero, _CMP_EQ_OQ));
-      nbad = _mm256_sub_epi32(nbad, _mm256_castps_si256(_mm256_andnot_ps(fin, keep)));
-      cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(keep));
-      const __m256 a = _mm256_and_ps(nw, keep);
-      R[j] = a;  // R and V now hold the outputs of step j
-      V[j] = _mm256_and_ps(_mm256_add_ps(nw, V[j]), keep);
-      // Sums in double per step: float partial sums lose the variance of advantages with a large common offset.
-      const __m256 st = as_stored<S>(a);
-      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(st)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(st, 1));
-      s_lo = _mm256_add_pd(s_lo, lo);
-      s_hi = _mm256_add_pd(s_hi, hi);
-      q_lo = _mm256_fmadd_pd(lo, lo, q_lo);
-      q_hi = _mm256_fmadd_pd(hi, hi, q_hi);
-    }
-    transpose8(R);
-    transpose8(V);
-    for (int r = 0; r < 8; ++r) {
-      store8(ap + r * T + tb, R[r]);
-      store8(tp + r * T + tb, V[r]);
-    }
-  }
+VERL_AVX2 void finish_group8(const Lanes8& L, const S* rp, const S* vp, const bool* mp, int64_t T, float gamma, float gl,
+                   S* ap, S* tp, ScanStats* out) {
   alignas(32) float nvl[8], runl[8];
   alignas(32) int32_t badl[8], cntl[8];
   alignas(32) double sl[8], ql[8];
-  _mm256_store_ps(nvl, nv);
-  _mm256_store_ps(runl, run);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(badl), nbad);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(cntl), cnt);
-  _mm256_store_pd(sl, s_lo);
-  _mm256_store_pd(sl + 4, s_hi);
-  _mm256_store_pd(ql, q_lo);
-  _mm256_store_pd(ql + 4, q_hi);
+  _mm256_store_ps(nvl, L.nv);
+  _mm256_store_ps(runl, L.run);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(badl), L.nbad);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(cntl), L.cnt);
+  _mm256_store_pd(sl, L.s_lo);
+  _mm256_store_pd(sl + 4, L.s_hi);
+  _mm256_store_pd(ql, L.q_lo);
+  _mm256_store_pd(ql + 4, L.q_hi);
+  const int64_t head = T % 8;
   for (int r = 0; r < 8; ++r) {
     GaeState<float> st;
     st.next_v = nvl[r];
@@ -311,6 +277,54 @@ VERL_AVX2 void gae_group8(const S* rp, const S* vp, const bool* mp, int64_t T, f
     }
     out[r] = finish_scan(st);
   }
+}
+
+// Rows [0, 8) starting at rp / vp / mp / ap / tp (row stride T). Blocks of 8 timesteps from the end; the first
+// T % 8 timesteps of each row finish in the scalar scan, continuing each lane's state (finish_group8).
+template <typename S>
+VERL_AVX2 void gae_group8(const S* rp, const S* vp, const bool* mp, int64_t T, float gamma, float gl, S* ap, S* tp,
+                          ScanStats* out) {
+  const __m256 G = _mm256_set1_ps(gamma), GL = _mm256_set1_ps(gl), zero = _mm256_setzero_ps();
+  Lanes8 L{zero, zero, _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+           _mm256_setzero_pd(), _mm256_setzero_pd()};
+  for (int64_t tb = T - 8; tb >= T % 8; tb -= 8) {
+    __m256 R[8], V[8], M[8];
+    for (int r = 0; r < 8; ++r) {
+      R[r] = load8(rp + r * T + tb);
+      V[r] = vp ? load8(vp + r * T + tb) : zero;
+      M[r] = load_mask8(mp + r * T + tb);
+    }
+    transpose8(R);
+    transpose8(V);
+    transpose8(M);
+    for (int j = 7; j >= 0; --j) {
+      const __m256 keep = M[j];
+      const __m256 nw = _mm256_fmadd_ps(GL, L.run, _mm256_sub_ps(_mm256_fmadd_ps(G, L.nv, R[j]), V[j]));
+      L.run = _mm256_blendv_ps(L.run, nw, keep);
+      L.nv = _mm256_blendv_ps(L.nv, V[j], keep);
+      const __m256 fin = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(R[j], R[j]), zero, _CMP_EQ_OQ),
+                                       _mm256_cmp_ps(_mm256_sub_ps(V[j], V[j]), zero, _CMP_EQ_OQ));
+      L.nbad = _mm256_sub_epi32(L.nbad, _mm256_castps_si256(_mm256_andnot_ps(fin, keep)));
+      L.cnt = _mm256_sub_epi32(L.cnt, _mm256_castps_si256(keep));
+      const __m256 a = _mm256_and_ps(nw, keep);
+      R[j] = a;  // R and V now hold the outputs of step j
+      V[j] = _mm256_and_ps(_mm256_add_ps(nw, V[j]), keep);
+      // Sums in double per step: float partial sums lose the variance of advantages with a large common offset.
+      const __m256 st = as_stored<S>(a);
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(st)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(st, 1));
+      L.s_lo = _mm256_add_pd(L.s_lo, lo);
+      L.s_hi = _mm256_add_pd(L.s_hi, hi);
+      L.q_lo = _mm256_fmadd_pd(lo, lo, L.q_lo);
+      L.q_hi = _mm256_fmadd_pd(hi, hi, L.q_hi);
+    }
+    transpose8(R);
+    transpose8(V);
+    for (int r = 0; r < 8; ++r) {
+      store8(ap + r * T + tb, R[r]);
+      store8(tp + r * T + tb, V[r]);
+    }
+  }
+  finish_group8<S>(L, rp, vp, mp, T, gamma, gl, ap, tp, out);
 }
 
 bool cpu_has_avx2_fma() {

@@ -18,9 +18,13 @@ def _by_name(findings):
 def test_doctor_reports_every_piece(capsys):
     rc = verl_main(["doctor"])
     out = capsys.readouterr().out
-    for piece in ["torch", "nvcc", "verl._C", "megatron-core", "transformers", "tensordict", "vLLM", "SGLang",
-                  "flash-attn", "Transformer Engine", "NVIDIA apex"]:
+    for piece in ["torch", "nvcc", "verl._C", "megatron-core", "transformers", "tensordict", "flash-attn",
+                  "Transformer Engine", "NVIDIA apex"]:
         assert piece in out, f"doctor does not report {piece}"
+    from verl.engines import KINDS, engines
+    for kind in KINDS:  # every engine of the engine table, usable or with the reason it is not
+        for name in engines(kind):
+            assert f"{kind} engine {name}" in out
     assert "PyPI package `apex` is NOT NVIDIA apex" in out or "NVIDIA apex" in out
     assert rc in (0, 1)
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
 from verl.dataflow import comm
-from verl.protocol import DataProto
+from tests.dataflow.rows import Rows
 
 
 @settings(max_examples=60, deadline=1000)
@@ -38,11 +38,9 @@ def _roundtrip(v):
 
 
 def test_wire_format_round_trips_batches_and_containers():
-    b = DataProto.from_dict(tensors={"ids": torch.arange(6).view(3, 2)}, non_tensors={"uid": ["a", "b", "c"]},
-                            meta={"step": 4})
+    b = Rows(ids=torch.arange(6).view(3, 2), text=["a", "b", "c"])
     back = _roundtrip(b)
-    assert isinstance(back, DataProto) and back["uid"] == ["a", "b", "c"] and back.meta == {"step": 4}
-    assert torch.equal(back["ids"], b["ids"])
+    assert isinstance(back, Rows) and back.text == ["a", "b", "c"] and torch.equal(back.ids, b.ids)
     td = TensorDict({"x": torch.ones(2, 3), "nested": {"y": torch.zeros(2)}}, batch_size=[2])
     td.set("text", NonTensorStack.from_list(["p", "q"]))
     tdb = _roundtrip(td)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from verl import DataflowNode, VerlRuntimeError, build_dataflow
-from verl.protocol import DataProto
+from tests.dataflow.rows import Rows
 from verl.testing import run_distributed
 
 pytestmark = pytest.mark.multiprocess
@@ -18,21 +18,18 @@ pytestmark = pytest.mark.multiprocess
 class TinyActor:
     """Stand-in for a generation engine: the 'response' is a deterministic function of the prompt."""
 
-    def generate(self, prompts: DataProto, max_new_tokens: int = 4) -> DataProto:
-        ids = prompts["input_ids"]
-        resp = ids * 2 + torch.arange(max_new_tokens)[: ids.shape[1]]
-        texts = [f"{p} => {int(r.sum())}" for p, r in zip(prompts["prompt"], resp)]
-        return DataProto.from_dict(tensors={"responses": resp}, non_tensors={"text": texts})
+    def generate(self, prompts: Rows, max_new_tokens: int = 4) -> Rows:
+        resp = prompts.ids * 2 + torch.arange(max_new_tokens)[: prompts.ids.shape[1]]
+        return Rows(ids=resp, text=[f"{p} => {int(r.sum())}" for p, r in zip(prompts.text, resp)])
 
 
 class TinyRewardModel:
-    def score(self, response: DataProto) -> torch.Tensor:
-        return response["responses"].float().sum(-1) + torch.tensor([len(t) for t in response["text"]]).float()
+    def score(self, response: Rows) -> torch.Tensor:
+        return response.ids.float().sum(-1) + torch.tensor([len(t) for t in response.text]).float()
 
 
-def _prompts(rank: int, n: int = 3) -> DataProto:
-    ids = torch.arange(n * 2).view(n, 2) + 100 * rank
-    return DataProto.from_dict(tensors={"input_ids": ids}, non_tensors={"prompt": [f"r{rank}-{i}" for i in range(n)]})
+def _prompts(rank: int, n: int = 3) -> Rows:
+    return Rows(ids=torch.arange(n * 2).view(n, 2) + 100 * rank, text=[f"r{rank}-{i}" for i in range(n)])
 
 
 @DataflowNode(input_keys=["prompt", "actor_model"], output_keys=["response"])
@@ -73,7 +70,7 @@ def _split_run(rank, trace_path, check_errors="node"):
     if rank >= 2:  # the scorer's ranks need only the scorer's inputs
         del inputs["prompt"], inputs["actor_model"]
     out = _split_flow().run(inputs, trace=trace_path, check_errors=check_errors)
-    return {k: (v["text"] if isinstance(v, DataProto) else v) for k, v in out.items()
+    return {k: (v.text if isinstance(v, Rows) else v) for k, v in out.items()
             if k in ("response", "reward", "mean_reward", "score_ranks")}
 
 
@@ -88,15 +85,6 @@ def _error_run(rank, colocated):
         return {"node": e.node, "rank": e.rank, "msg": str(e),
                 "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None}
     return None
-
-
-def _gather_run(rank, world_size):
-    full = _prompts(0, n=5)
-    padded, pad = full.pad_to_divisor(world_size)
-    mine = padded.dp_shard(rank, world_size)
-    mine["reward"] = mine["input_ids"].float().sum(-1)
-    back = mine.all_gather().unpad(pad)
-    return {"prompt": back["prompt"], "reward": back["reward"], "shard": len(mine)}
 
 
 def _missing_input_run(rank):
@@ -115,7 +103,7 @@ def _body(rank, world_size, trace_path):
     # another also shows that the ranks are still in step after a failed run.
     return {"split": _split_run(rank, trace_path), "error_split": _error_run(rank, colocated=False),
             "error_colocated": _error_run(rank, colocated=True), "after": _split_run(rank, None, check_errors="end"),
-            "gather": _gather_run(rank, world_size), "missing": _missing_input_run(rank)}
+            "missing": _missing_input_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +119,11 @@ def test_split_placement_redistributes_shards(results):
     actor, rm = TinyActor(), TinyRewardModel()
     resp = [actor.generate(_prompts(r), max_new_tokens=2) for r in (0, 1)]
     rewards = [rm.score(x) for x in resp]
-    assert res[0]["response"] == resp[0]["text"] and res[1]["response"] == resp[1]["text"]
+    assert res[0]["response"] == resp[0].text and res[1]["response"] == resp[1].text
     # each rank returns the outputs it produced or received: rank 0 got the first piece of the reward re-split
     # over the 4 ranks of ppo_step
     torch.testing.assert_close(res[0]["reward"], torch.cat(rewards)[:len(res[0]["reward"])])
-    assert "response" not in res[2] or res[2]["response"] == resp[0]["text"]
+    assert "response" not in res[2] or res[2]["response"] == resp[0].text
     torch.testing.assert_close(res[2]["reward"], rewards[0])  # rank 0's shard scored on rank 2
     torch.testing.assert_close(res[3]["reward"], rewards[1])
     expected_mean = torch.cat(rewards).mean()
@@ -157,7 +145,7 @@ def test_split_trace_merges_ranks(results):
                                                           "ppo_step": [0, 1, 2, 3]}
     gen0 = next(e for e in nodes if e["name"] == "generate" and e["pid"] == 0)
     assert gen0["args"]["engine"] == "vllm" and gen0["ph"] == "X" and gen0["dur"] > 0
-    assert gen0["args"]["outputs"]["response"]["fields"]["responses"]["shape"] == [3, 2]
+    assert gen0["args"]["outputs"]["response"]["fields"]["ids"]["shape"] == [3, 2]
     comm = [e for e in data["traceEvents"] if e.get("cat") == "comm"]
     assert {e["args"]["key"] for e in comm} == {"response", "reward"}
 
@@ -172,15 +160,6 @@ def test_error_on_one_rank_reaches_every_rank(results, scenario, bad):
         assert "reward model exploded on purpose" in got["msg"]
         assert f"rank {bad}" in got["msg"]
     assert res[bad]["cause"] == "ValueError"  # the original exception is chained where it happened
-
-
-def test_dataproto_split_across_dp_ranks_and_gather_back(results):
-    per_rank, _ = results
-    full = _prompts(0, n=5)
-    assert [r["gather"]["shard"] for r in per_rank] == [2, 2, 2, 2]  # 5 padded to 8
-    for r in per_rank:
-        assert r["gather"]["prompt"] == full["prompt"]
-        torch.testing.assert_close(r["gather"]["reward"], full["input_ids"].float().sum(-1))
 
 
 def test_missing_input_on_one_rank_stops_all_ranks(results):

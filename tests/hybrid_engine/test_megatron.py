@@ -17,7 +17,7 @@ LAYOUTS = [(2, 2, 1, "hf"), (4, 1, 2, "vllm"), (2, 1, 4, "hf"), (1, 2, 2, "vllm"
 @pytest.mark.slow
 def test_real_megatron_model_reshards_bit_exactly(tmp_path):
     pytest.importorskip("megatron.core")
-    from verl.testing.tiny import save_tiny, tiny_model
+    from verl.models.tiny import save_tiny, tiny_model
     path = save_tiny(tiny_model(num_heads=4, num_kv_heads=2, vocab_size=101, noise=0.1), None, tmp_path / "ckpt")
     per_rank = run_distributed(_megatron_workers.reshard_real_model_body, 4, args=(str(path), LAYOUTS), timeout=600)
     for rank, results in enumerate(per_rank):

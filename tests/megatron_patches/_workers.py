@@ -8,7 +8,7 @@ def tied_embeddings_two_stages(rank, world_size):
     import megatron_patches
     from verl.distributed import init_process_groups
     from verl.models import build_gpt
-    from verl.testing.tiny import tiny_config
+    from verl.models.tiny import tiny_config
     pg = init_process_groups(tp=1, pp=2)     # applies every patch; then take the one under test out
     megatron_patches.revert()
     megatron_patches.apply(exclude=("tied_embedding_no_cuda_copy",))

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import megatron_patches
 from megatron_patches import _mechanisms as mech
-from verl.testing.distributed import free_port
-from verl.testing.tiny import tiny_config
+from verl.distributed.placement import free_port
+from verl.models.tiny import tiny_config
 from tests.conftest import HARDWARE
 
 SHAPE = dict(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=50)

@@ -115,7 +115,7 @@ def _family_case(family, tok, placement) -> dict:
 def _families_body(rank, world, families):
     from verl.data import task_corpus
     from verl.distributed import init_placement
-    from verl.testing.tiny import tiny_tokenizer
+    from verl.models.tiny import tiny_tokenizer
     placement = init_placement("cpu")
     tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
     return {family: _family_case(family, tok, placement) for family in families}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl.testing.tiny import tiny_config
+from verl.models.tiny import tiny_config
 from verl.errors import VerlConfigError
 from verl.models import arch_from_hf, parallel_layout
 from verl.models.layout import (KINDS, Segment, ShardSpec, hf_model_layout, hf_tensor_groups, hf_tensor_shapes,

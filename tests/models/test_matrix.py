@@ -26,7 +26,7 @@ import torch
 from tests.models import _workers
 from tests.models._reference import hf_reference
 from verl.testing import run_distributed
-from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
 
 LOGIT_TOL = 1e-4
 GRAD_TOL = 1e-4

@@ -111,7 +111,7 @@ def test_missing_wheel_says_how_to_install(monkeypatch):
 
 
 def test_corrupt_hf_directory_names_it(tmp_path):
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     tok = tiny_tokenizer()
     tiny_model(tokenizer=tok).save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")

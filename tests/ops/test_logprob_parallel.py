@@ -115,8 +115,11 @@ def test_vocab_parallel_rejects_labels_beyond_the_whole_vocabulary(two_rank_resu
         assert "`labels`[1] = 16 is outside the vocabulary [0, 16)" in r["bad_label"]
 
 
-def test_vocab_parallel_needs_initialised_distributed():
+def test_vocab_parallel_on_one_process_is_the_plain_op():
+    """Without torch.distributed (one process) the vocabulary is whole: the same values as logprob_entropy."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        O.vocab_parallel_logprob_entropy(torch.randn(2, 4), torch.tensor([0, 1]), 1.0, None)
+    logits, labels = torch.randn(2, 4), torch.tensor([0, 3])
+    for got, want in zip(O.vocab_parallel_logprob_entropy(logits, labels, 0.7, None),
+                         O.logprob_entropy(logits, labels, 0.7)):
+        torch.testing.assert_close(got, want)

@@ -15,7 +15,7 @@ from verl.errors import VerlConfigError
 from verl.models import load_hf_checkpoint
 from verl.models.checkpoint import unused_tensors
 from verl.models.config import arch_from_hf
-from verl.testing.tiny import save_tiny, tiny_config, tiny_model
+from verl.models.tiny import save_tiny, tiny_config, tiny_model
 
 
 def _saved(tmp_path, family="llama", **kw):

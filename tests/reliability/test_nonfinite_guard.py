@@ -57,7 +57,7 @@ def actor_scenario(placement: Placement, kind: str, poison: int) -> dict:
     """Actor updates poisoned on rank `poison` (a NaN loss; on the torch engine also a NaN gradient), each
     followed by a clean one, then NaN losses until the guard fails the run. Returns what each phase left behind
     on this rank."""
-    from verl.testing.tiny import tiny_model
+    from verl.models.tiny import tiny_model
     from verl.workers import ActorWorker
     model = tiny_model(SHAPE, seed=3, noise=0.1)
     worker = ActorWorker(_engine(kind, model, OptimConfig(lr=1e-2), placement), ActorConfig(micro_batch_size=4),
@@ -121,7 +121,7 @@ def test_behaves_nan_loss_and_gradient_skip_the_step_in_process():
 
 
 def test_behaves_critic_nan_returns_skip_the_step():
-    from verl.testing.tiny import tiny_model
+    from verl.models.tiny import tiny_model
     from verl.workers import CriticWorker, TorchEngine, ValueModel
     value_model = ValueModel.from_causal_lm(tiny_model(SHAPE, seed=3))
     critic = CriticWorker(TorchEngine(value_model, OptimConfig(lr=1e-2), Placement(), head="value"),

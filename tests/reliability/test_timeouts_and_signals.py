@@ -309,10 +309,10 @@ def test_behaves_timeouts_default_and_reach_every_ppo_node():
     from verl.trainer.ppo_flow import node_configs
     cfg = load_config(PPOConfig, None, [])
     assert cfg.trainer.collective_timeout_s == 600 and cfg.trainer.node_timeout_s == 0
-    assert all("timeout_s" not in c for c in node_configs(cfg, cfg.roles(1)).values())
+    assert all(c.timeout_s == 0 for c in node_configs(cfg, cfg.roles(1)).values())
     cfg = load_config(PPOConfig, None, ["trainer.node_timeout_s=900"])
     nodes = node_configs(cfg, cfg.roles(1))
-    assert nodes and all(c["timeout_s"] == 900 for c in nodes.values())
+    assert nodes and all(c.timeout_s == 900 for c in nodes.values())
 
 
 @pytest.mark.parametrize("value", [0, -1, math.nan, math.inf, True, "600"])
@@ -424,7 +424,7 @@ def _env() -> dict:
 
 
 def _spawn_ranks(scenario: str, out: Path, collective_timeout: float = 3.0) -> list[subprocess.Popen]:
-    from verl.testing.distributed import free_port
+    from verl.distributed.placement import free_port
     port = free_port()
     return [subprocess.Popen([sys.executable, str(JOB), scenario, str(out), str(collective_timeout)],
                              env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),

@@ -9,7 +9,7 @@ import torch
 
 from verl.rollout import RolloutConfig, SamplingParams, TorchRollout
 from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
-from verl.testing.tiny import tiny_model, tiny_tokenizer
+from verl.models.tiny import tiny_model, tiny_tokenizer
 
 
 def _qwen2(vocab: int, **extra):

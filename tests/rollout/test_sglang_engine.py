@@ -35,7 +35,7 @@ def test_refuses_to_start_where_it_cannot_run_and_says_why(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
     tok = tiny_tokenizer()
     return str(save_tiny(tiny_model(tokenizer=tok, seed=0, hidden_size=128, num_heads=4, num_kv_heads=2,
                                     intermediate_size=256, max_position_embeddings=512), tok,

@@ -11,7 +11,7 @@ import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import RolloutConfig, SamplingParams, Tokenizer, TorchRollout, build_rollout
-from verl.testing.tiny import tiny_model, tiny_tokenizer
+from verl.models.tiny import tiny_model, tiny_tokenizer
 from tests.conftest import HARDWARE
 
 PROMPTS = ["the quick brown", "one two three four five six", "what", [1, 86, 74]]

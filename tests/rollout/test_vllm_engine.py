@@ -75,7 +75,7 @@ SHAPE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, interme
 
 
 def _save_tiny(path, *, seed: int, tie: bool = False) -> str:
-    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
     tok = tiny_tokenizer()
     return str(save_tiny(tiny_model(tokenizer=tok, seed=seed, tie_word_embeddings=tie, **SHAPE), tok, path))
 

@@ -8,7 +8,7 @@ import torch
 from verl.config import TinyModelConfig
 from verl.data import task_corpus
 from verl.errors import VerlConfigError
-from verl.testing.tiny import TEST_SHAPE, save_tiny, tiny_config, tiny_model, tiny_tokenizer
+from verl.models.tiny import TEST_SHAPE, save_tiny, tiny_config, tiny_model, tiny_tokenizer
 
 
 @pytest.mark.parametrize("family,qkv_bias", [("llama", False), ("llama", True), ("qwen2", True), ("mistral", False)])

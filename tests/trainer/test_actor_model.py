@@ -11,7 +11,7 @@ from verl.config import PPOConfig, load_config
 from verl.data import task_corpus
 from verl.distributed import init_placement
 from verl.errors import VerlConfigError
-from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
 from verl.trainer.ppo_trainer import PPOTrainer
 
 from tests.trainer.conftest import TINY

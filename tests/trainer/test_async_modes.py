@@ -106,9 +106,9 @@ def test_the_one_step_off_example_validates_on_4_ranks():
     cfg = load_config(PPOConfig, Path(__file__).parents[2] / "examples/one_step_off.yaml")
     cfg.validate_world(4)
     nodes = node_configs(cfg, cfg.roles(4))
-    assert nodes["generate"]["device_map"] == [2, 3] and "lag" not in nodes["generate"]
-    assert nodes["update_actor"]["device_map"] == [0, 1] and nodes["update_actor"]["lag"] == {"batch": 1}
-    assert nodes["sync_weights"]["device_map"] == [0, 1, 2, 3]
+    assert nodes["generate"].device_map == (2, 3) and not nodes["generate"].lag
+    assert nodes["update_actor"].device_map == (0, 1) and nodes["update_actor"].lag == {"batch": 1}
+    assert nodes["sync_weights"].device_map == (0, 1, 2, 3)
     with pytest.raises(VerlConfigError, match="share ranks"):  # the same job with the rollout on the actor's ranks
         load_config(PPOConfig, Path(__file__).parents[2] / "examples/one_step_off.yaml",
                     ["rollout.ranks=[0,1]"]).validate_world(4)

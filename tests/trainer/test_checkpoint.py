@@ -21,15 +21,15 @@ def _steps(out_dir: Path) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs if "reward/mean" in r}
 
 
+def _length_reward(response, ground_truth, prompt):
+    return float(len(response))
+
+
 @pytest.mark.parametrize("extra", [
     ["algorithm.adv_estimator=grpo"],
     ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
      "actor.optim.warmup_steps=3"],
 ])
-def _length_reward(response, ground_truth, prompt):
-    return float(len(response))
-
-
 def test_resume_equals_uninterrupted(tmp_path, tiny_args, extra):
     # a dense reward (response length) so every step really moves the weights
     register_reward("test_length_ckpt")(_length_reward)

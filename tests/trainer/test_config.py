@@ -136,7 +136,7 @@ def test_the_generation_layout_and_engine_are_checked_before_any_step(tmp_path, 
         load_config(PPOConfig, None, ["rollout.tp=2"])
     with pytest.raises(VerlConfigError, match="rollout.decoder=train .* needs rollout.engine=torch and actor.engine=torch"):
         load_config(PPOConfig, None, ["rollout.decoder=train", "actor.engine=megatron"])
-    with pytest.raises(VerlConfigError, match="compare_full_gather times the full gather of a megatron actor"):
+    with pytest.raises(VerlConfigError, match="compare_full_gather times the full gather of a model-parallel actor.*megatron"):
         load_config(PPOConfig, None, ["rollout.compare_full_gather=true"])
     out = tmp_path / "run"
     with pytest.raises(VerlConfigError, match="rollout.engine=sglang cannot run here: sglang"):
@@ -163,7 +163,7 @@ def test_the_generation_layout_and_engine_are_checked_before_any_step(tmp_path, 
      r"critic.ranks=\[0, 1, 2, 3\] overlaps the vllm rollout on ranks \[0, 1\].*rollout.cpu_offload=true"),
     (["actor.engine=megatron", "actor.cpu_offload=true"], 2, "actor.cpu_offload=true but its engine 'megatron' cannot"),
     (["trainer.placement=split", "reward.cpu_offload=true"], 2, "reward.cpu_offload=true but its engine 'rule' cannot"),
-    (["trainer.placement=split", "actor.engine=megatron"], 4, r"actor.ranks=\[0, 1\] with the megatron engine"),
+    (["trainer.placement=split", "actor.engine=megatron"], 4, r"actor.ranks=\[0, 1\] with the megatron engine, whose parallel state spans every rank"),
     (["actor.engine=fsdp", "actor.fsdp.shard_size=3"], 4, "actor.fsdp.shard_size=3 does not divide the role's 4 ranks"),
     (["trainer.placement=split", "algorithm.adv_estimator=gae", "critic.engine=fsdp", "critic.fsdp.shard_size=4"], 4,
      "critic.fsdp.shard_size=4 does not divide the role's 2 ranks"),
@@ -189,9 +189,10 @@ def test_placement_examples_load_and_validate(path, world):
     cfg.validate_world(world)
     nodes = node_configs(cfg, cfg.roles(world))
     if world == 8:  # the seed's three placements: vLLM on 0-3, the reward model on 4-5 offloaded, the critic on all 8
-        assert nodes["generate"] == {"device_map": [0, 1, 2, 3], "engine": "vllm", "cpu_offload": True}
-        assert nodes["reward"] == {"device_map": [4, 5], "engine": "torch", "cpu_offload": True}
-        assert nodes["update_critic"] == {"device_map": list(range(8)), "engine": "fsdp", "cpu_offload": False}
+        where = {n: (c.device_map, c.engine, c.cpu_offload) for n, c in nodes.items()}
+        assert where["generate"] == ((0, 1, 2, 3), "vllm", True)
+        assert where["reward"] == ((4, 5), "torch", True)
+        assert where["update_critic"] == (tuple(range(8)), "fsdp", False)
     else:
-        assert nodes["reward"]["device_map"] == nodes["values"]["device_map"] == [2, 3]
-        assert nodes["generate"]["device_map"] == nodes["update_actor"]["device_map"] == [0, 1]
+        assert nodes["reward"].device_map == nodes["values"].device_map == (2, 3)
+        assert nodes["generate"].device_map == nodes["update_actor"].device_map == (0, 1)

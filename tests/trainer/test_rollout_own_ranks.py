@@ -104,11 +104,11 @@ def test_the_example_puts_the_rollout_on_its_own_ranks_and_the_sync_on_both_sets
     roles = cfg.roles(4)
     assert roles["rollout"].ranks == (2, 3) and roles["actor"].ranks == (0, 1) and roles["actor"].engine == "fsdp"
     nodes = node_configs(cfg, roles)
-    assert nodes["generate"]["device_map"] == nodes["reward"]["device_map"] == [2, 3]
-    assert nodes["old_log_prob"]["device_map"] == nodes["update_actor"]["device_map"] == [0, 1]
-    assert nodes["sync_weights"]["device_map"] == [0, 1, 2, 3]
+    assert nodes["generate"].device_map == nodes["reward"].device_map == (2, 3)
+    assert nodes["old_log_prob"].device_map == nodes["update_actor"].device_map == (0, 1)
+    assert nodes["sync_weights"].device_map == (0, 1, 2, 3)
     colocated = _config(4, "actor.ranks=[0, 1]")
-    assert node_configs(colocated, colocated.roles(4))["sync_weights"]["device_map"] == [0, 1]
+    assert node_configs(colocated, colocated.roles(4))["sync_weights"].device_map == (0, 1)
 
 
 @pytest.mark.multiprocess

@@ -25,7 +25,7 @@ KW = dict(temperature=1.0, responses_per_mini=8, max_response_length=5)
 
 def _setup(seed: int = 3):
     from verl.data import task_corpus
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
     model = tiny_model(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
                        tokenizer=tok, tie_word_embeddings=True, seed=seed, noise=0.1)

@@ -24,7 +24,7 @@ KW = dict(temperature=0.9, responses_per_mini=8, max_response_length=5)
 def _setup(placement, seed=3):
     from verl.data import task_corpus
     from verl.rollout import RolloutConfig, build_rollout
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     from verl.workers import RolloutWorker
     tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
     model = tiny_model(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
@@ -154,7 +154,7 @@ def _megatron_problem(tmp_dir, save: bool):
     from verl.config import TinyModelConfig
     from verl.data import task_corpus
     from verl.rollout import RolloutConfig, build_rollout
-    from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
     from verl.workers import RolloutWorker
     tok = tiny_tokenizer(task_corpus("arithmetic"), 96)
     shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)

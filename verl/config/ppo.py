@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from verl.config.base import check_finite, from_dict, require
+from verl.config.base import ConfigValueError, check_finite, from_dict, require
+from verl.distributed.roles import Role, resolve_roles
+from verl.engines import ROLE_KIND, engine_spec, engines, rollout_engine, training_engine
 from verl.errors import VerlConfigError
 from verl.rollout.config import RolloutConfig
 
@@ -181,13 +183,22 @@ class FSDPConfig:
         return ranks // size, size
 
 
+def _check_engine(kind: str, name: str, key: str = "engine"):
+    """The engine's spec; an unknown name is an error naming the section's key (the caller's section prefixes it)."""
+    try:
+        return engine_spec(kind, name)
+    except VerlConfigError as e:
+        raise ConfigValueError(key, str(e)) from None
+
+
 @dataclass(kw_only=True, slots=True)
 class ActorConfig:
     """The policy and its PPO update."""
 
-    engine: Literal["torch", "megatron", "fsdp"] = "torch"
-    """Training engine: plain torch data parallel over a Hugging Face / verl model, megatron-core, or FSDP2
-    (`fully_shard` over any Hugging Face causal LM); the reference and the critic default to it."""
+    engine: str = "torch"
+    """Training engine, one of the training engines of `verl.engines`: torch (plain data parallel over a Hugging
+    Face / verl model), megatron (megatron-core), or fsdp (FSDP2 `fully_shard` over any Hugging Face causal LM);
+    the reference and the critic default to it."""
     ranks: list[int] | None = None
     """World ranks that train the policy (None: trainer.placement decides). Rank 0 must be among them (it
     logs, and keeps the trainer state); megatron needs every rank."""
@@ -291,9 +302,10 @@ class ActorConfig:
         require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         require(self.padding_free or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
                 "needs actor.padding_free=true (the shared prompt is a packed layout)")
-        require(self.engine != "megatron" or not self.share_prompt_prefix, "share_prompt_prefix",
-                self.share_prompt_prefix, "is not supported on actor.engine=megatron (its packed attention is "
-                "block-diagonal); use actor.engine=torch or fsdp, or set it to false")
+        spec = _check_engine("training", self.engine)
+        require(spec.prefix_sharing or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
+                f"is not supported on actor.engine={self.engine}; use one of "
+                f"{list(engines('training', prefix_sharing=True))}, or set it to false")
 
 
 
@@ -301,19 +313,23 @@ class ActorConfig:
 class RefConfig:
     """The frozen reference policy (used when a KL term is on)."""
 
-    engine: Literal["torch", "megatron", "fsdp"] | None = None
-    """Its engine (None: the actor's; an fsdp reference shards like actor.fsdp)."""
+    engine: str | None = None
+    """Its training engine (None: the actor's; an fsdp reference shards like actor.fsdp)."""
     ranks: list[int] | None = None
     """World ranks that hold it (None: the actor's)."""
     cpu_offload: bool = False
     """Keep its weights on the CPU except while it computes log-probs (torch; fsdp keeps its shards there)."""
+
+    def check(self) -> None:
+        if self.engine is not None:
+            _check_engine("training", self.engine)
 
 
 @dataclass(kw_only=True, slots=True)
 class CriticConfig:
     """The value model (used by the `gae` estimator only)."""
 
-    engine: Literal["torch", "megatron", "fsdp"] | None = None
+    engine: str | None = None
     """Its training engine (None: the actor's)."""
     ranks: list[int] | None = None
     """World ranks that train it (None: trainer.placement decides)."""
@@ -340,6 +356,8 @@ class CriticConfig:
     """Steps during which only the critic is trained (the actor update is skipped)."""
 
     def check(self) -> None:
+        if self.engine is not None:
+            _check_engine("training", self.engine)
         check_finite(self, allow_inf=("cliprange_value",))  # inf: no value clipping
         require(self.cliprange_value >= 0, "cliprange_value", self.cliprange_value,
                 "must be >= 0 (.inf: no clipping)")
@@ -728,11 +746,11 @@ class PPOConfig:
                                   f"{self.rollout.n} = {self.batch_responses}; use >= {self.batch_responses} "
                                   f"(x algorithm.max_staleness={a.max_staleness} to run that far ahead), or 0")
         if self.rollout.partial:
-            from verl.rollout import PAUSABLE, can_pause
-            if not can_pause(self.rollout.engine):
+            if not rollout_engine(self.rollout.engine).pausable:
                 raise VerlConfigError(f"rollout.partial=true pauses generation at a weight update and resumes it "
                                       f"with the new weights, which rollout.engine={self.rollout.engine} cannot do "
-                                      f"(engines that can: {list(PAUSABLE)}); set rollout.partial=false")
+                                      f"(engines that can: {list(engines('rollout', pausable=True))}); set "
+                                      f"rollout.partial=false")
             if t.mode != "async":
                 raise VerlConfigError(f"rollout.partial=true takes new weights in the middle of a generation, which "
                                       f"only trainer.mode=async delivers (trainer.mode={t.mode} moves them between "
@@ -742,7 +760,7 @@ class PPOConfig:
                                   f"but rollout.tp={self.rollout.tp} spreads one generation replica over several "
                                   f"ranks that would have to take them together; set rollout.tp=1")
 
-    def _check_overlap(self, roles: dict[str, "Role"]) -> None:
+    def _check_overlap(self, roles: dict[str, Role]) -> None:
         """Generation ahead of training needs engines that can run at once: rollout and actor on their own ranks."""
         lag, t = self.generation_lag, self.trainer
         shared = sorted(set(roles["rollout"].ranks) & set(roles["actor"].ranks))
@@ -795,9 +813,10 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
                                   f"{self.rollout.engine} / {self.actor.engine})")
-        if self.rollout.compare_full_gather and self.actor.engine != "megatron":
-            raise VerlConfigError("rollout.compare_full_gather times the full gather of a megatron actor's shards; "
-                                  "set actor.engine=megatron, or turn it off")
+        if self.rollout.compare_full_gather and not training_engine(self.actor.engine).model_parallel:
+            raise VerlConfigError(f"rollout.compare_full_gather times the full gather of a model-parallel actor's "
+                                  f"shards; set actor.engine to one of {list(engines('training', model_parallel=True))}"
+                                  f", or turn it off")
         for role in ("actor", "critic"):
             budget = getattr(self, role).max_tokens_per_micro_batch
             longest = self.data.max_prompt_length + self.rollout.max_new_tokens
@@ -807,13 +826,20 @@ class PPOConfig:
                                       f">= {longest}, or 0 for micro-batches of {role}.micro_batch_size responses")
         self.reward.check()
 
-    def roles(self, world_size: int) -> dict[str, "Role"]:
+    def engine_specs(self) -> dict:
+        """Each role's engine (`verl.engines.EngineSpec`), as the config names it (world-size independent)."""
+        a = self.actor
+        names = {"actor": a.engine, "rollout": self.rollout.engine, "ref": self.ref.engine or a.engine,
+                 "critic": self.critic.engine or a.engine, "reward": "torch" if self.reward.uses_model else "rule"}
+        return {role: engine_spec(ROLE_KIND[role], name, f"{role}.engine") for role, name in names.items()}
+
+    def roles(self, world_size: int) -> dict[str, Role]:
         """Where each role runs on `world_size` ranks, its engine and offload, checked (see `Role`)."""
         return resolve_roles(self, world_size)
 
     def data_parallel_size(self, actor_ranks: int) -> int:
         """Actor ranks that get different prompts (TP / PP peers of the megatron engine share theirs)."""
-        if self.actor.engine != "megatron":
+        if not training_engine(self.actor.engine).model_parallel:
             return actor_ranks
         m = self.actor.megatron
         if actor_ranks % (m.tp * m.pp):
@@ -875,9 +901,9 @@ class PPOConfig:
             self._validate_critic_batch(roles["critic"], notes)
         return notes
 
-    def _validate_critic_batch(self, critic: "Role", notes: list[str]) -> None:
+    def _validate_critic_batch(self, critic: Role, notes: list[str]) -> None:
         m, total = self.actor.megatron, self.data.train_batch_size * self.rollout.n
-        dp = len(critic.ranks) if critic.engine != "megatron" else len(critic.ranks) // (m.tp * m.pp)
+        dp = len(critic.ranks) // (m.tp * m.pp) if training_engine(critic.engine).model_parallel else len(critic.ranks)
         if total % dp:
             raise VerlConfigError(f"the {total} responses of a step (data.train_batch_size x rollout.n) do not split "
                                   f"over the critic's {dp} data-parallel ranks; use a train_batch_size whose "
@@ -896,106 +922,3 @@ def _clamp_micro(key: str, micro: int, share: int, ranks: int, notes: list[str])
     notes.append(f"{key}={micro} is more than the {share} responses each of {ranks} data-parallel ranks gets; "
                  f"micro-batches of {share} are used (set {key}={share} or less to silence this)")
     return share
-
-
-# ---- placement per role ------------------------------------------------------------------------------------
-ROLE_ENGINES = {"actor": ("torch", "megatron", "fsdp"), "ref": ("torch", "megatron", "fsdp"),
-                "critic": ("torch", "megatron", "fsdp"),
-                "rollout": ("hf", "torch", "vllm", "sglang"), "reward": ("rule", "torch")}
-"""The engines each role can run on (a reward model runs on torch; reward.type picks rule or model)."""
-OFFLOADABLE = ("torch", "fsdp", "hf", "vllm", "sglang")
-"""Engines that can keep a role's memory on the CPU between its nodes (megatron keeps its own layout; a rule
-reward holds nothing)."""
-EXCLUSIVE = ("vllm", "sglang")
-"""Generation engines that claim their devices' memory up front: in split placement they share ranks with
-roles other than the actor (whose weights they hold) and its reference only when rollout.cpu_offload puts
-them to sleep while the others train."""
-
-
-@dataclass(frozen=True, slots=True)
-class Role:
-    """Where one role of the job runs and on what."""
-
-    name: str
-    """actor, rollout, ref, critic or reward."""
-    ranks: tuple[int, ...]
-    """World ranks, sorted."""
-    engine: str
-    """Its engine (one of ROLE_ENGINES[name])."""
-    cpu_offload: bool
-    """Its memory stays on the CPU between its nodes."""
-
-
-def _ranks(key: str, value, world: int) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not value or \
-            not all(isinstance(r, int) and not isinstance(r, bool) for r in value):
-        raise VerlConfigError(f"{key}={value!r} must be a non-empty list of ranks, e.g. [0, 1]")
-    bad = [r for r in value if not 0 <= r < world]
-    if bad:
-        raise VerlConfigError(f"{key}={list(value)} names ranks {bad} outside the world of {world} processes "
-                              f"(ranks 0..{world - 1}); fix the list or launch more processes")
-    if len(set(value)) != len(value):
-        raise VerlConfigError(f"{key}={list(value)} names a rank twice")
-    return tuple(sorted(value))
-
-
-def resolve_roles(cfg: PPOConfig, world: int) -> dict[str, Role]:
-    """Every role's ranks, engine and offload on `world` ranks: the trainer.placement defaults, overridden by
-    each role's `ranks`, then checked (before any model is built)."""
-    mode, everyone = cfg.trainer.placement, tuple(range(world))
-    if mode == "split" and world < 2:
-        raise VerlConfigError(f"trainer.placement=split puts roles on separate ranks and needs at least 2 "
-                              f"processes (got {world}); launch with torchrun --nproc_per_node=2 or more, or use "
-                              f"trainer.placement=colocated")
-    first, second = everyone[:max(1, world // 2)], everyone[max(1, world // 2):] or everyone
-    defaults = ({r: everyone for r in ROLE_ENGINES} if mode == "colocated" else
-                {"actor": first, "rollout": first, "ref": first, "critic": second, "reward": second})
-    a = cfg.actor
-    given = {"actor": (a.ranks, a.engine, a.cpu_offload),
-             "rollout": (cfg.rollout.ranks, cfg.rollout.engine, cfg.rollout.cpu_offload),
-             "ref": (cfg.ref.ranks, cfg.ref.engine or a.engine, cfg.ref.cpu_offload),
-             "critic": (cfg.critic.ranks, cfg.critic.engine or a.engine, cfg.critic.cpu_offload),
-             "reward": (cfg.reward.ranks, "torch" if cfg.reward.uses_model else "rule", cfg.reward.cpu_offload)}
-    roles = {}
-    for name, (ranks, engine, offload) in given.items():
-        if ranks is None:
-            ranks = defaults[name] if name != "ref" else (defaults["ref"] if a.ranks is None else a.ranks)
-        ranks = _ranks(f"{name}.ranks", ranks, world)
-        if mode == "colocated" and ranks != everyone:
-            raise VerlConfigError(f"{name}.ranks={list(ranks)} with trainer.placement=colocated (every role on "
-                                  f"every rank); set trainer.placement=split to place roles on their own ranks")
-        if engine not in ROLE_ENGINES[name]:
-            raise VerlConfigError(f"{name} cannot run on engine {engine!r}; {name} engines: {ROLE_ENGINES[name]}")
-        if offload and engine not in OFFLOADABLE:
-            raise VerlConfigError(f"{name}.cpu_offload=true but its engine {engine!r} cannot offload (engines that "
-                                  f"can: {OFFLOADABLE}); set {name}.cpu_offload=false")
-        if engine == "megatron" and ranks != everyone:
-            raise VerlConfigError(f"{name}.ranks={list(ranks)} with the megatron engine: megatron-core's parallel "
-                                  f"state spans every rank; give {name} all {world} ranks, or use engine=torch")
-        roles[name] = Role(name=name, ranks=ranks, engine=engine, cpu_offload=bool(offload))
-    _check_shared_ranks(roles, mode)
-    return roles
-
-
-def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
-    actor, rollout = roles["actor"], roles["rollout"]
-    if 0 not in actor.ranks:
-        raise VerlConfigError(f"actor.ranks={list(actor.ranks)} must include rank 0, which logs the metrics and "
-                              f"keeps the trainer state")
-    shared = set(rollout.ranks) & set(actor.ranks)
-    if rollout.ranks != actor.ranks and actor.engine == "megatron":
-        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} differs from actor.ranks={list(actor.ranks)} with "
-                              f"the megatron actor, whose weights reach the rollout on its own ranks only; use "
-                              f"actor.engine=torch or fsdp for a rollout on its own ranks, or drop rollout.ranks")
-    if rollout.ranks != actor.ranks and shared:
-        raise VerlConfigError(f"rollout.ranks={list(rollout.ranks)} partly overlaps actor.ranks={list(actor.ranks)} "
-                              f"(shared: {sorted(shared)}); the rollout runs either on the actor's ranks (the same "
-                              f"list) or on ranks of its own (disjoint lists, weights sent by the 3D-HybridEngine)")
-    if mode == "split" and rollout.engine in EXCLUSIVE and not rollout.cpu_offload:
-        for other in ("critic", "reward"):
-            shared = sorted(set(roles[other].ranks) & set(rollout.ranks))
-            if shared:
-                raise VerlConfigError(f"{other}.ranks={list(roles[other].ranks)} overlaps the {rollout.engine} "
-                                      f"rollout on ranks {shared}, which holds its devices' memory; set "
-                                      f"rollout.cpu_offload=true (sleep mode frees it while {other} runs), give "
-                                      f"{other} other ranks, or use trainer.placement=colocated")

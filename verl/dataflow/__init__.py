@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from verl.dataflow.config import ENGINES, NodeConfig
+from verl.dataflow.config import NodeConfig, node_engines
 from verl.dataflow.graph import Dataflow, build_dataflow, inject_node
 from verl.dataflow.node import (
     CustomNode,
@@ -51,7 +51,7 @@ def run(dataflow: Dataflow | Mapping[str, Any], inputs: Mapping[str, Any], *, tr
 
 
 __all__ = [
-    "CustomNode", "Dataflow", "DataflowNode", "ENGINES", "Node", "NodeConfig", "NodeContext", "NodeEntry",
+    "CustomNode", "Dataflow", "DataflowNode", "Node", "NodeConfig", "NodeContext", "NodeEntry",
     "NodeEvent", "RunState", "TraceRecorder", "TransientError", "build_dataflow", "get_node", "inject_node",
-    "mark_transient", "registered_nodes", "run", "summarize",
+    "mark_transient", "node_engines", "registered_nodes", "run", "summarize",
 ]

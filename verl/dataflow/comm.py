@@ -1,7 +1,7 @@
 """Moving values between ranks when a producer and its consumer run on different rank sets.
 
-Data-parallel values (a DataProto, a row batch such as the PPO flow's `RolloutBatch`, a TensorDict, a tensor
-with a batch dimension, a list) are shards along
+Data-parallel values (a row batch such as the PPO flow's `RolloutBatch`, a TensorDict, a tensor with a batch
+dimension, a list) are shards along
 dim 0: the logical value is the producers' shards concatenated in rank order, and it is re-split evenly
 (``tensor_split`` style) across the consumer's ranks. Other values (numbers, dicts, models) and outputs listed
 in a node's ``replicated_outputs`` are copied whole from the producer's first rank.
@@ -50,14 +50,10 @@ def control_group(ranks: tuple[int, ...]) -> Any:
 
 
 # ---- data-parallel shards ----------------------------------------------------------------------------------
-def _is_protocol(v: Any) -> bool:
-    from verl.protocol import DataProto
-    return isinstance(v, DataProto)
-
-
 def _is_row_batch(v: Any) -> bool:
-    """A dataclass of per-row fields that slices with ``v[lo:hi]`` and joins with ``type(v).concat(pieces)``
-    (the PPO flow's `RolloutBatch`): shardable like a DataProto, sent field by field."""
+    """A row batch: a dataclass of per-row fields that slices with ``v[lo:hi]`` and joins with
+    ``type(v).concat(pieces)`` (the PPO flow's `RolloutBatch`, or a user's own): sharded by rows, sent field by
+    field."""
     return dataclasses.is_dataclass(v) and not isinstance(v, type) and callable(getattr(type(v), "concat", None)) \
         and callable(getattr(v, "__getitem__", None))
 
@@ -68,7 +64,7 @@ def is_shardable(v: Any) -> bool:
         return v.dim() >= 1
     if isinstance(v, TensorDictBase):
         return len(v.batch_size) >= 1
-    return isinstance(v, (list, tuple)) or _is_protocol(v) or _is_row_batch(v)
+    return isinstance(v, (list, tuple)) or _is_row_batch(v)
 
 
 def shard_len(v: Any) -> int:
@@ -85,7 +81,7 @@ def concat(pieces: list[Any]) -> Any:
     first = pieces[0]
     if len(pieces) == 1:
         return first
-    if _is_protocol(first) or _is_row_batch(first):
+    if _is_row_batch(first):
         return type(first).concat(pieces)
     if isinstance(first, (torch.Tensor, TensorDictBase)):
         return torch.cat(pieces, dim=0)
@@ -134,8 +130,6 @@ def flatten(v: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(v, torch.Tensor):
         tensors.append(v)
         return ("T", tuple(v.shape), v.dtype, v.requires_grad)
-    if _is_protocol(v):
-        return ("P", flatten(v.batch, tensors), v.meta, type(v))
     if _is_row_batch(v):
         return ("B", type(v), [(f.name, flatten(getattr(v, f.name), tensors)) for f in dataclasses.fields(v)])
     if isinstance(v, TensorDictBase):
@@ -156,8 +150,6 @@ def unflatten(skel: Any, tensors: list[torch.Tensor]) -> Any:
     if kind == "T":
         t = tensors.pop()
         return t.requires_grad_(True) if skel[3] and t.is_floating_point() else t
-    if kind == "P":
-        return skel[3](batch=unflatten(skel[1], tensors), meta=skel[2])
     if kind == "B":
         return skel[1](**{name: unflatten(c, tensors) for name, c in skel[2]})
     if kind == "TD":
@@ -179,8 +171,6 @@ def _tensor_specs(skel: Any, out: list) -> list:
     kind = skel[0]
     if kind == "T":
         out.append((skel[1], skel[2]))
-    elif kind == "P":
-        _tensor_specs(skel[1], out)
     elif kind == "B":
         for _, c in skel[2]:
             _tensor_specs(c, out)

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from verl.errors import VerlConfigError, nearest
-from verl.rollout.config import ENGINES as GENERATION_ENGINES
+from verl.engines import KINDS, engines
 
-TRAINING_ENGINES = ("torch", "megatron", "fsdp")
-ENGINES = tuple(dict.fromkeys(GENERATION_ENGINES + TRAINING_ENGINES + ("rule",)))
-"""What a node's `engine` may name: a generation engine (`verl.rollout.ENGINES`), a training engine, or `rule`
-(plain Python). The runtime hands it to the node's context; what runs the node is the worker the node calls."""
+
+def node_engines() -> tuple[str, ...]:
+    """What a node's `engine` may name: any engine of `verl.engines` (generation, training, or `rule`: plain
+    Python). The runtime hands it to the node's context; what runs the node is the worker the node calls."""
+    return tuple(sorted({name for kind in KINDS for name in engines(kind)}))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,7 +37,7 @@ class NodeConfig:
     device_types: tuple[str, ...] | None = None
     """Per entry of ``device_map``: 'cuda', 'cpu' or '' (an int rank: cuda when available, else cpu)."""
     engine: str = "torch"
-    """Engine name handed to the node's context: one of ENGINES."""
+    """Engine name handed to the node's context: one of `node_engines()`."""
     cpu_offload: bool = False
     """Keep the node's modules on CPU between calls; move them to the device just before the node runs."""
     retries: int = 0
@@ -67,6 +68,14 @@ class NodeConfig:
     what a failure or the end of the runs does to the other stage."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Overrides of the node's settings (its defaulted parameters)."""
+
+    @classmethod
+    def from_role(cls, role, **fields: Any) -> "NodeConfig":
+        """A node that runs on `role` (a `verl.distributed.Role`): its ranks as the device map, its engine and
+        cpu_offload; `fields` set the rest (a `device_map` given here replaces the role's ranks, e.g. for a node
+        that spans two roles)."""
+        fields.setdefault("device_map", tuple(role.ranks))
+        return cls(engine=role.engine, cpu_offload=role.cpu_offload, **fields)
 
 
 _FIELDS = tuple(f.name for f in fields(NodeConfig) if f.name != "device_types")
@@ -129,8 +138,9 @@ def make_config(node_name: str, raw: Any, settings: Mapping[str, Any]) -> NodeCo
             raise VerlConfigError(f"node '{node_name}': unknown config key '{key}'"
                                   f"{nearest(key, list(_FIELDS) + list(settings), 'config keys and node settings')}")
     engine = kwargs.get("engine", "torch")
-    if engine not in ENGINES:
-        raise VerlConfigError(f"node '{node_name}': unknown engine {engine!r}{nearest(engine, ENGINES, 'engines')}")
+    if engine not in node_engines():
+        raise VerlConfigError(f"node '{node_name}': unknown engine {engine!r}"
+                              f"{nearest(engine, node_engines(), 'engines')}")
     retries = kwargs.get("retries", 0)
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise VerlConfigError(f"node '{node_name}': retries must be an int >= 0, got {retries!r}")

@@ -13,6 +13,7 @@ generated each sample) summarised with its min / max version.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -37,9 +38,6 @@ def summarize(value: Any, depth: int = 0) -> Any:
     if isinstance(versions, torch.Tensor) and versions.numel():
         return {"type": type(value).__name__, "len": len(value), "weight_version": [int(versions.min()),
                                                                                    int(versions.max())]}
-    summary = getattr(value, "summary", None)
-    if callable(summary) and hasattr(value, "batch"):  # verl.protocol.DataProto
-        return value.summary()
     if depth >= 2:
         return {"type": type(value).__name__}
     try:
@@ -51,6 +49,10 @@ def summarize(value: Any, depth: int = 0) -> Any:
         pass
     if isinstance(value, torch.nn.Module):
         return {"type": type(value).__name__, "params": sum(p.numel() for p in value.parameters())}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__len__"):  # row batch
+        return {"type": type(value).__name__, "len": len(value),
+                "fields": {f.name: summarize(getattr(value, f.name), depth + 1)
+                           for f in dataclasses.fields(value)[:_MAX_FIELDS]}}
     if isinstance(value, (list, tuple)):
         out: dict[str, Any] = {"type": type(value).__name__, "len": len(value)}
         if value:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,17 @@ import torch.distributed as dist
 from verl.errors import VerlConfigError
 
 __all__ = ["Placement", "init_placement", "init_process_groups", "destroy_process_groups", "pick_device",
-           "collective_timeout", "new_group", "DEFAULT_TIMEOUT_S"]
+           "collective_timeout", "new_group", "DEFAULT_TIMEOUT_S", "free_port"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _timeout_s: float | None = None  # set by init_placement; None: read the default group's, else the default
+
+
+def free_port() -> int:
+    """A TCP port that is free on localhost right now (a one-process job's own rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,7 +212,6 @@ def init_placement(device_choice: str = "auto", *, tp: int = 1, pp: int = 1, seq
     _join_world(device, timeout_s)
     megatron = megatron or tp * pp > 1
     if (megatron or process_group) and not dist.is_initialized():
-        from verl.testing.distributed import free_port
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     if megatron:

@@ -28,8 +28,8 @@ Forward (padded batches: input_ids [b, s], attention_mask [b, s] with 1 = token,
     metrics = forward_backward(model, make_micro_batches(ids, mask, 4, advantages=adv), my_loss_fn)
 
 A loss is `loss_fn(output, micro_batch) -> (loss, metrics)`, where output is this TP rank's vocab-parallel logits
-`[b, s, V_pad/tp]` (use `vocab_parallel_logprob_entropy(masked_vocab_logits(output, model), mb['labels'], T,
-model.pg.tp)`; it dispatches to `verl.ops.vocab_parallel_logprob_entropy` when present) or the values `[b, s]`
+`[b, s, V_pad/tp]` (use `verl.ops.vocab_parallel_logprob_entropy(masked_vocab_logits(output, model),
+mb['labels'], T, model.pg.tp)`) or the values `[b, s]`
 of a value-head model. Micro-batch dicts carry input_ids, attention_mask, labels (next token or -100),
 position_ids, mask_4d and any extra tensors passed to `make_micro_batches`. Ready-made: `causal_lm_loss(model)`,
 `value_mse_loss()`. Megatron averages the returned loss over micro-batches and DP replicas.
@@ -62,13 +62,11 @@ from verl.models.forward import (IGNORE_INDEX, LossFn, causal_lm_loss, compute_l
                                  compute_values, forward_backward, make_micro_batches, value_mse_loss)
 from verl.models.gpt import BuildOptions, MegatronGPT, build_gpt
 from verl.models.layout import KINDS, Segment, ShardSpec
-from verl.models.vocab_parallel import (masked_vocab_logits, vocab_parallel_logprob_entropy,
-                                        vocab_parallel_logprob_entropy_ref)
+from verl.models.vocab_parallel import masked_vocab_logits
 
 __all__ = [
     "ArchSpec", "BuildOptions", "IGNORE_INDEX", "KINDS", "LossFn", "MegatronGPT", "ParallelLayout", "Segment",
     "ShardSpec", "arch_from_hf", "build_gpt", "causal_lm_loss", "compute_log_probs", "compute_logits",
     "compute_values", "export_hf_checkpoint", "forward_backward", "gather_hf_state_dict", "load_hf_checkpoint",
     "make_micro_batches", "masked_vocab_logits", "parallel_layout", "value_mse_loss",
-    "vocab_parallel_logprob_entropy", "vocab_parallel_logprob_entropy_ref",
 ]

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError
 from verl.models.gpt import MegatronGPT
-from verl.models.vocab_parallel import masked_vocab_logits, vocab_parallel_logprob_entropy
+from verl.models.vocab_parallel import masked_vocab_logits
+from verl.ops.logprob import vocab_parallel_logprob_entropy
 
 LossFn = Callable[[torch.Tensor, dict], tuple]
 """(output of the last stage for one micro-batch, the micro-batch dict) -> (loss, metrics dict)."""

@@ -22,6 +22,7 @@ from verl.config.ppo import OptimConfig
 from verl.errors import VerlConfigError
 from verl.models.forward import LossFn, forward_backward
 from verl.models.gpt import MegatronGPT
+from verl.utils.lr_schedule import LRSchedule
 from verl.utils.nonfinite import agree_nonfinite, local_problem
 
 
@@ -32,7 +33,7 @@ class Optimizer:
     optimizer: object
     """megatron.core.optimizer.MegatronOptimizer."""
     scheduler: object
-    """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
+    """verl.utils.lr_schedule.LRSchedule: the one schedule every engine follows."""
     config: OptimConfig
     """What it was built from."""
     use_distributed_optimizer: bool = False
@@ -49,7 +50,6 @@ def build_optimizer(model: MegatronGPT, config: OptimConfig | None = None, *, to
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     config = config or OptimConfig()
     total_steps = max(total_steps, config.warmup_steps + 1)
     gpt = model.gpt
@@ -66,12 +66,7 @@ def build_optimizer(model: MegatronGPT, config: OptimConfig | None = None, *, to
                            clip_grad=config.grad_clip, bf16=tcfg.bf16, fp16=tcfg.fp16,
                            params_dtype=tcfg.params_dtype, use_distributed_optimizer=use_distributed_optimizer)
     opt = get_megatron_optimizer(ocfg, [model.module])
-    decay = max(1, total_steps - config.warmup_steps)
-    sched = OptimizerParamScheduler(opt, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
-                                    min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,
-                                    lr_decay_steps=decay + config.warmup_steps, lr_decay_style=config.lr_decay_style,
-                                    start_wd=config.weight_decay, end_wd=config.weight_decay,
-                                    wd_incr_steps=decay, wd_incr_style="constant")
+    sched = LRSchedule(opt, config, total_steps)  # the torch engines' schedule (weight decay stays constant)
     return Optimizer(optimizer=opt, scheduler=sched, config=config, use_distributed_optimizer=use_distributed_optimizer)
 
 
@@ -108,7 +103,7 @@ def apply_update(model: MegatronGPT, opt: Optimizer, outs: list[dict], *, losses
         if opt.config.grad_clip > 0:
             _clip_grads(inner, grad_norm, opt.config.grad_clip)
         inner.step_with_ready_grads()
-        opt.scheduler.step(increment=1)
+        opt.scheduler.step()
     else:
         model.module.zero_grad_buffer()
     inner.zero_grad()

@@ -223,6 +223,12 @@ def linear_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
 
 # ----------------------------------------------------------------------------------------- vocab parallel
 
+def _whole_vocabulary(group) -> bool:
+    """This rank holds the whole vocabulary: torch.distributed is not initialised (one process), or `group` has
+    one rank (TP = 1); the vocab-parallel functions are then the plain ones, with no collective."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1
+
+
 def _group_layout(group, vocab_shard: int) -> tuple[int, int]:
     """(vocab_start, vocab_size) of this rank's slice: Megatron's contiguous split, rank r owns [r*Vs, (r+1)*Vs)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -322,7 +328,8 @@ def vocab_parallel_logprob_entropy(logits_shard: torch.Tensor, labels: torch.Ten
 
     logits_shard [..., V/tp]: this rank's contiguous slice [rank * V/tp, (rank + 1) * V/tp) of the vocabulary,
     rank = `dist.get_rank(group)` (Megatron's layout; pad V to a multiple of tp). labels [...] hold global
-    token ids, identical on every rank. group: the tensor-parallel process group (None = the default group).
+    token ids, identical on every rank. group: the tensor-parallel process group (None = the default group;
+    one process, or a group of one rank, holds the whole vocabulary: this is then `logprob_entropy`).
     Returns (logprob [...], entropy [...]) for the whole vocabulary, equal on every rank. Backward: each rank
     gets d loss / d logits_shard for its slice, with no communication (all ranks hold the same loss).
     """
@@ -331,6 +338,8 @@ def vocab_parallel_logprob_entropy(logits_shard: torch.Tensor, labels: torch.Ten
     if logits_shard.dim() < 1 or tuple(labels.shape) != tuple(logits_shard.shape[:-1]):
         raise ValueError(f"{op}: `labels` has shape {tuple(labels.shape)} but `logits_shard` has leading shape "
                          f"{tuple(logits_shard.shape[:-1])}; they must match (one label per row)")
+    if _whole_vocabulary(group):
+        return logprob_entropy(logits_shard, labels, t, ignore_index)
     x, y = logits_shard.reshape(-1, logits_shard.shape[-1]), labels.reshape(-1)
     lp, ent = _VocabParallelLogprobEntropy.apply(x, y, t, group, ignore_index)
     return lp.view(labels.shape), ent.view(labels.shape)
@@ -357,6 +366,8 @@ def vocab_parallel_linear_logprob_entropy(hidden: torch.Tensor, weight_shard: to
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"{op}: `labels` has shape {tuple(labels.shape)} but `hidden` has leading shape "
                          f"{tuple(hidden.shape[:-1])}; they must match (one label per row)")
+    if _whole_vocabulary(group):
+        return linear_logprob_entropy(hidden, weight_shard, labels, t, ignore_index, chunk_n, chunk_v)
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     lp, ent = _VocabParallelLinearLogprobEntropy.apply(h, weight_shard, y, t, group, ignore_index, chunk_n, chunk_v,
                                                        reduce_grad_hidden)

@@ -117,7 +117,7 @@ class RolloutEngine(abc.ABC):
         self.max_model_len = max_model_len
         """Longest prompt + response (None: unbounded); every engine enforces it the same way (see budget)."""
         self.pause_hook: Callable[[], int] | None = None
-        """Partial rollouts (rollout.partial): an engine that can pause (`verl.rollout.can_pause`) calls this
+        """Partial rollouts (rollout.partial): an engine that can pause (`EngineSpec.pausable`) calls this
         once per decode step, after the prefill and before sampling each generated token. It returns the weight
         version the engine holds now and may first load newer weights through `update_weights`; when the
         version differs from the previous token's, the engine rebuilds its KV cache from the tokens so far with
@@ -125,6 +125,16 @@ class RolloutEngine(abc.ABC):
         Engines that cannot pause ignore it."""
 
     # -- the interface --------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config, *, model=None, model_path: str | None = None, tokenizer=None) -> "RolloutEngine":
+        """The engine for the rollout config `config` (`verl.rollout.build_rollout` calls this on the class the
+        engine table names). Engines that load a model directory take `model_path` (and the tokenizer, or load
+        it from there); this default is theirs: ``cls(config, model_path, tokenizer)``."""
+        if model_path is None:
+            raise VerlConfigError(f"the {cls.name} rollout engine loads a model directory: pass model_path= "
+                                  f"(save the actor with save_pretrained first)")
+        return cls(config, model_path, tokenizer)
 
     def generate(self, prompts: Sequence[Prompt] | Prompt, sampling_params: SamplingParams | None = None,
                  ) -> list[GenerationOutput]:

@@ -13,21 +13,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from verl.engines import engines, rollout_engine
 from verl.errors import VerlConfigError
 
-__all__ = ["ENGINES", "RolloutConfig"]
-
-ENGINES = ("hf", "torch", "vllm", "sglang")
-"""`hf`: Hugging Face `generate` on the actor's module; `torch`: verl's batched KV-cache engine; `vllm`,
-`sglang`: the external engines (installed separately)."""
+__all__ = ["RolloutConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     """Which engine generates, how it samples, and how the actor's weights reach it."""
 
-    engine: Literal["hf", "torch", "vllm", "sglang"] = "torch"
-    """Generation engine: hf (transformers generate), torch (verl's batched KV-cache engine), vllm or sglang."""
+    engine: str = "torch"
+    """Generation engine, one of the rollout engines of `verl.engines` (`verl doctor` lists them): hf
+    (transformers generate), torch (verl's batched KV-cache engine), vllm or sglang."""
     n: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
     max_new_tokens: int = 8
@@ -55,7 +53,7 @@ class RolloutConfig:
     partial: bool = False
     """Partial rollouts (trainer.mode=async): generation in flight when a new weight version arrives is paused
     and resumed with the new weights, recording per token the version that produced it. It needs an engine
-    that can pause (`verl.rollout.can_pause`): the torch engine calls its pause hook between tokens, rebuilds
+    that can pause (`EngineSpec.pausable` in `verl.engines`): the torch engine calls its pause hook between tokens, rebuilds
     the KV cache from the tokens so far when the weights moved, and records per-token versions (vllm, sglang
     and hf cannot pause, so true with them is refused before step 1)."""
     seed: int = 0
@@ -98,11 +96,7 @@ class RolloutConfig:
         self.check()
 
     def check(self) -> None:
-        if self.engine not in ENGINES:
-            import difflib
-            near = difflib.get_close_matches(str(self.engine), ENGINES, n=1)
-            raise VerlConfigError(f"rollout.engine={self.engine!r} is not one of {ENGINES}"
-                                  f"{f' (did you mean {near[0]!r}?)' if near else ''}")
+        spec = rollout_engine(self.engine, "rollout.engine")
         for name in ("n", "max_new_tokens", "tp", "max_batch_size"):
             if getattr(self, name) < 1:
                 raise VerlConfigError(f"rollout.{name}={getattr(self, name)} must be >= 1")
@@ -116,10 +110,10 @@ class RolloutConfig:
             raise VerlConfigError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise VerlConfigError(f"rollout.max_model_len={self.max_model_len} must be >= 2 (or unset)")
-        if self.engine in ("hf", "torch") and self.tp != 1:
+        if not spec.tensor_parallel and self.tp != 1:
             raise VerlConfigError(f"rollout.tp={self.tp} with rollout.engine={self.engine}: the {self.engine} engine "
-                                  f"runs one model replica per rank; use rollout.tp=1, or engine=vllm / sglang "
-                                  f"for tensor-parallel generation")
+                                  f"runs one model replica per rank; use rollout.tp=1, or one of "
+                                  f"{list(engines('rollout', tensor_parallel=True))} for tensor-parallel generation")
         if self.kv_cache_memory_mb < 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise VerlConfigError(f"rollout.kv_cache_memory_mb={self.kv_cache_memory_mb} must be >= 0 and "
                                   f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} in (0, 1]")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl.errors import VerlRuntimeError
+from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
@@ -78,6 +78,18 @@ class TorchRollout(RolloutEngine):
     # successful update_weights calls (a class default: HFRollout skips this __init__); a load inside the pause
     # hook's first call, which no earlier version can reveal, shows here
     _loads: int = 0
+
+    @classmethod
+    def from_config(cls, config: RolloutConfig, *, model=None, model_path: str | None = None, tokenizer=None):
+        """Runs `model` (any causal LM, usually the actor's own module), or the one loaded from `model_path`."""
+        if model is None:
+            if model_path is None:
+                raise VerlConfigError(f"the {cls.name} rollout engine needs `model=` (a causal LM) or "
+                                      f"`model_path=` (a Hugging Face directory)")
+            from transformers import AutoModelForCausalLM
+            dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        return cls(model, tokenizer if tokenizer is not None else model_path, config)
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
         config = config or RolloutConfig(engine="torch")

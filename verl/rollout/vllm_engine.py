@@ -38,7 +38,6 @@ import json
 import os
 import warnings
 from collections.abc import Iterable, Iterator
-from itertools import chain
 from pathlib import Path
 
 import torch

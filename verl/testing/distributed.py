@@ -22,7 +22,6 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -32,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from verl.distributed.placement import free_port
+
 
 class RankFailure(RuntimeError):
     """A rank of `run_distributed` raised, or the run timed out."""
@@ -39,13 +40,6 @@ class RankFailure(RuntimeError):
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
-
-
-def free_port() -> int:
-    """A TCP port that is free on localhost right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[Any], kwargs: dict,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from verl.config import PPOConfig, describe, load_config
 from verl.distributed import destroy_process_groups, init_placement
+from verl.engines import describe_engines
 from verl.trainer.ppo_trainer import PPOTrainer
 
 DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
@@ -43,15 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         print("\n".join(describe(PPOConfig)))
+        print("\n" + "\n".join(describe_engines()))
         return 0
     config_path, overrides = parse_args(argv)
     cfg = load_config(PPOConfig, config_path, overrides)
     owned = not dist.is_initialized()  # tear down only the process groups this call creates
     m = cfg.actor.megatron
+    specs = cfg.engine_specs()
     placement = init_placement(cfg.trainer.device, tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
-                               seed=cfg.trainer.seed, megatron=cfg.actor.engine == "megatron",
-                               process_group=cfg.rollout.engine in ("vllm", "sglang")
-                               or "fsdp" in (cfg.actor.engine, cfg.ref.engine, cfg.critic.engine),
+                               seed=cfg.trainer.seed, megatron=specs["actor"].model_parallel,
+                               process_group=any(s.needs_process_group for s in specs.values()),
                                timeout_s=cfg.trainer.collective_timeout_s)
     trainer = None
     try:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"outputs in {cfg.trainer.output_dir}")
     finally:
         if owned:  # megatron's groups first, then the engine (vLLM's shutdown also ends the default group)
-            if cfg.actor.engine == "megatron" and dist.is_initialized():
+            if specs["actor"].model_parallel and dist.is_initialized():
                 destroy_process_groups()
             if trainer is not None:
                 trainer.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from verl import DataflowNode, build_dataflow
+from verl.dataflow import NodeConfig
 from verl.algos import advantage_info, get_advantage, get_kl, rollout_mismatch
 from verl.config.ppo import PPOConfig
 from verl.distributed.collectives import mean_over
@@ -201,26 +202,23 @@ def node_ranks(node: str, roles: dict) -> tuple[int, ...]:
     return ranks
 
 
-def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, dict]:
-    """Each node's dataflow config: its role's ranks (as a device map), engine and cpu_offload, plus settings.
-    This is the seed article's `*_config` dicts, derived from the job's roles."""
+def node_configs(cfg: PPOConfig, roles: dict) -> dict[str, NodeConfig]:
+    """Each node's dataflow config, built from its role (`NodeConfig.from_role`: the role's ranks, engine and
+    cpu_offload) plus its settings. This is the seed article's `*_config` dicts, derived from the job's roles."""
     settings = {"old_log_prob": {"on_policy": cfg.on_policy, "bypass": cfg.algorithm.rollout_correction.bypass},
                 "update_actor": {"critic_warmup": cfg.critic.warmup_steps if cfg.needs_critic else 0}}
     out = {}
     nodes, lag = ppo_nodes(cfg), cfg.generation_lag
     generated = {k for n in nodes if ROLE_OF.get(n.name) == "rollout" for k in n.output_keys}
     for node in nodes:
-        role = roles[ROLE_OF.get(node.name, "actor")]
-        out[node.name] = {"device_map": list(node_ranks(node.name, roles)), "engine": role.engine,
-                          "cpu_offload": role.cpu_offload,
-                          **settings.get(node.name, {})}
         lagged = {k: lag for k in node.input_keys if k in generated} if ROLE_OF.get(node.name) != "rollout" else {}
-        if cfg.streaming and lagged:  # the rollout runs ahead on its own: batches queue up, at most `lag` waiting
-            out[node.name]["queue"] = {k: max(1, lag) for k in lagged}
-        elif lag and lagged:
-            out[node.name]["lag"] = lagged
-        if cfg.trainer.node_timeout_s > 0:
-            out[node.name]["timeout_s"] = cfg.trainer.node_timeout_s
+        # async: the rollout runs ahead on its own, so batches queue up (at most `lag` waiting)
+        reads = {"queue": {k: max(1, lag) for k in lagged}} if cfg.streaming and lagged else \
+            {"lag": lagged} if lag and lagged else {}
+        out[node.name] = NodeConfig.from_role(roles[ROLE_OF.get(node.name, "actor")],
+                                              device_map=node_ranks(node.name, roles),
+                                              settings=settings.get(node.name, {}),
+                                              timeout_s=max(0.0, cfg.trainer.node_timeout_s), **reads)
     return out
 
 

@@ -3,7 +3,6 @@ logging metrics and writing checkpoints. The algorithm itself lives in `verl.tra
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_pro
 from verl.dataflow.trace import merge_traces
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
-from verl.rollout import Tokenizer, build_rollout, require_engine
+from verl.rollout import Tokenizer, build_rollout
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
@@ -27,8 +26,9 @@ from verl.utils.checkpoint import CheckpointManager
 from verl.distributed.collectives import barrier, reduce_metrics
 from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
-from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, ValueModel, build_reward
+from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, build_reward
 from verl.workers.engine import ModuleEngine
+from verl.workers.request import EngineRequest
 from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
@@ -44,7 +44,7 @@ def load_dataset(cfg: PPOConfig) -> PromptDataset:
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
     the tiny local Llama with a BPE trained on the data."""
-    from verl.testing.tiny import tiny_model, tiny_tokenizer
+    from verl.models.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
@@ -79,7 +79,7 @@ class PPOTrainer:
         if placement.is_main:
             for note in notes:
                 print(f"verl: {note}", flush=True)
-        require_engine(cfg.rollout.engine)
+        cfg.engine_specs()["rollout"].require("rollout.engine")
         self.cfg, self.placement = cfg, placement
         self.roles = cfg.roles(placement.world_size)
         if actor_model is not None:
@@ -153,7 +153,7 @@ class PPOTrainer:
     def _build_workers(self) -> None:
         """Each role's worker on its own ranks (None elsewhere), engines built in the same order everywhere."""
         cfg, roles, places = self.cfg, self.roles, self.places
-        needs_dir = any(r.engine == "megatron" for r in roles.values()) or cfg.rollout.engine in ("vllm", "sglang")
+        needs_dir = any(r.spec.needs_model_dir for r in roles.values())
         init_dir = self._init_dir() if needs_dir else None
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens)
         actor_cfg = cfg.actor
@@ -196,23 +196,10 @@ class PPOTrainer:
             self.rollout.link = link
 
     def _engine(self, role: str, init_dir: Path | None):
-        """The training engine of `role` (actor, ref or critic) on this rank."""
-        cfg, p, steps = self.cfg, self.places[role], self.cfg.trainer.total_steps
-        optim = {"actor": cfg.actor.optim, "ref": None, "critic": cfg.critic.optim}[role]
-        if self.roles[role].engine == "megatron":
-            from verl.workers.megatron import MegatronEngine
-            return MegatronEngine(init_dir, p, cfg.actor.megatron, value_head=role == "critic", optim=optim,
-                                  total_steps=steps)
-        head = "value" if role == "critic" else "lm"
-        if self.roles[role].engine == "fsdp":  # shards its module in place: the policy stays whole for rollout
-            from verl.workers.fsdp import FSDPEngine
-            module = ValueModel.from_causal_lm(self.policy) if role == "critic" else copy.deepcopy(self.policy)
-            return FSDPEngine(module, optim, p, cfg.critic.fsdp if role == "critic" else cfg.actor.fsdp, head=head,
-                              total_steps=steps, cpu_offload=self.roles[role].cpu_offload)
-        if role == "critic":
-            return TorchEngine(ValueModel.from_causal_lm(self.policy), optim, p, head=head, total_steps=steps)
-        module = self.policy if role == "actor" else copy.deepcopy(self.policy)
-        return TorchEngine(module, optim, p, total_steps=steps)
+        """The training engine of `role` (actor, ref or critic) on this rank: the class the engine table names."""
+        req = EngineRequest(role=role, policy=self.policy, init_dir=init_dir, placement=self.places[role],
+                            cfg=self.cfg, cpu_offload=self.roles[role].cpu_offload)
+        return self.roles[role].spec.load().from_role(req)
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def _checkpointed(self) -> tuple[dict, dict]:
@@ -500,7 +487,7 @@ def role_placements(placement: Placement, roles: dict) -> dict[str, Placement | 
         group = group_for(role.ranks) if placement.distributed else None
         if placement.global_rank not in role.ranks:
             out[name] = None
-        elif role.engine == "megatron" or (name == "rollout" and roles["actor"].engine == "megatron"):
+        elif role.spec.model_parallel or (name == "rollout" and roles["actor"].spec.model_parallel):
             out[name] = placement  # the rollout splits prompts over the megatron actor's replicas
         else:
             out[name] = placement.subset(role.ranks, group) if placement.distributed else placement

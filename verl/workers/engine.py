@@ -30,6 +30,7 @@ from verl.config.ppo import OptimConfig
 from verl.distributed import Placement
 from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
+from verl.utils.lr_schedule import LRSchedule
 from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.packing import PackedBatch, micro_batch_slices, pack, pack_shared, packed_attention
@@ -120,11 +121,11 @@ def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
 
 
 def build_optimizer(module: torch.nn.Module, optim: OptimConfig, total_steps: int):
-    """(AdamW over the trainable parameters, its LambdaLR following `optim.lr_factor`)."""
+    """(AdamW over the trainable parameters, its `LRSchedule` following `optim.lr_factor`)."""
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                   weight_decay=optim.weight_decay, foreach=False)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: optim.lr_factor(s, total_steps))
+    return optimizer, LRSchedule(optimizer, optim, total_steps)
 
 
 class ModuleEngine:
@@ -254,6 +255,12 @@ def is_device_mapped(module: torch.nn.Module) -> bool:
 
 class TorchEngine(ModuleEngine):
     """Owns a module (a causal LM, or a `ValueModel` with `head="value"`) and, unless frozen, its optimizer."""
+
+    @classmethod
+    def from_role(cls, req) -> "TorchEngine":
+        """The role's module on this rank (`verl.workers.request.EngineRequest`): the actor trains the policy
+        in place, the reference a copy, the critic a value model on the policy's trunk."""
+        return cls(req.module(), req.optim, req.placement, head=req.head, total_steps=req.total_steps)
 
     def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, *,
                  head: str = "lm", total_steps: int = 1):

@@ -90,6 +90,13 @@ class FSDPEngine(ModuleEngine):
     """Owns a module sharded in place (pass a copy when the caller keeps using the original), and, unless
     frozen, its optimizer. `module` keeps the Hugging Face names; its parameters become DTensors."""
 
+    @classmethod
+    def from_role(cls, req) -> "FSDPEngine":
+        """Shards a copy of the role's module in place (the policy stays whole for a colocated rollout)."""
+        fsdp = req.cfg.critic.fsdp if req.role == "critic" else req.cfg.actor.fsdp
+        return cls(req.module(share=False), req.optim, req.placement, fsdp, head=req.head,
+                   total_steps=req.total_steps, cpu_offload=req.cpu_offload)
+
     def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, cfg: FSDPConfig, *,
                  head: str = "lm", total_steps: int = 1, cpu_offload: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard

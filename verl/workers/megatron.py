@@ -61,6 +61,12 @@ def _micro_size(n: int, wanted: int) -> int:
 class MegatronEngine:
     """One megatron GPT (optionally with a value head) and, if trained, its optimizer."""
 
+    @classmethod
+    def from_role(cls, req) -> "MegatronEngine":
+        """The role's GPT model built from the warm-started policy's Hugging Face directory."""
+        return cls(req.init_dir, req.placement, req.cfg.actor.megatron, value_head=req.role == "critic",
+                   optim=req.optim, total_steps=req.total_steps)
+
     def __init__(self, hf_dir: str | Path, placement: Placement, mcfg: MegatronConfig, *, value_head: bool = False,
                  optim: OptimConfig | None = None, total_steps: int = 1):
         from transformers import AutoConfig
@@ -152,8 +158,8 @@ class MegatronEngine:
             return self._packed_outputs(output, mb, packed, temperature)
         if self.model.options.value_head:
             return {"values": output[:, P - 1:-1]}
-        from verl.models import IGNORE_INDEX, vocab_parallel_logprob_entropy
-        from verl.models.vocab_parallel import masked_vocab_logits
+        from verl.models import IGNORE_INDEX, masked_vocab_logits
+        from verl.ops import vocab_parallel_logprob_entropy
         lp, ent = vocab_parallel_logprob_entropy(masked_vocab_logits(output, self.model), mb["labels"], temperature,
                                                  self.placement.tp, ignore_index=IGNORE_INDEX)
         return {"log_probs": lp[:, P - 1:-1], "entropy": ent[:, P - 1:-1]}
@@ -162,8 +168,8 @@ class MegatronEngine:
                         temperature: float) -> dict[str, torch.Tensor]:
         if self.model.options.value_head:
             return {"values": packed.unpack(output[0, packed.src].float())}
-        from verl.models import IGNORE_INDEX, vocab_parallel_logprob_entropy
-        from verl.models.vocab_parallel import masked_vocab_logits
+        from verl.models import IGNORE_INDEX, masked_vocab_logits
+        from verl.ops import vocab_parallel_logprob_entropy
         lp, ent = vocab_parallel_logprob_entropy(masked_vocab_logits(output, self.model), mb["labels"], temperature,
                                                  self.placement.tp, ignore_index=IGNORE_INDEX)
         return {"log_probs": packed.unpack(lp[0, packed.src]), "entropy": packed.unpack(ent[0, packed.src])}

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from verl.distributed import Placement
+from verl.engines import rollout_engine
 from verl.distributed.sender import Sender
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import RolloutConfig, RolloutEngine
@@ -121,7 +122,7 @@ class RolloutWorker:
         """What the engine is handed: full HF tensors (its own loaders fuse and shard them), or, for a
         tensor-parallel vLLM / SGLang engine, each rank's fused shard exactly as its parameters hold it (their
         loaders would expect full tensors and shard them again)."""
-        return "vllm" if self.cfg.tp > 1 and self.engine.name in ("vllm", "sglang") else "hf"
+        return "vllm" if self.cfg.tp > 1 and "vllm" in rollout_engine(self.cfg.engine).weight_formats else "hf"
 
     def shares_module(self, actor) -> bool:
         """The engine generates with the actor's own module (torch / hf engine beside a torch actor)."""
