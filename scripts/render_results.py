@@ -46,7 +46,8 @@ PRE_PROVENANCE: dict[str, str] = {
         "bench_async_p2_len24.json", "bench_async_p2_len24_idle.json", "bench_async_p2_len96_idle.json",
         "bench_async_p2_stream.json", "bench_async_p4_stream.json", "bench_async_smollm2_p2.json",
         "bench_engines.json", "bench_engines_smollm2.json", "bench_reshard.json", "bench_scaling_grpo.json",
-        "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json",
+        "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
+        "bench_trl_kernels.json",
         "e2e_grpo_vs_trl_tiny_padded.json")},
     "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
                          "script's default run.",
@@ -255,7 +256,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
-    ("Megatron layouts", "megatron_layout_matrix", generic),
+    ("Megatron layouts", "megatron_layout_matrix", generic), ("Sandbox", "bench_sandbox", generic),
 ]
 
 
@@ -316,13 +317,15 @@ def fig_default_job(res) -> str:
 def fig_smollm2_step(res) -> str:
     d = _r(res, "train_smollm2_gsm8k.json")
     load = d["meta"]["load_avg_1m"]
-    times = " and ".join(f"{s:.0f} s" for s in d["step_time_s"])
-    return (f"the first {d['steps']} steps took {times} (generation {' and '.join(f'{g:.0f}' for g in d['generate_s'])}"
-            f" s of them) under a load average of {fmt(load['start'])}-{fmt(load['end'])} from other jobs")
+    def both(xs):
+        return " and ".join(f"{x:.0f}" for x in xs)
+    return (f"the first {d['steps']} steps took {both(d['step_time_s'])} s (generation {both(d['generate_s'])} s of "
+            f"them; {both(d['cpu_time_s'])} CPU-s) under a load average of {fmt(load['start'])}-{fmt(load['end'])} "
+            f"from other jobs")
 
 
 def fig_stale_trailed(res) -> str:
-    return curves(res)[-1].removeprefix("max_staleness=2 (async_s2) ended below sync in ").removesuffix(".")
+    return curves(res)[-1].removeprefix("max_staleness=2 (async_s2) ended below sync in ").removesuffix(" runs.")
 
 
 def fig_curves(res) -> str:
