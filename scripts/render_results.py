@@ -379,7 +379,22 @@ def fig_trl_kernels(res) -> str:
             f"({v['peak_rss_mib']:.0f} vs {t['peak_rss_mib']:.0f} MiB)")
 
 
+def fig_stream_trace(res) -> str:
+    """From the Chrome trace of one async step: when each rank set ran its nodes, and with which weights."""
+    nodes = [e for e in res["async_stream_trace.json"]["traceEvents"] if e.get("cat") == "node"]
+    t0 = min(e["ts"] for e in nodes)
+    gen = next(e for e in nodes if e["name"] == "generate")
+    train = [e for e in nodes if e["pid"] != gen["pid"]]
+    upd = next(e for e in train if e["name"] == "update_actor")
+    start, end = (min(e["ts"] for e in train) - t0) / 1e3, (max(e["ts"] + e["dur"] for e in train) - t0) / 1e3
+    return (f"rank {gen['pid']} generates batch 10 with weight version "
+            f"{gen['args']['outputs']['batch']['weight_version'][0]} from {(gen['ts'] - t0) / 1e3:.0f} to "
+            f"{(gen['ts'] + gen['dur'] - t0) / 1e3:.0f} ms while rank {upd['pid']} trains on batch 9 (version "
+            f"{upd['args']['inputs']['batch']['weight_version'][0]}) from {start:.0f} to {end:.0f} ms")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
+    "stream_trace": fig_stream_trace,
     "default_job": fig_default_job, "smollm2_step": fig_smollm2_step, "stale_trailed": fig_stale_trailed,
     "async_curves": fig_curves, "async_p2": fig_async_p2, "async_smollm2": fig_async_smollm2,
     "async_p4": fig_async_p4, "trl_kernels": fig_trl_kernels,
