@@ -308,7 +308,7 @@ def _r(results, name):
 def fig_default_job(res) -> str:
     d = _r(res, "train_default_job.json")
     load = d["meta"]["load_avg_1m"]
-    cpu = f", {d['job_cpu_s']:.0f} s of CPU time" if "job_cpu_s" in d else ""
+    cpu = f" ({d['job_cpu_s']:.0f} s of CPU time)" if "job_cpu_s" in d else ""
     return (f"measured on {d['meta']['cpus']} CPU cores under a load average of {fmt(load['start'])}-"
             f"{fmt(load['end'])} from other jobs: mean reward {d['reward_first']:.2f} over the first {d['window']} "
             f"GRPO steps → {d['reward_last']:.2f} over the last {d['window']}, in {d['job_wall_s']:.0f} s{cpu}")
