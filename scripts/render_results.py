@@ -47,7 +47,6 @@ PRE_PROVENANCE: dict[str, str] = {
         "bench_async_p2_stream.json", "bench_async_p4_stream.json", "bench_async_smollm2_p2.json",
         "bench_engines.json", "bench_engines_smollm2.json", "bench_reshard.json", "bench_scaling_grpo.json",
         "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
-        "bench_trl_kernels.json",
         "e2e_grpo_vs_trl_tiny_padded.json")},
     "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
                          "script's default run.",
