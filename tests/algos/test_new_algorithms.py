@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -25,14 +26,25 @@ from tests.trainer.conftest import tiny_args  # noqa: F401  (the tiny trainer jo
 
 FAST = settings(max_examples=20, deadline=None, derandomize=True)
 NEW_LOSSES = ("cispo", "sapo", "gpg", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "dro")
-PARAMS = {"cispo": P.CISPOParams(clip_low=0.3, clip_high=0.28), "sapo": P.SAPOParams(tau_pos=1.0, tau_neg=1.05),
-          "gpg": None, "dppo_tv": P.DPPOTVParams(threshold_low=0.1, threshold_high=0.05, is_cap=2.0),
-          "dppo_kl": P.DPPOKLParams(threshold_low=0.02, threshold_high=0.05, is_cap=2.0),
+# the reference's hyperparameters by the papers' names; CISPO, DPPO and GMPO take theirs from the actor's
+# clip_ratio_low / high / c (as upstream verl does): CLIPS passes them that way
+PARAMS = {"cispo": NS(clip_low=0.3, clip_high=0.28), "sapo": P.SAPOParams(tau_pos=1.0, tau_neg=1.05),
+          "gpg": None, "dppo_tv": NS(threshold_low=0.1, threshold_high=0.05, is_cap=2.0),
+          "dppo_kl": NS(threshold_low=0.02, threshold_high=0.05, is_cap=2.0),
           "clip_cov": P.ClipCovParams(clip_cov_ratio=0.3, cov_lb=0.0, cov_ub=5.0),
           "kl_cov": P.KLCovParams(kl_cov_ratio=0.3, ppo_kl_coef=0.7),
-          "geo_mean": P.GMPOParams(clip_low=0.3, clip_high=0.2),
+          "geo_mean": NS(clip_low=0.3, clip_high=0.2),
           "dro": P.DROParams(beta=0.3)}
 CLIP = (0.2, 0.28)
+CLIPS = {"cispo": dict(clip_low=0.3, clip_high=0.28), "dppo_tv": dict(clip_low=0.1, clip_high=0.05, clip_c=2.0),
+         "dppo_kl": dict(clip_low=0.02, clip_high=0.05, clip_c=2.0), "geo_mean": dict(clip_low=0.3, clip_high=0.2)}
+SEQ_LEVEL = ("geo_mean", "sapo")  # aggregated per sequence whatever the mode (as upstream verl)
+
+
+def _extra(name) -> dict:
+    """The loss's own params (a dataclass it declares), if any."""
+    params = PARAMS[name]
+    return {"params": params} if params is not None and not isinstance(params, NS) else {}
 
 
 # ---------------------------------------------------------------------------------------------- the reference
@@ -183,10 +195,8 @@ def _case(B, T, seed, spread=1.5, holes=True, padded_row=True, dtype=torch.float
 def _run(name, lp, old, adv, mask, agg="token-mean", w=None, seed=0):
     x = lp.clone().requires_grad_()
     torch.manual_seed(seed)
-    params = PARAMS[name]
-    extra = {} if params is None else {"params": params}
-    out = A.get_policy_loss(name)(x, old, adv, mask, clip_low=CLIP[0], clip_high=CLIP[1], agg=agg,
-                                  rollout_is_weights=w, **extra)
+    clips = CLIPS.get(name, dict(clip_low=CLIP[0], clip_high=CLIP[1]))
+    out = A.get_policy_loss(name)(x, old, adv, mask, agg=agg, rollout_is_weights=w, **clips, **_extra(name))
     out.loss.backward()
     return out, x.grad
 
@@ -224,14 +234,14 @@ def _check(name, lp, old, adv, mask, mode="token-mean", w=None, seed=0, tol=1e-9
 @pytest.mark.parametrize("name", NEW_LOSSES)
 def test_loss_matches_float64_reference_values_and_gradients(name, mode):
     lp, old, adv, mask = _case(5, 7, seed=3)
-    _check(name, lp, old, adv, mask, "seq-mean-token-mean" if name == "geo_mean" else mode)
+    _check(name, lp, old, adv, mask, "seq-mean-token-mean" if name in SEQ_LEVEL else mode)
 
 
 @pytest.mark.parametrize("name", NEW_LOSSES)
 def test_rollout_is_weights_multiply_the_per_token_loss(name):
     lp, old, adv, mask = _case(4, 6, seed=5)
     w = torch.rand(4, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2 + 0.1
-    _check(name, lp, old, adv, mask, "seq-mean-token-mean" if name == "geo_mean" else "token-mean", w=w)
+    _check(name, lp, old, adv, mask, "seq-mean-token-mean" if name in SEQ_LEVEL else "token-mean", w=w)
 
 
 @pytest.mark.parametrize("name", ["vanilla", "gspo", "reinforce"])
@@ -410,10 +420,15 @@ def test_property_single_response_groups_and_padding(B, T, seed, name, norm_by_s
 # ---------------------------------------------------------------------------------------------- config
 
 def test_params_are_typed_and_validated_with_the_key_named():
-    cfg = load_config(PPOConfig, None, ["actor.policy_loss=cispo", "actor.policy_loss_params.clip_high=5"])
-    assert cfg.actor.loss_params() == P.CISPOParams(clip_high=5.0)
-    bad = {("actor.policy_loss=cispo", "actor.policy_loss_params.clip_hgh=5"):
-           r"unknown config key 'actor.policy_loss_params.clip_hgh'.*did you mean 'clip_high'",
+    cfg = load_config(PPOConfig, None, ["actor.policy_loss=sapo", "actor.policy_loss_params.tau_pos=2"])
+    assert cfg.actor.loss_params() == P.SAPOParams(tau_pos=2.0)
+    cfg = load_config(PPOConfig, None, ["actor.policy_loss=cispo", "actor.clip_ratio_low=10"])  # upstream's example
+    assert cfg.actor.loss_params() is None and cfg.actor.clip_ratio_low == 10.0
+    bad = {("actor.policy_loss=sapo", "actor.policy_loss_params.tau_poss=5"):
+           r"unknown config key 'actor.policy_loss_params.tau_poss'.*did you mean 'tau_pos'",
+           ("actor.policy_loss=cispo", "actor.policy_loss_params.clip_high=5"):
+           r"takes no parameters \(got clip_high\); its clip bounds are actor.clip_ratio_low",
+           ("actor.clip_ratio_low=10",): r"clip_ratio_low.*must be in \[0, 1\) for policy loss 'vanilla'",
            ("actor.policy_loss=dro",): r"'dro' needs actor.policy_loss_params.beta",
            ("actor.policy_loss_params.tau_pos=2",): r"policy loss 'vanilla' takes no parameters \(got tau_pos\)",
            ("actor.policy_loss=sapo", "actor.policy_loss_params.tau_neg=-1"): r"tau_neg must be a finite number > 0",
@@ -502,11 +517,12 @@ QUIET = ["trainer.total_steps=1", "trainer.save_final=false", "trainer.export_hf
 
 @needs_ext
 @pytest.mark.parametrize("overrides", [
-    ["actor.policy_loss=cispo", "actor.policy_loss_params.clip_high=4.0", "algorithm.adv_estimator=opo"],
+    ["actor.policy_loss=cispo", "actor.clip_ratio_high=4.0", "algorithm.adv_estimator=opo",
+     "actor.clip_ratio_low=10"],
     ["actor.policy_loss=sapo", "algorithm.adv_estimator=grpo_passk", "actor.loss_agg_mode=seq-mean-token-mean"],
     ["actor.policy_loss=gpg", "algorithm.adv_estimator=gpg", "actor.loss_agg_mode=token-sum"],
     ["actor.policy_loss=dppo_tv", "actor.ppo_epochs=2"],
-    ["actor.policy_loss=dppo_kl", "actor.policy_loss_params.threshold_high=0.1"],
+    ["actor.policy_loss=dppo_kl", "actor.clip_ratio_high=0.1"],
     ["actor.policy_loss=clip_cov", "actor.policy_loss_params.clip_cov_ratio=0.1"],
     ["actor.policy_loss=kl_cov", "actor.loss_agg_mode=token-sum"],
     ["actor.policy_loss=geo_mean"],
@@ -549,7 +565,7 @@ def test_bypass_uses_rollout_log_probs_as_old(tmp_path, tiny_args):
 def test_bad_inputs_name_the_argument():
     lp, old, adv, mask = _case(3, 4, seed=0)
     for name in NEW_LOSSES:
-        extra = {} if PARAMS[name] is None else {"params": PARAMS[name]}
+        extra = _extra(name)
         fn = A.get_policy_loss(name)
         with pytest.raises(ValueError, match=f"{name}: `advantages` must have the shape"):
             fn(lp, old, adv[:, :2], mask, **extra)

@@ -15,7 +15,8 @@ def test_jsonl_and_parquet_round_trip(tmp_path):
     write_jsonl(rows, tmp_path / "a.jsonl")
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "b.parquet")
     ds = load_prompt_dataset([str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], "question", "solution")
-    assert len(ds) == 10 and ds[0] == {"prompt": "0+1=", "answer": "1"} and ds[7]["answer"] == "3"
+    assert len(ds) == 10 and ds[0] == {"prompt": "0+1=", "answer": "1", "data_source": "a", "extra_info": None}
+    assert ds[7]["answer"] == "3" and ds[7]["data_source"] == "b"  # no data_source column: the file's stem
 
 
 def test_missing_column_names_the_columns(tmp_path):
@@ -64,7 +65,7 @@ def test_chat_prompts_load_and_malformed_ones_are_named(tmp_path):
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     pq.write_table(pa.Table.from_pylist([{"prompt": chat, "answer": "4"}]), tmp_path / "chat.parquet")
     ds = load_prompt_dataset([str(tmp_path / "chat.parquet")])
-    assert ds[0] == {"prompt": chat, "answer": "4"}
+    assert ds[0]["prompt"] == chat and ds[0]["answer"] == "4"
     write_jsonl([{"prompt": [{"role": "user"}], "answer": "4"}], tmp_path / "bad.jsonl")
     with pytest.raises(VerlConfigError, match=r"row 0: column 'prompt' must be a non-empty string or a list of chat"):
         load_prompt_dataset([str(tmp_path / "bad.jsonl")])

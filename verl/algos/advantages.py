@@ -42,6 +42,9 @@ class AdvantageInfo:
     """Reads `baseline` [B]: the reward of each prompt's greedy response (ReMax)."""
     needs_group: bool = False
     """Compares the responses of one prompt (`index`): needs rollout.n >= 2."""
+    upstream: str = ""
+    """How it deliberately differs from upstream verl's estimator of the same name, and why ('' when it does not;
+    `verl algos` and docs/from_verl.md list these)."""
 
 
 ADVANTAGES: Registry = Registry("advantage estimator", required=(
@@ -50,10 +53,11 @@ ADVANTAGES: Registry = Registry("advantage estimator", required=(
 
 
 def register_advantage(name: str, *aliases: str, needs_critic: bool = False, needs_baseline: bool = False,
-                       needs_group: bool = False):
-    """Decorator registering an advantage estimator under `name` (and aliases), with what it needs."""
+                       needs_group: bool = False, upstream: str = ""):
+    """Decorator registering an advantage estimator under `name` (and aliases), with what it needs (and how it
+    differs from upstream verl's, if it does)."""
     return ADVANTAGES.register(name, *aliases, needs_critic=needs_critic, needs_baseline=needs_baseline,
-                               needs_group=needs_group)
+                               needs_group=needs_group, upstream=upstream)
 
 
 def get_advantage(name: str):
@@ -166,7 +170,8 @@ def _broadcast(seq_adv, token_level_rewards, valid, bad) -> AdvantageResult:
     return AdvantageResult(adv, adv, bad)
 
 
-@register_advantage("opo", needs_group=True)
+@register_advantage("opo", needs_group=True, upstream="a single-response group gets advantage 0 (its own score "
+                    "is the formula's baseline); upstream special-cases it to baseline 0, i.e. A = s")
 def opo(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
         eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """OPO (arXiv:2505.23585): score - the group's length-weighted mean score sum_j |o_j| s_j / sum_j |o_j| (the
@@ -180,7 +185,9 @@ def opo(token_level_rewards, response_mask, *, values=None, index=None, baseline
     return _broadcast(s - base[gid], token_level_rewards, valid, bad)
 
 
-@register_advantage("gpg", needs_group=True)
+@register_advantage("gpg", needs_group=True, upstream="alpha = B / (B - M), M the responses in groups whose "
+                    "scores are all equal, as the paper defines it; upstream takes B / (responses with a non-zero "
+                    "score) and gives a single-response group mean 0")
 def gpg(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
         eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """GPG (arXiv:2504.02546): alpha * (score - group mean) / F_norm with F_norm = 1 and alpha = B / (B - M), M the
@@ -197,7 +204,8 @@ def gpg(token_level_rewards, response_mask, *, values=None, index=None, baseline
     return _broadcast(alpha * (s - mean[gid]), token_level_rewards, valid, bad)
 
 
-@register_advantage("grpo_passk", needs_group=True)
+@register_advantage("grpo_passk", needs_group=True, upstream="a single-response group gets 0 (upstream "
+                    "raises on it)")
 def grpo_passk(token_level_rewards, response_mask, *, values=None, index=None, baseline=None, gamma=1.0, lam=1.0,
                eps=1e-6, norm_by_std=True, check_finite=True) -> AdvantageResult:
     """GRPO for pass@k (arXiv:2503.19595): only each group's best response gets an advantage, r_max - r_second

@@ -5,7 +5,9 @@ each is a handful of elementwise ops followed by the fused aggregation (verl.ops
 own autograd), and at the [B, T] sizes of a policy loss the elementwise part is memory-bound and small next to
 the LM head; Clip-Cov and KL-Cov also select tokens data-dependently (top-k / random subset over the batch),
 which a one-pass kernel cannot do. Each loss's hyperparameters are a dataclass built from
-`actor.policy_loss_params`. Where a loss differs from upstream verl's implementation, its docstring says how.
+`actor.policy_loss_params`; like upstream verl, CISPO, DPPO and GMPO read their bounds from the actor's
+clip_ratio_low / clip_ratio_high (/ clip_ratio_c), and SAPO aggregates per sequence. Where a loss differs from
+upstream verl's implementation, its docstring says how (and `verl algos` lists it).
 
 Shared conventions (as the fused built-ins): log-ratio = clamp(logp - old, +-20) wherever a ratio is
 exponentiated; statistics are float32 token means over this batch's valid tokens; `ppo_kl` is the token mean of
@@ -25,8 +27,7 @@ from verl.errors import VerlConfigError
 from verl.ops.checks import check_bt, valid_mask
 from verl.ops.losses import Aggregation, PolicyLossOutput, agg_loss
 
-__all__ = ["CISPOParams", "ClipCovParams", "DPPOKLParams", "DPPOTVParams", "DROParams", "GMPOParams", "KLCovParams",
-           "SAPOParams"]
+__all__ = ["ClipCovParams", "DROParams", "KLCovParams", "SAPOParams"]
 
 
 def _nonneg(obj, *names: str) -> None:
@@ -44,19 +45,6 @@ def _positive(obj, *names: str) -> None:
 
 
 @dataclass(kw_only=True, slots=True)
-class CISPOParams:
-    """CISPO's bounds on the (stop-gradient) importance weight."""
-
-    clip_low: float = 1.0
-    """The weight is clipped below at 1 - clip_low; 1.0 (the paper's practice) leaves it unbounded below."""
-    clip_high: float = 0.28
-    """The weight is clipped above at 1 + clip_high (the one bound the MiniMax-M1 paper tunes)."""
-
-    def check(self) -> None:
-        _nonneg(self, "clip_low", "clip_high")
-
-
-@dataclass(kw_only=True, slots=True)
 class SAPOParams:
     """SAPO's gate temperatures."""
 
@@ -67,38 +55,6 @@ class SAPOParams:
 
     def check(self) -> None:
         _positive(self, "tau_pos", "tau_neg")
-
-
-@dataclass(kw_only=True, slots=True)
-class DPPOTVParams:
-    """DPPO-Binary-TV: the trust region is a bound on p - p_old of the sampled token."""
-
-    threshold_low: float = 0.15
-    """Tokens with A <= 0 are masked once p - p_old < -threshold_low."""
-    threshold_high: float = 0.15
-    """Tokens with A > 0 are masked once p - p_old > threshold_high."""
-    is_cap: float = 20.0
-    """Truncation C of the (stop-gradient) importance ratio min(r, C) weighting each token."""
-
-    def check(self) -> None:
-        _nonneg(self, "threshold_low", "threshold_high")
-        _positive(self, "is_cap")
-
-
-@dataclass(kw_only=True, slots=True)
-class DPPOKLParams:
-    """DPPO-Binary-KL: the trust region is a bound on the binary KL of the sampled token's probability."""
-
-    threshold_low: float = 0.05
-    """Tokens with A <= 0 whose probability fell are masked once the binary KL exceeds this."""
-    threshold_high: float = 0.05
-    """Tokens with A > 0 whose probability rose are masked once the binary KL exceeds this."""
-    is_cap: float = 20.0
-    """Truncation C of the (stop-gradient) importance ratio min(r, C) weighting each token."""
-
-    def check(self) -> None:
-        _nonneg(self, "threshold_low", "threshold_high")
-        _positive(self, "is_cap")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,19 +86,6 @@ class KLCovParams:
     def check(self) -> None:
         _positive(self, "kl_cov_ratio")
         _nonneg(self, "ppo_kl_coef")
-
-
-@dataclass(kw_only=True, slots=True)
-class GMPOParams:
-    """GMPO's token clip, in log space (on logp - old, before the geometric mean)."""
-
-    clip_low: float = 0.4
-    """Log-ratios of tokens with A < 0 are clipped below at -clip_low (the paper's (-0.4, 0.4) range)."""
-    clip_high: float = 0.4
-    """Log-ratios of tokens with A > 0 are clipped above at clip_high."""
-
-    def check(self) -> None:
-        _nonneg(self, "clip_low", "clip_high")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -199,38 +142,40 @@ def _finish(per_token, response_mask, agg, w, valid, log_ratio, clipfrac=None, l
 
 # ---------------------------------------------------------------------------------------------- losses
 
-@register_policy_loss("cispo", params=CISPOParams)
+@register_policy_loss("cispo", clip="weight")
 def cispo(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
-          agg="token-mean", rollout_is_weights=None, params: CISPOParams = CISPOParams()) -> PolicyLossOutput:
+          agg="token-mean", rollout_is_weights=None) -> PolicyLossOutput:
     """CISPO (MiniMax-M1, arXiv:2506.13585), plain PyTorch: l = -sg(clip(r, 1 - lo, 1 + hi)) * A * logp, so every
-    token keeps a gradient (the weight, not the update, is clipped). Bounds: params.clip_low / clip_high, not the
-    actor's PPO clip (upstream verl reuses actor.clip_ratio_low / high; ours default to the paper's practice of
-    no lower bound). pg_clipfrac: share with r > 1 + hi; pg_clipfrac_lower: share with r < 1 - lo (upstream
-    reports one share of either and 0)."""
+    token keeps a gradient (the weight, not the update, is clipped). lo, hi: the actor's clip_ratio_low / high, as
+    upstream verl reads them (the paper's practice of no lower bound is clip_ratio_low >= 1, e.g. 10 as verl's
+    example). pg_clipfrac: share with r > 1 + hi; pg_clipfrac_lower: share with r < 1 - lo (upstream reports one
+    share of either and 0)."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "cispo")
+    hi = clip_low if clip_high is None else clip_high
     lr = _log_ratio(logprob, old)
     ratio = lr.detach().exp()
-    weight = torch.clamp(ratio, min=1.0 - params.clip_low, max=1.0 + params.clip_high)
+    weight = torch.clamp(ratio, min=1.0 - clip_low, max=1.0 + hi)
     per = -weight * adv * logprob
-    return _finish(per, response_mask, agg, w, valid, lr, _stat(ratio > 1.0 + params.clip_high, valid),
-                   _stat(ratio < 1.0 - params.clip_low, valid))
+    return _finish(per, response_mask, agg, w, valid, lr, _stat(ratio > 1.0 + hi, valid),
+                   _stat(ratio < 1.0 - clip_low, valid))
 
 
-@register_policy_loss("sapo", params=SAPOParams)
+@register_policy_loss("sapo", params=SAPOParams, clip="none", agg="seq-mean-token-mean")
 def sapo(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
          agg="token-mean", rollout_is_weights=None, params: SAPOParams = SAPOParams()) -> PolicyLossOutput:
     """SAPO (arXiv:2511.20347), plain PyTorch: l = -A * f(r, tau), f(r, tau) = sigmoid(tau (r - 1)) * 4 / tau with
     tau = tau_pos for A > 0 else tau_neg: a smooth trust region whose gradient equals the policy gradient at
-    r = 1 and fades as r leaves 1. Aggregation: the configured mode (upstream verl forces seq-mean-token-mean;
-    set actor.loss_agg_mode=seq-mean-token-mean for its behaviour). No clip statistics (both 0)."""
+    r = 1 and fades as r leaves 1. Aggregated per sequence (seq-mean-token-mean) whatever actor.loss_agg_mode says,
+    as upstream verl does. No clip statistics (both 0)."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "sapo")
     lr = _log_ratio(logprob, old)
     tau = torch.where(adv > 0, logprob.new_tensor(params.tau_pos), logprob.new_tensor(params.tau_neg))
     gate = torch.sigmoid(tau * (lr.exp() - 1.0)) * (4.0 / tau)
-    return _finish(-gate * adv, response_mask, agg, w, valid, lr)
+    seq_agg = dataclasses.replace(_as_agg(agg), mode="seq-mean-token-mean")
+    return _finish(-gate * adv, response_mask, seq_agg, w, valid, lr)
 
 
-@register_policy_loss("gpg")
+@register_policy_loss("gpg", clip="none")
 def gpg(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
         agg="token-mean", rollout_is_weights=None) -> PolicyLossOutput:
     """GPG (arXiv:2504.02546), plain PyTorch: the plain policy gradient l = -A * logp (no ratio, no clip); pair it
@@ -246,34 +191,35 @@ def _dppo(logprob, old, adv, valid, w, response_mask, agg, lr, keep, is_cap) -> 
     return _finish(per, response_mask, agg, w, valid, lr, _stat(~keep, valid), _stat((ratio > is_cap) & keep, valid))
 
 
-@register_policy_loss("dppo_tv", params=DPPOTVParams)
+@register_policy_loss("dppo_tv", clip="divergence")
 def dppo_tv(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
-            agg="token-mean", rollout_is_weights=None, params: DPPOTVParams = DPPOTVParams()) -> PolicyLossOutput:
+            agg="token-mean", rollout_is_weights=None) -> PolicyLossOutput:
     """DPPO-Binary-TV (arXiv:2602.04879), plain PyTorch: l = -A * sg(min(r, C)) * logp * M, where the mask M keeps
     a token unless its probability moved past the TV bound in the advantage's direction (A > 0: p - p_old <=
-    threshold_high; A <= 0: p - p_old >= -threshold_low). Thresholds and C are params (upstream verl reuses
-    actor.clip_ratio_low / high / clip_ratio_c for them). pg_clipfrac: share masked; pg_clipfrac_lower: share
-    kept whose ratio was truncated at C."""
+    clip_high; A <= 0: p - p_old >= -clip_low). The thresholds are the actor's clip_ratio_low / high and C its
+    clip_ratio_c, as upstream verl reads them (the paper's 0.15 thresholds and large C are settings of those).
+    pg_clipfrac: share masked; pg_clipfrac_lower: share kept whose ratio was truncated at C."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "dppo_tv")
+    hi = clip_low if clip_high is None else clip_high
     dp = logprob.detach().exp() - old.exp()
-    keep = torch.where(adv > 0, dp <= params.threshold_high, dp >= -params.threshold_low)
-    return _dppo(logprob, old, adv, valid, w, response_mask, agg, _log_ratio(logprob, old), keep, params.is_cap)
+    keep = torch.where(adv > 0, dp <= hi, dp >= -clip_low)
+    return _dppo(logprob, old, adv, valid, w, response_mask, agg, _log_ratio(logprob, old), keep, clip_c)
 
 
-@register_policy_loss("dppo_kl", params=DPPOKLParams)
+@register_policy_loss("dppo_kl", clip="divergence")
 def dppo_kl(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
-            agg="token-mean", rollout_is_weights=None, params: DPPOKLParams = DPPOKLParams()) -> PolicyLossOutput:
+            agg="token-mean", rollout_is_weights=None) -> PolicyLossOutput:
     """DPPO-Binary-KL (arXiv:2602.04879), plain PyTorch: as dppo_tv with the binary KL of the sampled token,
     KL = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) (the 1e-8 as upstream), as
-    the divergence: A > 0 keeps a token if KL <= threshold_high or p <= p_old; A <= 0 if KL <= threshold_low or
-    p >= p_old."""
+    the divergence: A > 0 keeps a token if KL <= clip_high or p <= p_old; A <= 0 if KL <= clip_low or p >= p_old
+    (the actor's clip_ratio_low / high, C its clip_ratio_c, as upstream reads them)."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "dppo_kl")
     lp = logprob.detach()
     p, p_old = lp.exp(), old.exp()
     bkl = p_old * (old - lp) + (1.0 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-    keep = torch.where(adv > 0, (bkl <= params.threshold_high) | (p <= p_old),
-                       (bkl <= params.threshold_low) | (p >= p_old))
-    return _dppo(logprob, old, adv, valid, w, response_mask, agg, _log_ratio(logprob, old), keep, params.is_cap)
+    hi = clip_low if clip_high is None else clip_high
+    keep = torch.where(adv > 0, (bkl <= hi) | (p <= p_old), (bkl <= clip_low) | (p >= p_old))
+    return _dppo(logprob, old, adv, valid, w, response_mask, agg, _log_ratio(logprob, old), keep, clip_c)
 
 
 @torch.no_grad()
@@ -286,7 +232,8 @@ def _covariance(logprob, adv, valid):
     return torch.where(valid, (adv - mean_a) * (lp - mean_lp), 0.0)
 
 
-@register_policy_loss("clip_cov", params=ClipCovParams)
+@register_policy_loss("clip_cov", params=ClipCovParams, clip="ratio",
+                      upstream="the log-ratio is clamped to +-20 before exp (upstream: unclamped)")
 def clip_cov(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
              agg="token-mean", rollout_is_weights=None, params: ClipCovParams = ClipCovParams()) -> PolicyLossOutput:
     """Clip-Cov (arXiv:2505.22617), plain PyTorch: the PPO clip max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
@@ -312,7 +259,8 @@ def clip_cov(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, c
     return _finish(per, response_mask, agg, w, valid, lr, _stat(~keep, valid))
 
 
-@register_policy_loss("kl_cov", params=KLCovParams)
+@register_policy_loss("kl_cov", params=KLCovParams, clip="none",
+                      upstream="the log-ratio is clamped to +-20 before exp (upstream: unclamped)")
 def kl_cov(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
            agg="token-mean", rollout_is_weights=None, params: KLCovParams = KLCovParams()) -> PolicyLossOutput:
     """KL-Cov (arXiv:2505.22617), plain PyTorch: -A r on every token, plus ppo_kl_coef * |logp - old| on the
@@ -338,20 +286,24 @@ def _as_agg(agg) -> Aggregation:
     return Aggregation(mode=agg) if isinstance(agg, str) else (agg or Aggregation())
 
 
-@register_policy_loss("geo_mean", "gmpo", params=GMPOParams)
+@register_policy_loss("geo_mean", "gmpo", clip="log_ratio", agg="seq-mean-token-mean",
+                      upstream="the mean of the sequence losses over the step's sequences with a valid token (global "
+                      "counts: independent of micro-batching); upstream takes torch.mean over each micro-batch's "
+                      "rows, padded rows included")
 def geo_mean(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
-             agg="token-mean", rollout_is_weights=None, params: GMPOParams = GMPOParams()) -> PolicyLossOutput:
+             agg="token-mean", rollout_is_weights=None) -> PolicyLossOutput:
     """GMPO (arXiv:2507.20673), plain PyTorch: per sequence, L = -mean_t(A) * exp(mean_t(d_t)) with the token
     log-ratio clipped in log space against the advantage's sign, d = sgn(A) min(sgn(A) lr, sgn(A) clamp(lr,
     -clip_low, clip_high)), so a token with A = 0 contributes d = 0 (as upstream). A sequence-level objective:
     whatever actor.loss_agg_mode says, it is the mean of L over the step's sequences with a valid token
     (upstream: torch.mean over the micro-batch's rows, fully padded rows included as 0). Rollout IS weights enter
-    as their per-sequence geometric mean, as upstream. Log space bounds are params (upstream reuses
-    actor.clip_ratio_low / high). Statistics: share of tokens whose log-ratio is outside the bounds, with A > 0
-    (pg_clipfrac) and A < 0 (pg_clipfrac_lower)."""
+    as their per-sequence geometric mean, as upstream. The log-space bounds are the actor's clip_ratio_low / high,
+    as upstream reads them (the paper's (-0.4, 0.4) is clip_ratio_low=clip_ratio_high=0.4). Statistics: share of
+    tokens whose log-ratio is outside the bounds, with A > 0 (pg_clipfrac) and A < 0 (pg_clipfrac_lower)."""
     old, adv, valid, w = _inputs(logprob, old_logprob, advantages, response_mask, rollout_is_weights, "geo_mean")
     lr = _log_ratio(logprob, old)
-    lr_c = torch.clamp(lr, -params.clip_low, params.clip_high)
+    hi = clip_low if clip_high is None else clip_high
+    lr_c = torch.clamp(lr, -clip_low, hi)
     sgn = torch.sign(adv)
     d = torch.where(valid, sgn * torch.minimum(sgn * lr, sgn * lr_c), 0.0)
     n = valid.sum(-1).clamp(min=1).to(logprob.dtype)
@@ -366,7 +318,7 @@ def geo_mean(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, c
                    _stat(clipped & (adv < 0), valid))
 
 
-@register_policy_loss("dro", params=DROParams)
+@register_policy_loss("dro", params=DROParams, clip="none")
 def dro(logprob, old_logprob, advantages, response_mask, *, clip_low=0.2, clip_high=None, clip_c=3.0,
         agg="token-mean", rollout_is_weights=None, params: DROParams = DROParams()) -> PolicyLossOutput:
     """DRO (Richemond et al., "Offline Regularised RL for LLM Alignment"), plain PyTorch:

@@ -28,7 +28,7 @@ from verl.registry import Registry
 from verl.errors import VerlConfigError
 from verl.ops.losses import PolicyLossOutput, policy_loss
 
-__all__ = ["POLICY_LOSS_FNS", "PolicyLossInfo", "get_policy_loss",
+__all__ = ["CLIP_READS", "POLICY_LOSS_FNS", "PolicyLossInfo", "get_policy_loss",
            "policy_loss_info", "register_policy_loss"]
 
 
@@ -38,18 +38,41 @@ class PolicyLossInfo:
 
     params: type | None = None
     """The dataclass of its own hyperparameters (built from actor.policy_loss_params), or None."""
+    clip: str = "ratio"
+    """How it reads the actor's clip_ratio_low / high (/ c), as upstream verl does: "ratio" (the PPO clip of the
+    ratio to [1 - low, 1 + high], low < 1; dual clip c), "weight" (the same bounds on a stop-gradient weight, any
+    low >= 0: CISPO), "divergence" (trust-region thresholds on p - p_old or a binary KL, c the IS truncation:
+    DPPO), "log_ratio" (bounds on logp - old: GMPO), or "none"."""
+    agg: str | None = None
+    """The aggregation it always uses, whatever actor.loss_agg_mode says (None: that mode)."""
+    upstream: str = ""
+    """How it deliberately differs from upstream verl's loss of the same name, and why ('' when it does not)."""
 
+
+CLIP_READS = {"ratio": "clip_ratio_low / high bound the ratio to [1 - low, 1 + high] (low < 1), clip_ratio_c is "
+                       "the dual clip",
+              "weight": "clip_ratio_low / high bound the stop-gradient weight to [1 - low, 1 + high] (any low >= 0)",
+              "divergence": "clip_ratio_low / high are the divergence thresholds, clip_ratio_c truncates the IS "
+                            "ratio",
+              "log_ratio": "clip_ratio_low / high bound logp - old to [-low, high]",
+              "none": "reads no clip_ratio_*"}
+"""How each `PolicyLossInfo.clip` kind reads the actor's clip settings (printed by `verl algos`)."""
 
 POLICY_LOSS_FNS: Registry = Registry("policy loss", required=(
     "logprob", "old_logprob", "advantages", "response_mask", "clip_low", "clip_high", "clip_c", "agg",
     "rollout_is_weights"), meta_type=PolicyLossInfo)
 
 
-def register_policy_loss(name: str, *aliases: str, params: type | None = None):
-    """Decorator registering a policy loss under `name` (and aliases); `params`: its hyperparameter dataclass."""
+def register_policy_loss(name: str, *aliases: str, params: type | None = None, clip: str = "ratio",
+                         agg: str | None = None, upstream: str = ""):
+    """Decorator registering a policy loss under `name` (and aliases); `params`: its hyperparameter dataclass;
+    `clip`, `agg`, `upstream`: see PolicyLossInfo."""
     if params is not None and not dataclasses.is_dataclass(params):
         raise VerlConfigError(f"policy loss {name!r}: `params` must be a dataclass type, got {params!r}")
-    return POLICY_LOSS_FNS.register(name, *aliases, params=params)
+    if clip not in ("ratio", "weight", "divergence", "log_ratio", "none"):
+        raise VerlConfigError(f"policy loss {name!r}: clip={clip!r} is not ratio, weight, divergence, log_ratio "
+                              f"or none")
+    return POLICY_LOSS_FNS.register(name, *aliases, params=params, clip=clip, agg=agg, upstream=upstream)
 
 
 def get_policy_loss(name: str):
@@ -78,8 +101,10 @@ def _fused(loss_type: str):
 vanilla = register_policy_loss("vanilla", "ppo")(_fused("vanilla"))
 vanilla.__doc__ = ("PPO clip (fused kernel): ratio = exp(clamp(logp - old, +-20)), clip to [1 - clip_low, 1 + "
                    "clip_high], dual clip -A * clip_c bounding negative-advantage tokens.")
-gspo = register_policy_loss("gspo")(_fused("gspo"))
+gspo = register_policy_loss("gspo", upstream="the policy term is aggregated by actor.loss_agg_mode (upstream forces "
+                            "seq-mean-token-mean on it): one mode for every term keeps the fused loss head; set "
+                            "actor.loss_agg_mode=seq-mean-token-mean, as upstream's GSPO examples do")(_fused("gspo"))
 gspo.__doc__ = ("GSPO (fused kernel): the PPO clip on the length-normalised sequence ratio exp(mean_t(logp - old)), "
                 "token gradient.")
-reinforce = register_policy_loss("reinforce")(_fused("reinforce"))
+reinforce = register_policy_loss("reinforce", clip="none")(_fused("reinforce"))
 reinforce.__doc__ = "Unclipped -A * ratio (fused kernel; on-policy: the REINFORCE gradient -A grad logp)."

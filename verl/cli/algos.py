@@ -1,5 +1,7 @@
 """`verl algos`: what can be named in a config — the registered policy losses, advantage estimators and KL
-penalties (with their aliases and how each is computed), the loss aggregations and the rollout-correction modes.
+penalties (with their aliases and how each is computed; for policy losses, how they read the actor's
+clip_ratio_low / high / c and a fixed aggregation; where one deliberately differs from upstream verl's algorithm of
+the same name, how and why), the loss aggregations and the rollout-correction modes.
 
     verl algos             # everything
     verl algos --json      # the same as one JSON object (for scripts and docs)
@@ -13,7 +15,7 @@ import textwrap
 
 from verl.algos.advantages import ADVANTAGES
 from verl.algos.kl import KLS
-from verl.algos.policy_losses import POLICY_LOSS_FNS
+from verl.algos.policy_losses import CLIP_READS, POLICY_LOSS_FNS
 from verl.registry import Registry
 from verl.ops.losses import AGG_MODES
 
@@ -29,6 +31,10 @@ def registry_listing(registry: Registry) -> list[dict]:
         fn = registry.get(name)
         rec = by_fn.setdefault(id(fn), {"names": [], "summary": _first_sentence(fn.__doc__)})
         rec["names"].append(name)
+        meta = registry.meta(name)
+        for field in ("clip", "agg", "upstream"):
+            if getattr(meta, field, None):
+                rec[field] = getattr(meta, field)
     return sorted(by_fn.values(), key=lambda r: r["names"][0])
 
 
@@ -62,6 +68,13 @@ def main(argv: list[str]) -> int:
             names = rec["names"][0] + (f" (= {', '.join(rec['names'][1:])})" if len(rec["names"]) > 1 else "")
             print(f"  {names}")
             print(textwrap.fill(rec["summary"], width=110, initial_indent="      ", subsequent_indent="      "))
+            extra = [CLIP_READS[rec["clip"]]] if "clip" in rec else []
+            extra += [f"aggregation: {rec['agg']} (fixed)"] if "agg" in rec else []
+            if extra:
+                print(f"      [{'; '.join(extra)}]")
+            if "upstream" in rec:
+                print(textwrap.fill("vs upstream verl: " + rec["upstream"], width=110, initial_indent="      ",
+                                    subsequent_indent="        "))
     print(f"actor.loss_agg_mode: {', '.join(data['actor.loss_agg_mode'])}")
     print("algorithm.rollout_correction: " + ", ".join(data["algorithm.rollout_correction"]))
     return 0

@@ -2,8 +2,11 @@
 
     verl doctor                      # check torch / CUDA / nvcc / verl._C / megatron-core / engines
     verl train CONFIG [k=v ...]      # PPO / GRPO from a YAML config plus dotted overrides
-    verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e, scaling, async)
+    verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e, scaling, async,
+                                     # compat)
     verl algos [--json]              # the registered policy losses, advantage estimators, KL penalties
+    verl compat SCRIPT.sh|CONFIG     # what an upstream verl launch script / YAML becomes here (before it runs)
+    verl compat --keys               # the translation table of upstream verl's config keys
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import subprocess
 import sys
 
-SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e", "scaling", "async")
+SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e", "scaling", "async", "compat")
 
 
 def _repo_root() -> str:
@@ -55,9 +58,15 @@ def _algos(argv: list[str]) -> int:
     return algos_main(argv)
 
 
+def _compat(argv: list[str]) -> int:
+    from verl.cli.compat import main as compat_main
+    from verl.errors import run_cli
+    return run_cli(compat_main, argv, prog="verl compat")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"doctor": None, "train": _train, "bench": _bench, "algos": _algos}
+    commands = {"doctor": None, "train": _train, "bench": _bench, "algos": _algos, "compat": _compat}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
         if argv and argv[0] not in ("-h", "--help"):

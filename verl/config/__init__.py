@@ -16,11 +16,12 @@ from verl.config.ppo import (
     RolloutConfig,
     TinyModelConfig,
     TrainerConfig,
+    ValConfig,
     WarmupConfig,
 )
 
 __all__ = [
     "apply_overrides", "describe", "field_docs", "from_dict", "load_config", "load_yaml", "to_dict",
     "ActorConfig", "AlgorithmConfig", "FSDPConfig", "MegatronConfig", "CriticConfig", "DataConfig", "KLControlConfig", "ModelConfig", "OptimConfig",
-    "PPOConfig", "RewardConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig", "WarmupConfig",
+    "PPOConfig", "RewardConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig", "ValConfig", "WarmupConfig",
 ]

@@ -65,11 +65,25 @@ class DataConfig:
     """Prompt dataset and batching."""
 
     train_files: list[str] = field(default_factory=list)
-    """Parquet or JSONL files of prompts; empty uses the synthetic `task`."""
+    """Parquet or JSONL files of prompts; empty uses the synthetic `task`. Upstream verl's layout (chat-message
+    `prompt`, `reward_model.ground_truth`, `data_source`, `extra_info`) is read as it is (verl.data.dataset)."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out prompt files for validation (same formats); empty: the synthetic task's held-out split
+    (val.num_examples), or no validation."""
     prompt_key: str = "prompt"
     """Column holding the prompt text."""
     answer_key: str = "answer"
-    """Column holding the ground truth the reward compares against."""
+    """Column holding the ground truth the reward compares against; a dotted path reads inside a struct column
+    (reward_model.ground_truth). A file without this column but with verl's `reward_model.ground_truth` uses
+    that."""
+    data_source_key: str = "data_source"
+    """Column naming each row's source (e.g. openai/gsm8k): the `by_data_source` reward picks a rule per source,
+    a verl-style compute_score receives it, and validation reports val/<source>/reward_mean. Rows without it
+    are from the task's name or the file's stem."""
+    train_max_samples: int = -1
+    """Use only the first N training rows (-1: all)."""
+    val_max_samples: int = -1
+    """Use only the first N validation rows (-1: all)."""
     task: Literal["arithmetic", "counting", "gsm_symbolic"] = "arithmetic"
     """Task used when `train_files` is empty: arithmetic / counting (synthetic, local) or gsm_symbolic (GSM8K-style
     word problems from the reasoning-gym wheel, as chat messages; see verl.data.tasks)."""
@@ -92,6 +106,9 @@ class DataConfig:
     def check(self) -> None:
         for name in ("num_examples", "max_operand", "max_prompt_length"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        for name in ("train_max_samples", "val_max_samples"):
+            require(getattr(self, name) == -1 or getattr(self, name) >= 1, name, getattr(self, name),
+                    "must be -1 (all rows) or >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +123,9 @@ class OptimConfig:
     """Schedule after the warm-up, over the job's remaining steps."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up in optimizer steps."""
+    warmup_ratio: float = 0.0
+    """Warm-up as a share of trainer.total_steps, used when warmup_steps is 0 (the trainer sets warmup_steps to
+    int(warmup_ratio x total_steps) once the run's length is known)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -120,6 +140,7 @@ class OptimConfig:
         require(self.lr > 0, "lr", self.lr, "must be > 0 (e.g. 1e-6 for a 7B policy)")
         require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        require(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1)")
         require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         require(self.eps > 0, "eps", self.eps, "must be > 0")
         # A negative clip norm would make torch's clip_grad_norm_ scale gradients by a negative factor.
@@ -292,8 +313,12 @@ class ActorConfig:
     def check(self) -> None:
         check_finite(self, allow_inf=("clip_ratio_c",))  # inf turns the dual clip off
         # The same ranges the fused policy loss checks (csrc/include/verl/rl_loss.h), found before any model is built.
-        require(0 <= self.clip_ratio_low < 1, "clip_ratio_low", self.clip_ratio_low,
-                "must be in [0, 1) (the ratio's lower bound is 1 - clip_ratio_low)")
+        from verl.algos import policy_loss_info
+        clip = policy_loss_info(self.policy_loss).clip if self.policy_loss in _policy_losses() else "ratio"
+        require(0 <= self.clip_ratio_low and (self.clip_ratio_low < 1 or clip != "ratio"), "clip_ratio_low",
+                self.clip_ratio_low, f"must be in [0, 1) for policy loss {self.policy_loss!r} (the ratio's lower "
+                f"bound is 1 - clip_ratio_low); losses that read it otherwise (cispo, dppo_*, geo_mean) take any "
+                f"value >= 0")
         require(self.clip_ratio_high >= 0, "clip_ratio_high", self.clip_ratio_high, "must be >= 0")
         require(self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c,
                 "must be > 1 (the dual-clip bound; .inf turns it off)")
@@ -343,6 +368,9 @@ class CriticConfig:
     """Sharding of the critic under actor.engine=fsdp."""
     ppo_epochs: int = 1
     """Passes over each step's batch."""
+    mini_batch_size: int = 0
+    """Prompts per optimizer step of the critic over all ranks (each brings rollout.n responses); 0: the whole
+    step's batch in one optimizer step per epoch."""
     micro_batch_size: int = 32
     """Responses per forward/backward on one rank, unless max_tokens_per_micro_batch is set; more than a rank's
     share of the batch is clamped to it."""
@@ -362,6 +390,8 @@ class CriticConfig:
         require(self.cliprange_value >= 0, "cliprange_value", self.cliprange_value,
                 "must be >= 0 (.inf: no clipping)")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
+        require(self.mini_batch_size >= 0, "mini_batch_size", self.mini_batch_size,
+                "must be >= 0 (0: the whole batch per optimizer step)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -525,7 +555,13 @@ class RewardConfig:
     type: Literal["rule", "model"] = "rule"
     """One-source shorthand: a rule-based function from the reward registry, or a model-based reward model."""
     name: str = "arithmetic"
-    """One-source shorthand: registered rule-based reward (see verl.rewards.list_rewards())."""
+    """One-source shorthand: registered rule-based reward (see verl.rewards.list_rewards()), a 'module:function'
+    reference, or a Python file and its function, 'path/to/file.py:compute_score' (upstream verl's
+    custom_reward_function.path / .name). A function with verl's signature compute_score(data_source,
+    solution_str, ground_truth, extra_info=None) (or its batched form) is called that way; it may return a
+    float or a dict with 'score' plus metrics logged as reward/<key>/mean. `by_data_source` picks a built-in
+    rule per row's data source (verl's default_compute_score: openai/gsm8k, MATH, math_dapo / aime, and the
+    synthetic tasks)."""
     model_path: str | None = None
     """One-source shorthand: reward model directory for type=model (see RewardSourceConfig.model_path)."""
     sources: list[RewardSourceConfig] = field(default_factory=list)
@@ -536,6 +572,12 @@ class RewardConfig:
     """World ranks that score (None: trainer.placement decides)."""
     cpu_offload: bool = False
     """Keep the reward models on the CPU except while they score (needs a model source)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (upstream verl's `dapo` reward manager): a response longer than
+    rollout.max_new_tokens - overlong_buffer tokens loses overlong_penalty_factor x (excess / overlong_buffer),
+    added to its score (logged as reward/overlong_penalty/mean). 0: off."""
+    overlong_penalty_factor: float = 1.0
+    """The largest overlong penalty (reached at rollout.max_new_tokens)."""
 
     def resolved_sources(self) -> list[RewardSourceConfig]:
         """The sources to score with: `sources`, or the one the shorthand keys describe (weight 1)."""
@@ -556,6 +598,9 @@ class RewardConfig:
                                   "reward.model_path must be left out; move that source into reward.sources")
         if self.micro_batch_size < 1:
             raise VerlConfigError(f"reward.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        require(self.overlong_buffer >= 0, "reward.overlong_buffer", self.overlong_buffer, "must be >= 0 (0: off)")
+        require(self.overlong_penalty_factor >= 0 and math.isfinite(self.overlong_penalty_factor),
+                "reward.overlong_penalty_factor", self.overlong_penalty_factor, "must be a finite number >= 0")
         keyed = [(f"reward.sources[{i}]", s) for i, s in enumerate(self.sources)] or \
             [("reward", self.resolved_sources()[0])]
         for key, s in keyed:
@@ -569,6 +614,44 @@ class RewardConfig:
                 raise VerlConfigError(f"{key} and {seen[s.display_name]} are both named {s.display_name!r} in "
                                       f"metrics; set {key}.label to a distinct name")
             seen[s.display_name] = key
+
+
+@dataclass(kw_only=True, slots=True)
+class ValConfig:
+    """Validation: the rollout engine answers held-out prompts with the current weights, and the reward scores
+    them (verl.trainer.validation). Runs before training (trainer.val_before_train), every trainer.test_freq
+    steps and after the last step, when there is a held-out set (data.val_files, or val.num_examples)."""
+
+    num_examples: int = 0
+    """Held-out prompts of the synthetic task (data.task, when data.val_files is empty): drawn apart from the
+    training prompts, which then exclude them. 0: no held-out split."""
+    n: int = 1
+    """Responses per prompt: 1 reports the accuracy of one answer; k > 1 also val/pass@j and val/mean@j for
+    j = 1, 2, 4, ... up to k (pass@j: the unbiased estimate that one of j samples is correct)."""
+    temperature: float = 0.0
+    """Sampling temperature of validation; 0 is greedy (one response per prompt, n must be 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold of validation."""
+    top_k: int = 0
+    """Top-k of validation (0 disables)."""
+    correct_threshold: float = 1.0
+    """A response with score >= this counts as correct for pass@j."""
+    batch_size: int = 0
+    """Prompts per generation call (0: data.train_batch_size)."""
+    log_generations: int = 0
+    """Write the first N held-out prompts with their responses and scores to output_dir/val_generations.jsonl at
+    each validation (0: none)."""
+
+    def check(self) -> None:
+        for name in ("num_examples", "batch_size", "log_generations", "top_k"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        require(self.n >= 1, "n", self.n, "must be >= 1")
+        require(0 <= self.temperature < math.inf, "temperature", self.temperature, "must be a finite number >= 0")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.temperature > 0 or self.n == 1, "n", self.n,
+                "needs val.temperature > 0 (greedy decoding gives one answer per prompt)")
+        require(math.isfinite(self.correct_threshold), "correct_threshold", self.correct_threshold,
+                "must be a finite number")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -595,6 +678,15 @@ class TrainerConfig:
 
     total_steps: int = 50
     """RL steps to run."""
+    total_epochs: int = 0
+    """When > 0, the run's length in passes over the training prompts instead: total_steps becomes
+    total_epochs x (rows // data.train_batch_size), set once the data is read."""
+    test_freq: int = 0
+    """Validate every K steps and after the last step (0: never during training); see `val`."""
+    val_before_train: bool = True
+    """Validate once before the first step (when there is a held-out set)."""
+    val_only: bool = False
+    """Only validate (before training), then stop."""
     seed: int = 1
     """Seed of data order, sampling and initialisation."""
     output_dir: str = "outputs/default"
@@ -664,6 +756,8 @@ class TrainerConfig:
     max_staleness batches."""
 
     def check(self) -> None:
+        for name in ("total_epochs", "test_freq"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.queue_size >= 0, "queue_size", self.queue_size,
                 "must be >= 0 (0: room for algorithm.max_staleness batches)")
         for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
@@ -698,6 +792,8 @@ class PPOConfig:
     """Scoring."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm start."""
+    val: ValConfig = field(default_factory=ValConfig)
+    """Validation on held-out prompts."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, logging, checkpoints."""
 
@@ -755,6 +851,10 @@ class PPOConfig:
                 raise VerlConfigError(f"rollout.partial=true takes new weights in the middle of a generation, which "
                                       f"only trainer.mode=async delivers (trainer.mode={t.mode} moves them between "
                                       f"batches); set trainer.mode=async or rollout.partial=false")
+        if t.mode != "sync" and (self.data.val_files or self.val.num_examples):
+            raise VerlConfigError(f"validation (data.val_files / val.num_examples) runs in trainer.mode=sync, where "
+                                  f"the rollout engine holds the current weights between steps; with "
+                                  f"trainer.mode={t.mode} leave data.val_files empty and val.num_examples=0")
         if self.streaming and self.rollout.tp > 1:
             raise VerlConfigError(f"trainer.mode=async lets each rollout rank take new weight versions on its own, "
                                   f"but rollout.tp={self.rollout.tp} spreads one generation replica over several "
@@ -779,6 +879,22 @@ class PPOConfig:
         log-probs (nothing changed the weights since generation), which saves a forward pass per step."""
         return (self.actor.ppo_epochs == 1 and self.actor.mini_batch_size == self.data.train_batch_size
                 and not self.algorithm.use_kl_in_reward and not self.algorithm.rollout_correction.enabled)
+
+    def resolve_run_length(self, rows: int) -> str | None:
+        """trainer.total_epochs -> trainer.total_steps, and optim.warmup_ratio -> optim.warmup_steps, once the
+        number of training prompts is known (the trainer calls it); returns the line saying so (None: nothing
+        derived)."""
+        t, said = self.trainer, []
+        if t.total_epochs:
+            per_epoch = rows // self.data.train_batch_size
+            t.total_steps = max(1, t.total_epochs * per_epoch)
+            said.append(f"trainer.total_epochs={t.total_epochs} x {per_epoch} steps per epoch ({rows} prompts // "
+                        f"data.train_batch_size={self.data.train_batch_size}) = {t.total_steps} steps")
+        for key, optim in (("actor", self.actor.optim), ("critic", self.critic.optim)):
+            if optim.warmup_ratio and not optim.warmup_steps:
+                optim.warmup_steps = int(optim.warmup_ratio * t.total_steps)
+                said.append(f"{key}.optim.warmup_ratio={optim.warmup_ratio} -> warmup_steps={optim.warmup_steps}")
+        return "; ".join(said) or None
 
     def check(self) -> None:
         """Checks that do not depend on the world size (run when the tree is built)."""
@@ -904,6 +1020,13 @@ class PPOConfig:
     def _validate_critic_batch(self, critic: Role, notes: list[str]) -> None:
         m, total = self.actor.megatron, self.data.train_batch_size * self.rollout.n
         dp = len(critic.ranks) // (m.tp * m.pp) if training_engine(critic.engine).model_parallel else len(critic.ranks)
+        mini = self.critic.mini_batch_size
+        if mini and (self.data.train_batch_size % mini or mini % dp):
+            raise VerlConfigError(f"critic.mini_batch_size={mini} must divide data.train_batch_size="
+                                  f"{self.data.train_batch_size} and be a multiple of the critic's {dp} "
+                                  f"data-parallel ranks (or 0: the whole batch per optimizer step)")
+        if mini:
+            total = mini * self.rollout.n
         if total % dp:
             raise VerlConfigError(f"the {total} responses of a step (data.train_batch_size x rollout.n) do not split "
                                   f"over the critic's {dp} data-parallel ranks; use a train_batch_size whose "
@@ -913,6 +1036,12 @@ class PPOConfig:
             raise VerlConfigError(f"critic.micro_batch_size={self.critic.micro_batch_size} must divide the "
                                   f"responses each of the critic's {dp} data-parallel ranks gets "
                                   f"(data.train_batch_size x rollout.n / {dp} = {total // dp})")
+
+
+def _policy_losses() -> list[str]:
+    """The registered policy losses (an unknown one is reported by PPOConfig.check, naming the nearest)."""
+    from verl.algos import POLICY_LOSS_FNS
+    return POLICY_LOSS_FNS.names()
 
 
 def _clamp_micro(key: str, micro: int, share: int, ranks: int, notes: list[str]) -> int:

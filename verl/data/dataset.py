@@ -23,37 +23,87 @@ from verl.errors import VerlConfigError
 
 @dataclass(frozen=True, slots=True)
 class PromptDataset:
-    """Prompts and their ground truths, indexable; rows are {"prompt": str | list[dict], "answer": str}."""
+    """Prompts and their ground truths, indexable; rows are {"prompt": str | list[dict], "answer": str,
+    "data_source": str, "extra_info": dict | None}."""
 
     prompts: list
     answers: list[str]
+    sources: list[str] | None = None
+    """Each row's data source (None: every row is "default")."""
+    extras: list | None = None
+    """Each row's `extra_info` (verl's layout: split, index, ...), passed to verl-style reward functions."""
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def __getitem__(self, i: int) -> dict:
-        return {"prompt": self.prompts[i], "answer": self.answers[i]}
+        return {"prompt": self.prompts[i], "answer": self.answers[i],
+                "data_source": self.sources[i] if self.sources is not None else "default",
+                "extra_info": self.extras[i] if self.extras is not None else None}
+
+    def take(self, idx: Sequence[int]) -> "PromptDataset":
+        """The rows `idx`, in that order."""
+        pick = (lambda xs: None if xs is None else [xs[i] for i in idx])
+        return PromptDataset(pick(self.prompts), pick(self.answers), pick(self.sources), pick(self.extras))
 
     @classmethod
     def from_records(cls, records: Sequence[dict], prompt_key: str = "prompt", answer_key: str = "answer",
-                     source: str = "records") -> "PromptDataset":
+                     source: str = "records", source_key: str = "data_source",
+                     default_source: str = "default") -> "PromptDataset":
+        """Rows of `records` (dicts, e.g. parquet rows). `answer_key` may be a dotted path into a struct column;
+        a file without it but with upstream verl's `reward_model.ground_truth` uses that."""
         if not records:
             raise VerlConfigError(f"dataset {source} is empty")
+        answer_key = _answer_key(records[0], answer_key)
         for key, what in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-            if key not in records[0]:
+            if _lookup(records[0], key) is _MISSING:
                 raise VerlConfigError(f"dataset {source} has no column {key!r} (set by {what}); its columns are "
                                       f"{sorted(records[0])}: set {what} to one of them")
-        prompts, answers = [], []
+        prompts, answers, sources, extras = [], [], [], []
         for i, r in enumerate(records):
-            p, a = r.get(prompt_key), r.get(answer_key)
+            p, a = r.get(prompt_key), _lookup(r, answer_key)
             if not (isinstance(p, str) and p) and not _is_chat(p):
                 raise VerlConfigError(f"dataset {source} row {i}: column {prompt_key!r} must be a non-empty string "
                                       f"or a list of chat messages {{'role': str, 'content': str}}, got {p!r:.120}")
-            if a is None:
-                raise VerlConfigError(f"dataset {source} row {i}: ground truth {answer_key!r} is missing")
+            if a is None or a is _MISSING:
+                raise VerlConfigError(f"dataset {source} row {i}: ground truth {answer_key!r} is missing (every row "
+                                      f"needs one; fix the row or drop it)")
+            _no_media(r, i, source)
             prompts.append(p)
-            answers.append(str(a))
-        return cls(prompts, answers)
+            answers.append(a if isinstance(a, (str, list, dict)) else str(a))  # structures reach verl-style rewards
+            sources.append(str(r.get(source_key) or default_source))
+            extras.append(r.get("extra_info"))
+        return cls(prompts, answers, sources, extras)
+
+
+_MISSING = object()
+
+
+def _lookup(row: dict, key: str):
+    """row[key], where a dotted key walks into struct columns; _MISSING when absent."""
+    if key in row:
+        return row[key]
+    node = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _answer_key(first: dict, answer_key: str) -> str:
+    """`answer_key`, or upstream verl's reward_model.ground_truth when the default 'answer' column is absent."""
+    if answer_key == "answer" and "answer" not in first and \
+            _lookup(first, "reward_model.ground_truth") is not _MISSING:
+        return "reward_model.ground_truth"
+    return answer_key
+
+
+def _no_media(row: dict, i: int, source: str) -> None:
+    for key in ("images", "videos"):
+        if row.get(key) is not None and len(row[key]):
+            raise VerlConfigError(f"dataset {source} row {i} has {key} (a multi-modal row); verl here trains "
+                                  f"text-only policies: drop the {key!r} column")
 
 
 def _is_chat(prompt) -> bool:
@@ -85,7 +135,7 @@ def fit_prompt_lengths(dataset: PromptDataset, encode: Callable[[object], list[i
     print(f"[verl] data.overlong_prompts=filter: dropped {len(lengths) - len(keep)} of {len(lengths)} prompts "
           f"longer than data.max_prompt_length={max_length} tokens (first: row {first}, {lengths[first]} "
           f"tokens)", file=sys.stderr, flush=True)
-    return PromptDataset([dataset.prompts[i] for i in keep], [dataset.answers[i] for i in keep])
+    return dataset.take(keep)
 
 
 def _prompt_head(prompt, width: int = 60) -> str:
@@ -93,9 +143,9 @@ def _prompt_head(prompt, width: int = 60) -> str:
     return text[:width] + ("..." if len(text) > width else "")
 
 
-def _read_file(path: Path) -> list[dict]:
+def _read_file(path: Path, key: str = "data.train_files") -> list[dict]:
     if not path.is_file():
-        raise VerlConfigError(f"dataset file {str(path)!r} does not exist (data.train_files)")
+        raise VerlConfigError(f"dataset file {str(path)!r} does not exist ({key})")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -113,17 +163,19 @@ def _read_file(path: Path) -> list[dict]:
     raise VerlConfigError(f"dataset file {str(path)!r}: unsupported format {suffix!r}; use .parquet or .jsonl")
 
 
-def load_prompt_dataset(files: Sequence[str], prompt_key: str = "prompt",
-                        answer_key: str = "answer") -> PromptDataset:
-    """Reads and concatenates parquet / JSONL files; a missing column or file is a `VerlConfigError`."""
+def load_prompt_dataset(files: Sequence[str], prompt_key: str = "prompt", answer_key: str = "answer",
+                        source_key: str = "data_source", key: str = "data.train_files") -> PromptDataset:
+    """Reads and concatenates parquet / JSONL files (`~` expanded); a missing column or file is a
+    `VerlConfigError`. Rows without a `source_key` column take the file's stem as their data source."""
     if not files:
-        raise VerlConfigError("no dataset files given (data.train_files)")
-    prompts, answers = [], []
+        raise VerlConfigError(f"no dataset files given ({key})")
+    parts = []
     for f in files:
-        ds = PromptDataset.from_records(_read_file(Path(f)), prompt_key, answer_key, source=repr(str(f)))
-        prompts += ds.prompts
-        answers += ds.answers
-    return PromptDataset(prompts, answers)
+        path = Path(f).expanduser()
+        parts.append(PromptDataset.from_records(_read_file(path, key), prompt_key, answer_key, source=repr(str(f)),
+                                                source_key=source_key, default_source=path.stem))
+    return PromptDataset([p for d in parts for p in d.prompts], [a for d in parts for a in d.answers],
+                         [s for d in parts for s in d.sources], [e for d in parts for e in d.extras])
 
 
 def write_jsonl(records: Sequence[dict], path: str | Path) -> None:

@@ -12,8 +12,7 @@ import torch.distributed as dist
 
 from verl.config.base import to_dict
 from verl.config.ppo import PPOConfig
-from verl.data import (BatchSampler, PromptDataset, fit_prompt_lengths, load_prompt_dataset, make_task, prompt_text,
-                       task_corpus)
+from verl.data import BatchSampler, PromptDataset, fit_prompt_lengths, load_splits, prompt_text, task_corpus
 from verl.dataflow.trace import merge_traces
 from verl.distributed import Placement
 from verl.errors import VerlConfigError
@@ -21,6 +20,8 @@ from verl.rollout import Tokenizer, build_rollout
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
 from verl.trainer.ppo_flow import build_ppo_dataflow
+from verl.rewards import check_sources
+from verl.trainer.validation import Validator, validation_due
 from verl.trainer.warmup import supervised_warmup
 from verl.utils.checkpoint import CheckpointManager
 from verl.distributed.collectives import barrier, reduce_metrics
@@ -34,13 +35,6 @@ from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
 
 
-def load_dataset(cfg: PPOConfig) -> PromptDataset:
-    d = cfg.data
-    if d.train_files:
-        return load_prompt_dataset(d.train_files, d.prompt_key, d.answer_key)
-    return PromptDataset.from_records(make_task(d.task, d.num_examples, seed=cfg.trainer.seed, max_operand=d.max_operand), source=f"task {d.task}")
-
-
 def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
     the tiny local Llama with a BPE trained on the data."""
@@ -49,9 +43,10 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
         from verl.models.pretrained import load_pretrained, resolve_model_path
         return load_pretrained(resolve_model_path(cfg.model.path), cfg.model.dtype)
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
-              else [prompt_text(p) + a for p, a in zip(dataset.prompts, dataset.answers)])
+              else [prompt_text(p) + str(a) for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
-    return tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed), tokenizer
+    model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
+    return model.to(getattr(torch, cfg.model.dtype)), tokenizer  # model.dtype, as a loaded model gets it
 
 
 def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
@@ -87,7 +82,11 @@ class PPOTrainer:
         self.places = role_placements(placement, self.roles)
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
-        self.dataset = load_dataset(cfg)
+        self.dataset, self.val_dataset = load_splits(cfg.data, cfg.val, cfg.trainer.seed)
+        check_sources(cfg.reward, [self.dataset, self.val_dataset])
+        derived = cfg.resolve_run_length(len(self.dataset))
+        if derived and placement.is_main:
+            print(f"verl: {derived}", flush=True)
         if actor_model is not None:
             if tokenizer is None:
                 raise VerlConfigError("PPOTrainer(actor_model=...) needs tokenizer=... (the model's own tokenizer)")
@@ -98,11 +97,16 @@ class PPOTrainer:
         self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
                                           cfg.data.max_prompt_length, cfg.data.overlong_prompts,
                                           source=", ".join(cfg.data.train_files) or f"task {cfg.data.task}")
+        if self.val_dataset is not None:
+            self.val_dataset = fit_prompt_lengths(self.val_dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
+                                                  cfg.data.max_prompt_length, cfg.data.overlong_prompts,
+                                                  source=", ".join(cfg.data.val_files) or "the held-out split")
         # the global RNG (whatever the step's seed does not cover): differs between data-parallel replicas and
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-        self.reward_fn = build_reward(cfg.reward, placement.device) if self.places["reward"] else None
+        self.reward_fn = build_reward(cfg.reward, placement.device, cfg.rollout.max_new_tokens) \
+            if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
         # one_step_off: the generated batches waiting to be trained on, kept between the flow's runs and in
@@ -118,6 +122,7 @@ class PPOTrainer:
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.val_history: list[tuple[int, dict[str, float]]] = []
         self.node_seconds: dict[str, float] = {}
 
     def _split_stages(self) -> None:
@@ -169,7 +174,9 @@ class PPOTrainer:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
             self.ref = ActorWorker(self._engine("ref", init_dir), actor_cfg, **kw)
         if cfg.needs_critic and places["critic"] is not None:
-            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit)
+            mini = cfg.critic.mini_batch_size // places["critic"].dp_size * cfg.rollout.n
+            self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit,
+                                       responses_per_mini=mini)
         if places["rollout"] is not None:
             rollout_cfg = cfg.rollout
             if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward sees
@@ -380,8 +387,10 @@ class PPOTrainer:
             m.update(out["sync_metrics"])
         if self.critic is not None:
             m.update(out.get("critic_metrics") or {})
-        if self.reward_fn is not None and len(self.reward_fn.sources) > 1:
-            m.update(out.get("reward_metrics") or {})
+        if self.reward_fn is not None:  # one source's own mean / std repeat reward/mean: only its extras
+            one = self.reward_fn.sources[0].label if len(self.reward_fn.sources) == 1 else None
+            m.update({k: v for k, v in (out.get("reward_metrics") or {}).items()
+                      if k not in (f"reward/{one}/mean", f"reward/{one}/std")})
         if self.actor is not None and batch.weight_version is not None:
             stale = (self.step - batch.weight_version).float()
             m.update({"rollout/staleness_mean": float(stale.mean()), "rollout/staleness_max": float(stale.max())})
@@ -427,19 +436,25 @@ class PPOTrainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=cfg.trainer.total_steps, initial=self.step, desc=f"{cfg.algorithm.adv_estimator}",
                        dynamic_ncols=True)
+        validator, shown = self._validator(), {}
+        if validator is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
+            info.update(self._validate(validator))
         if info:
             logger.log(self.step, info)
             if p.is_main:
                 print("  ".join(f"{k}={v:.4g}" for k, v in info.items()), flush=True)
         try:
-            while self.step < cfg.trainer.total_steps:
+            while self.step < cfg.trainer.total_steps and not cfg.trainer.val_only:
                 metrics = self.train_step()
                 self.step += 1
+                if validator is not None and validation_due(cfg, self.step):
+                    metrics.update(self._validate(validator))
+                    shown = {k: metrics[k] for k in ("val/pass@1",)}
                 self.history.append(metrics)
                 logger.log(self.step, metrics)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(progress_fields(metrics))
+                    bar.set_postfix(progress_fields({**shown, **metrics}))
                 every, last = cfg.trainer.save_every, self.step == cfg.trainer.total_steps
                 if (every and self.step % every == 0) or (last and cfg.trainer.save_final):
                     self.save()
@@ -449,8 +464,21 @@ class PPOTrainer:
             if bar is not None:
                 bar.close()
             logger.close()
-        self._finish()
+        if not cfg.trainer.val_only:
+            self._finish()
         return self.history
+
+    def _validator(self) -> Validator | None:
+        """Validation's runner when the job has held-out prompts (verl.trainer.validation), else None."""
+        if self.val_dataset is None:
+            return None
+        return Validator(self.cfg, self.val_dataset, self.rollout, self.reward_fn, self.placement, self.out_dir)
+
+    def _validate(self, validator: Validator) -> dict[str, float]:
+        """One validation (collective), kept in `val_history` as (step, metrics)."""
+        metrics = validator.run(self.step)
+        self.val_history.append((self.step, metrics))
+        return metrics
 
     def close(self) -> None:
         """Shuts the rollout engine down (vLLM / SGLang hold processes, threads and process groups)."""
@@ -531,4 +559,6 @@ def progress_fields(m: dict[str, float]) -> dict[str, str]:
            "sync_ms": f"{1e3 * m.get('perf/sync_s', 0.0):.1f}"}
     if "rollout/mismatch_max" in m:
         out["mismatch"] = f"{m['rollout/mismatch_max']:.2g}"
+    if "val/pass@1" in m:  # the latest held-out accuracy
+        out["val_acc"] = f"{m['val/pass@1']:.3f}"
     return out

@@ -93,12 +93,15 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+VAL_CURVE = "val/reward_mean"
+"""Drawn on the reward panel when the run validated (verl.trainer.validation)."""
 CURVES = (("reward/mean", "mean reward"), ("actor/kl", "KL to reference (rollout policy without one)"),
           ("actor/entropy", "entropy"))
 
 
 def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
-    """Reward, KL and entropy against step, one panel each (Agg backend; no display needed)."""
+    """Reward (with the held-out reward of validation, when there is one), KL and entropy against step, one panel
+    each (Agg backend; no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -114,6 +117,10 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "")
             smooth = [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1])
                       for i in range(len(values))]
             ax.plot(steps, smooth, linewidth=2)
+        held_out = [(r["step"], r[VAL_CURVE]) for r in records if VAL_CURVE in r] if key == "reward/mean" else []
+        if held_out:  # validation's reward on held-out prompts, on the same scale as the training reward
+            ax.plot(*zip(*held_out), marker="o", linewidth=1.5, color="black", label="held-out (val/reward_mean)")
+            ax.legend(fontsize=8)
         ax.set_title(label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -44,6 +44,10 @@ class RolloutBatch:
     prompts: list = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     response_texts: list[str] = field(default_factory=list)
+    data_sources: list[str] = field(default_factory=list)
+    """Each sample's data source (its row's; empty when the rows had none)."""
+    extra_infos: list = field(default_factory=list)
+    """Each sample's row `extra_info` (upstream verl's layout; None where absent)."""
 
     @property
     def prompt_length(self) -> int:
@@ -59,14 +63,15 @@ class RolloutBatch:
     def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         """Rows `idx` (a slice or index tensor) of the batch."""
         rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
-        pick = (lambda xs: xs[idx]) if isinstance(idx, slice) else (lambda xs: [xs[i] for i in rows])
+        pick = (lambda xs: xs[idx]) if isinstance(idx, slice) else (lambda xs: [xs[i] for i in rows] if xs else [])
         return replace(self, input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
                        position_ids=self.position_ids[idx], response_mask=self.response_mask[idx],
                        group=self.group[idx],
                        rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
                        weight_version=None if self.weight_version is None else self.weight_version[idx],
                        token_version=None if self.token_version is None else self.token_version[idx],
-                       prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts))
+                       prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts),
+                       data_sources=pick(self.data_sources), extra_infos=pick(self.extra_infos))
 
     def __getitem__(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         return self.select(idx)
@@ -97,7 +102,9 @@ class RolloutBatch:
                    weight_version=None if any(x is None for x in wvs) else torch.cat(wvs),
                    token_version=None if any(x is None for x in tvs) else torch.cat(tvs),
                    prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
-                   response_texts=[x for b in pieces for x in b.response_texts])
+                   response_texts=[x for b in pieces for x in b.response_texts],
+                   data_sources=[x for b in pieces for x in b.data_sources],
+                   extra_infos=[x for b in pieces for x in b.extra_infos])
 
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
@@ -138,7 +145,9 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
         response_mask=response_mask, group=torch.arange(len(rows)).repeat_interleave(n), rollout_log_probs=logps,
         token_version=tver, weight_version=None if tver is None else _oldest_versions(tver),
         prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
-        response_texts=[o.text for o in outputs])
+        response_texts=[o.text for o in outputs],
+        data_sources=[r.get("data_source", "default") for r in rows for _ in range(n)],
+        extra_infos=[r.get("extra_info") for r in rows for _ in range(n)])
 
 
 def _oldest_versions(token_version: torch.Tensor) -> torch.Tensor:

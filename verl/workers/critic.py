@@ -21,7 +21,7 @@ from verl.config.ppo import CriticConfig
 from verl.errors import VerlConfigError
 from verl.utils.nonfinite import NonfiniteGuard
 from verl.workers.actor import record_step
-from verl.workers.batch import RolloutBatch
+from verl.workers.batch import RolloutBatch, micro_slices
 
 __all__ = ["VALUE_HEAD_FILE", "CriticWorker", "ValueModel"]
 
@@ -92,8 +92,9 @@ class ValueModel(torch.nn.Module):
 
 
 class CriticWorker:
-    def __init__(self, engine, cfg: CriticConfig, *, max_nonfinite_steps: int = 3):
-        self.engine, self.cfg = engine, cfg
+    def __init__(self, engine, cfg: CriticConfig, *, max_nonfinite_steps: int = 3, responses_per_mini: int = 0):
+        """`responses_per_mini`: this rank's responses per optimizer step (critic.mini_batch_size); 0: all."""
+        self.engine, self.cfg, self.responses_per_mini = engine, cfg, responses_per_mini
         self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
         self.guard = NonfiniteGuard("critic", max_nonfinite_steps)
 
@@ -110,20 +111,24 @@ class CriticWorker:
 
     def update(self, batch: RolloutBatch, old_values: torch.Tensor, returns: torch.Tensor,
                step: int | None = None) -> dict[str, float]:
-        """Epochs of one optimizer step over the whole batch (micro-batches accumulate gradients). Skipped steps
-        (non-finite loss or gradient norm) count in critic/nonfinite_steps, as in `ActorWorker.update`."""
-        agg = self.engine.aggregation("token-mean", batch.response_mask, batch.response_mask.shape[1])
-
-        def loss_fn(out, f):
-            return critic_loss(out["values"], f["response_mask"], f["old_values"], f["returns"],
-                               cliprange=self.cfg.cliprange_value, agg=agg)
+        """Epochs of optimizer steps over mini-batches (critic.mini_batch_size; 0: the whole batch in one step),
+        micro-batches accumulating gradients. Skipped steps (non-finite loss or gradient norm) count in
+        critic/nonfinite_steps, as in `ActorWorker.update`."""
+        def loss_fn_for(agg):
+            def loss_fn(out, f):
+                return critic_loss(out["values"], f["response_mask"], f["old_values"], f["returns"],
+                                   cliprange=self.cfg.cliprange_value, agg=agg)
+            return loss_fn
         stats: dict[str, list[float]] = defaultdict(list)
         skipped = self.guard.skipped
         for _ in range(self.cfg.ppo_epochs):
-            per_micro, result = self.engine.train_step(batch, self.cfg.micro_batch_size, loss_fn,
-                                                       {"old_values": old_values, "returns": returns},
-                                                       **self._micro)
-            record_step(stats, "critic", per_micro, result, self.guard, step)
+            for mini in micro_slices(len(batch), self.responses_per_mini or max(1, len(batch))):
+                sub = batch.select(mini)
+                agg = self.engine.aggregation("token-mean", sub.response_mask, sub.response_mask.shape[1])
+                per_micro, result = self.engine.train_step(sub, self.cfg.micro_batch_size, loss_fn_for(agg),
+                                                           {"old_values": old_values[mini], "returns": returns[mini]},
+                                                           **self._micro)
+                record_step(stats, "critic", per_micro, result, self.guard, step)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["critic/nonfinite_steps"] = float(self.guard.skipped - skipped)
         return out

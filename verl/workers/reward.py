@@ -22,8 +22,10 @@ tokens (e.g. its BOS; no EOS is appended); a chat prompt (a list of {"role", "co
 reward tokenizer's chat template over the messages plus {"role": "assistant", "content": response}.
 
 Metrics: `RewardWorker.score_with_metrics(batch)` returns (scores, metrics) with `reward/<source>/mean` and
-`reward/<source>/std` of each source's raw scores; `score(batch)` returns the scores alone and keeps those metrics
-in `last_metrics`. Every failure (a source raising, a NaN / inf score) is a `VerlRuntimeError` of the `reward`
+`reward/<source>/std` of each source's raw scores, `reward/<key>/mean` of every numeric
+entry a rule's dict results carry besides 'score' (`reward/<source>/<key>/mean` with several sources) and, with
+`reward.overlong_buffer`, `reward/overlong_penalty/mean`; `score(batch)` returns the scores alone and keeps those
+metrics in `last_metrics`. Every failure (a source raising, a NaN / inf score) is a `VerlRuntimeError` of the `reward`
 node naming the source and the first bad sample index.
 """
 
@@ -35,7 +37,7 @@ import torch
 
 from verl.config.ppo import RewardConfig, RewardSourceConfig
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.rewards import get_reward, score_batch
+from verl.rewards import get_reward, score_samples
 from verl.workers.batch import RolloutBatch, micro_slices
 from verl.workers.critic import VALUE_HEAD_FILE, ValueModel
 
@@ -50,14 +52,19 @@ def _first_bad(scores: torch.Tensor) -> int | None:
 
 
 class RuleRewardWorker:
-    """A rule-based source: `fn(response, ground_truth, prompt) -> float` per response (`verl.rewards`)."""
+    """A rule-based source: `fn(response, ground_truth, prompt)` per response, or upstream verl's compute_score
+    (`verl.rewards`); the numeric extras of dict results of the last call are in `last_extra`."""
 
     def __init__(self, name: str, label: str | None = None):
         self.name, self.fn = name, get_reward(name)
         self.label = label or name
+        self.last_extra: dict[str, torch.Tensor] = {}
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
-        return score_batch(self.fn, batch.response_texts, batch.answers, batch.prompts, name=self.label)
+        scores, self.last_extra = score_samples(self.fn, batch.response_texts, batch.answers, batch.prompts,
+                                                batch.data_sources or None, batch.extra_infos or None,
+                                                name=self.label)
+        return scores
 
 
 class ModelRewardWorker:
@@ -162,11 +169,16 @@ class ModelRewardWorker:
 class RewardWorker:
     """The weighted ensemble of reward sources (one source is an ensemble of one, weight 1)."""
 
-    def __init__(self, sources: list, configs: list[RewardSourceConfig]):
+    def __init__(self, sources: list, configs: list[RewardSourceConfig], *, overlong_buffer: int = 0,
+                 overlong_penalty_factor: float = 1.0, max_response_length: int = 0):
         if len(sources) != len(configs) or not sources:
             raise VerlConfigError(f"RewardWorker: {len(sources)} sources for {len(configs)} configs; give one "
                                   f"config per source (at least one)")
+        if overlong_buffer and not 0 < overlong_buffer <= max_response_length:
+            raise VerlConfigError(f"reward.overlong_buffer={overlong_buffer} must be at most the response length "
+                                  f"limit rollout.max_new_tokens={max_response_length}")
         self.sources, self.configs = sources, configs
+        self.overlong = (overlong_buffer, overlong_penalty_factor, max_response_length)
         self.last_metrics: dict[str, float] = {}
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
@@ -177,17 +189,32 @@ class RewardWorker:
     def score_with_metrics(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         total = torch.zeros(len(batch), dtype=torch.float32)
         metrics: dict[str, float] = {}
+        several = len(self.sources) > 1
         for src, cfg in zip(self.sources, self.configs):
             raw = self._score_source(src, batch)
             if len(raw):
                 metrics[f"reward/{src.label}/mean"] = raw.mean().item()
                 metrics[f"reward/{src.label}/std"] = raw.std(unbiased=False).item()
+            for key, values in getattr(src, "last_extra", {}).items():
+                if not values.isnan().all():
+                    metrics[f"reward/{src.label}/{key}/mean" if several else f"reward/{key}/mean"] = \
+                        values.nanmean().item()
             total += cfg.weight * (_zscore(raw) if cfg.normalize else raw)
+        if self.overlong[0] and len(batch):
+            penalty = self._overlong_penalty(batch)
+            metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
+            total += penalty
         i = _first_bad(total)
         if i is not None:  # finite sources whose weighted sum overflows
             raise VerlRuntimeError(f"the weighted sum of the reward sources is {total[i].item()} for sample {i}; "
                                    f"lower the reward.sources weights", node="reward")
         return total, metrics
+
+    def _overlong_penalty(self, batch: RolloutBatch) -> torch.Tensor:
+        """DAPO's soft overlong punishment: -factor x (length - (limit - buffer)) / buffer past limit - buffer."""
+        buffer, factor, limit = self.overlong
+        lengths = batch.response_mask.sum(-1).float().cpu()
+        return torch.clamp(-(lengths - (limit - buffer)) / buffer * factor, max=0.0)
 
     @staticmethod
     def _score_source(src, batch: RolloutBatch) -> torch.Tensor:
@@ -228,8 +255,9 @@ def _zscore(x: torch.Tensor) -> torch.Tensor:
     return (x - x.mean()) / std if std > 0 else x - x.mean()
 
 
-def build_reward(cfg: RewardConfig, device: torch.device) -> RewardWorker:
-    """The reward of a job: every source of `cfg` (its `sources`, or the one-source shorthand) on `device`."""
+def build_reward(cfg: RewardConfig, device: torch.device, max_response_length: int = 0) -> RewardWorker:
+    """The reward of a job: every source of `cfg` (its `sources`, or the one-source shorthand) on `device`;
+    `max_response_length` (rollout.max_new_tokens) places reward.overlong_buffer."""
     cfg.check()
     configs = cfg.resolved_sources()
     workers = []
@@ -243,4 +271,5 @@ def build_reward(cfg: RewardConfig, device: torch.device) -> RewardWorker:
         else:
             workers.append(ModelRewardWorker(s.model_path, device, cfg.micro_batch_size, label=s.display_name,
                                              tokenizer_path=s.tokenizer_path, dtype=_DTYPES[s.dtype], key=key))
-    return RewardWorker(workers, configs)
+    return RewardWorker(workers, configs, overlong_buffer=cfg.overlong_buffer,
+                        overlong_penalty_factor=cfg.overlong_penalty_factor, max_response_length=max_response_length)

@@ -73,18 +73,26 @@ class RolloutWorker:
                                   f"data.max_prompt_length or shorten the prompts")
         return ids
 
+    def rows_of_rank(self, count: int) -> slice:
+        """Which of `count` rows given to `generate` come back in this rank's batch (the rest are dropped when
+        `count` is not a multiple of the data-parallel size)."""
+        return _chunk(count, self.placement.dp_size, self.placement.dp_rank)
+
     @torch.no_grad()
     def generate(self, rows: list[dict], n: int | None = None, greedy: bool = False,
-                 seed: int | None = None) -> RolloutBatch:
+                 seed: int | None = None, sampling: dict | None = None) -> RolloutBatch:
         """n samples per row of the step's prompts (`rows`: all of them, every rank the same list) for rollout.n
         (or `n`; greedy for ReMax's baseline), returned as this rank's training batch. `seed` seeds the samples
         by the row's place in `rows` (verl.rollout's per-sample streams), so the split over generation replicas
-        never changes what is sampled; None draws from the global RNG."""
+        never changes what is sampled; None draws from the global RNG. `sampling` overrides SamplingParams
+        fields (validation's temperature, top_p, top_k)."""
         n = self.cfg.n if n is None else n
         p, tp_g = self.placement, self.cfg.tp
-        mine = _chunk(len(rows), p.dp_size, p.dp_rank)
+        mine = self.rows_of_rank(len(rows))
         gen = _chunk(len(rows), p.world_size // tp_g, p.rank // tp_g)
         params = self.cfg.sampling(n=n, greedy=greedy)
+        for key, value in (sampling or {}).items():
+            setattr(params, key, value)
         params.seed = None if seed is None else seed + gen.start * n
         if self.engine.released:
             self.engine.resume()
