@@ -47,6 +47,8 @@ PRE_PROVENANCE: dict[str, str] = {
         "bench_async_p2_stream.json", "bench_async_p4_stream.json", "bench_async_smollm2_p2.json",
         "bench_engines.json", "bench_engines_smollm2.json", "bench_reshard.json", "bench_scaling_grpo.json",
         "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
+        "validation_default_job.json", "validation_default_job_seed2.json", "validation_default_job_seed3.json",
+        "verl_key_coverage.json",
         "e2e_grpo_vs_trl_tiny_padded.json")},
     "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
                          "script's default run.",
@@ -256,6 +258,8 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
     ("Megatron layouts", "megatron_layout_matrix", generic), ("Sandbox", "bench_sandbox", generic),
+    ("Validation on held-out prompts", "validation_", generic),
+    ("Upstream verl's config keys", "verl_key_coverage", generic),
 ]
 
 

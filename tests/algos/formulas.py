@@ -98,16 +98,16 @@ def reinforce(lp, old, adv, mask):
 
 def cispo(lp, old, adv, mask, eps_low, eps_high):
     """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4-5): l = -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi: every token
-    keeps its gradient, the IS weight is what is clipped. As upstream compute_policy_loss_cispo, except where the
-    bounds come from (ours: policy_loss_params.clip_low / clip_high; upstream: actor.clip_ratio_low / high)."""
+    keeps its gradient, the IS weight is what is clipped. As upstream compute_policy_loss_cispo (the bounds are the
+    actor's clip_ratio_low / high, as upstream reads them)."""
     r = torch.exp(log_ratio(lp, old)).detach()
     return -torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv * lp, {}
 
 
 def sapo(lp, old, adv, mask, tau_pos, tau_neg):
     """SAPO (Gao et al., arXiv:2511.20347, eq. 6-8): l = -A f(r), f(r) = sigmoid(tau (r - 1)) 4 / tau, tau = tau_pos
-    where A > 0 else tau_neg; upstream compute_policy_loss_sapo. Upstream forces seq-mean-token-mean; ours
-    aggregates by the configured mode (the tests pass seq-mean-token-mean)."""
+    where A > 0 else tau_neg; upstream compute_policy_loss_sapo, aggregated per sequence (seq-mean-token-mean)
+    whatever the configured mode, as upstream (the registration declares it: PolicyLossInfo.agg)."""
     r = torch.exp(log_ratio(lp, old))
     tau = torch.where(adv > 0, torch.as_tensor(tau_pos, dtype=torch.float64),
                       torch.as_tensor(tau_neg, dtype=torch.float64))
@@ -125,8 +125,8 @@ def dppo(lp, old, adv, mask, divergence, low, high, cap):
     l = -A sg(min(r, C)) log pi * M, the mask M dropping a token whose probability moved past the divergence bound
     in its advantage's direction. TV: A > 0 keeps p - p_old <= high, A <= 0 keeps p - p_old >= -low. KL (binary KL
     of the sampled token, with upstream's 1e-8): A > 0 keeps KL <= high or p <= p_old; A <= 0 keeps KL <= low or
-    p >= p_old. As upstream (verl-project) compute_policy_loss_dppo_tv / _kl, except that the bounds and C come
-    from policy_loss_params (upstream: actor.clip_ratio_low / high / clip_ratio_c)."""
+    p >= p_old. As upstream (verl-project) compute_policy_loss_dppo_tv / _kl: the bounds are the actor's
+    clip_ratio_low / high and C its clip_ratio_c."""
     p, p_old = lp.detach().exp(), old.exp()
     if divergence == "tv":
         keep = torch.where(adv > 0, p - p_old <= high, p - p_old >= -low)

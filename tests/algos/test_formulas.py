@@ -116,7 +116,8 @@ def oracle(name, lp, old, adv, mask, mode="token-mean", w=None):
     per, stats = POLICY_LOSSES[name][1](lp, old, adv, mask, h)
     if w is not None:
         per = per * w
-    return F.aggregate(per, mask, mode), stats
+    # a loss that always aggregates one way (sapo: per sequence, as upstream) declares it at registration
+    return F.aggregate(per, mask, A.policy_loss_info(name).agg or mode), stats
 
 
 def _compare(name, lp, old, adv, mask, mode="token-mean", w=None):
