@@ -29,12 +29,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def git_commit(repo: Path = REPO) -> tuple[str | None, bool | None]:
-    """(HEAD's commit, whether tracked files differ from it), or (None, None) outside a git checkout."""
+    """(HEAD's commit, whether tracked files other than results differ from it), or (None, None) outside a git
+    checkout. benchmarks/results/ is left out: a run writing there does not make the next run's code differ."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
     try:
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                                  ":(exclude)benchmarks/results"))
     except (OSError, subprocess.SubprocessError):
         return None, None
 
