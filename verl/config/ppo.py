@@ -204,6 +204,38 @@ class FSDPConfig:
         return ranks // size, size
 
 
+@dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """LoRA adapters on the actor (PEFT): only the adapters train, the reference is the base model with them
+    off, and the weight sync moves only the adapters (docs/lora.md)."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of every weight (the base model stays frozen)."""
+    rank: int = 16
+    """Rank r of each adapter (A: r x in, B: out x r)."""
+    alpha: float = 32.0
+    """Scale numerator: an adapter adds (alpha / rank) * B A x to its layer's output."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0: none; generation never drops)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get an adapter: module-name suffixes (q_proj, v_proj, ...) or "all-linear" (every
+    linear layer but the LM head). A name that matches no layer is an error listing the names that exist."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What reaches the rollout engine: adapter (only the adapter tensors, in memory; engines with lora in
+    verl.engines) or merged (base + scale * B A as full weights, streamed like a full fine-tune's: the fallback
+    for engines that cannot take adapters, e.g. vllm)."""
+    export_merged: bool = False
+    """trainer.export_hf also writes the merged model (output_dir/hf_actor_merged) beside the adapter
+    (output_dir/hf_actor, PEFT format)."""
+
+    def check(self) -> None:
+        require(self.rank >= 1, "rank", self.rank, "must be >= 1 (the adapter's rank; e.g. 16)")
+        require(math.isfinite(self.alpha) and self.alpha > 0, "alpha", self.alpha, "must be a finite number > 0")
+        require(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
+        require(bool(self.target_modules), "target_modules", self.target_modules,
+                "must name at least one layer (or 'all-linear')")
+
+
 def _check_engine(kind: str, name: str, key: str = "engine"):
     """The engine's spec; an unknown name is an error naming the section's key (the caller's section prefixes it)."""
     try:
@@ -233,6 +265,8 @@ class ActorConfig:
     """Sharding of the FSDP2 engine (used when engine=fsdp; the reference shares it)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer of the policy."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (actor.lora.enabled=true; torch and fsdp engines)."""
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     mini_batch_size: int = 16
@@ -873,6 +907,38 @@ class PPOConfig:
                                   f"overlap; give the rollout ranks of its own (e.g. trainer.placement=split "
                                   f"rollout.ranks=[2,3] actor.ranks=[0,1]), or use trainer.mode=sync")
 
+    def _check_lora(self) -> None:
+        """LoRA and delta sync: what the engines and the other settings allow, refused before step 1."""
+        lora, r = self.actor.lora, self.rollout
+        if r.sync == "delta":
+            if lora.enabled:
+                raise VerlConfigError("rollout.sync=delta sends the changed elements of a full fine-tune; with "
+                                      "actor.lora.enabled the sync already moves only the adapter (or, with "
+                                      "actor.lora.sync=merged, base + B A, which changes every element); set "
+                                      "rollout.sync=full")
+            if self.streaming:
+                raise VerlConfigError("rollout.sync=delta needs every sync applied in order on top of the last, "
+                                      "but trainer.mode=async lets the rollout skip versions; use rollout.sync=full "
+                                      "or trainer.mode=sync / one_step_off")
+        if not lora.enabled:
+            return
+        actor = training_engine(self.actor.engine)
+        if not actor.lora:
+            raise VerlConfigError(f"actor.lora.enabled with actor.engine={self.actor.engine}: it cannot take LoRA "
+                                  f"adapters ({actor.lora_why or 'its spec in verl.engines says lora=False'}); use "
+                                  f"one of {list(engines('training', lora=True))}, or actor.lora.enabled=false "
+                                  f"(full fine-tuning)")
+        gen = rollout_engine(r.engine)
+        if lora.sync == "adapter" and not gen.lora:
+            raise VerlConfigError(f"actor.lora.sync=adapter with rollout.engine={r.engine}: it cannot take "
+                                  f"adapter-only updates in memory ({gen.lora_why or 'lora=False in verl.engines'}); "
+                                  f"set actor.lora.sync=merged (the merged weights stream in memory like a full "
+                                  f"fine-tune's), or use one of {list(engines('rollout', lora=True))}")
+        if self.needs_ref and ((self.ref.engine or self.actor.engine) != self.actor.engine or self.ref.cpu_offload):
+            raise VerlConfigError(f"with actor.lora.enabled the reference is the actor's base model with the adapters "
+                                  f"off (no second copy), so it runs on the actor's engine and memory: remove "
+                                  f"ref.engine={self.ref.engine} / ref.cpu_offload={self.ref.cpu_offload}")
+
     @property
     def on_policy(self) -> bool:
         """One epoch over one mini-batch without KL in the reward: the update's own first forward gives the old
@@ -910,6 +976,7 @@ class PPOConfig:
         check_agg_mode(self.actor.loss_agg_mode)
         self.actor.loss_params()
         self._check_mode()
+        self._check_lora()
         # Training reads log-probs of logits / temperature: a greedy (0) rollout has no distribution to train on.
         require(self.rollout.temperature > 0, "rollout.temperature", self.rollout.temperature,
                 "must be > 0 for training (the actor's log-probs are taken at this temperature; 0 is greedy "
@@ -929,10 +996,12 @@ class PPOConfig:
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
                                   f"{self.rollout.engine} / {self.actor.engine})")
-        if self.rollout.compare_full_gather and not training_engine(self.actor.engine).model_parallel:
+        if self.rollout.compare_full_gather and not training_engine(self.actor.engine).model_parallel \
+                and self.rollout.sync != "delta":
             raise VerlConfigError(f"rollout.compare_full_gather times the full gather of a model-parallel actor's "
-                                  f"shards; set actor.engine to one of {list(engines('training', model_parallel=True))}"
-                                  f", or turn it off")
+                                  f"shards (or, with rollout.sync=delta, the full sync beside the delta); set "
+                                  f"actor.engine to one of {list(engines('training', model_parallel=True))} or "
+                                  f"rollout.sync=delta, or turn it off")
         for role in ("actor", "critic"):
             budget = getattr(self, role).max_tokens_per_micro_batch
             longest = self.data.max_prompt_length + self.rollout.max_new_tokens
@@ -986,6 +1055,10 @@ class PPOConfig:
         if d.train_batch_size % world_size:
             raise VerlConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split over "
                                   f"{world_size} actor ranks; use a multiple of {world_size}")
+        if a.lora.enabled and self.needs_ref and roles["ref"].ranks != roles["actor"].ranks:
+            raise VerlConfigError(f"with actor.lora.enabled the reference is the actor's base model with the adapters "
+                                  f"off, on the actor's ranks {list(roles['actor'].ranks)}; ref.ranks="
+                                  f"{list(roles['ref'].ranks)} would need a second copy: remove ref.ranks")
         own_ranks = roles["rollout"].ranks != roles["actor"].ranks
         if own_ranks and a.engine == "fsdp" and a.fsdp.mesh_shape(len(roles["actor"].ranks))[0] > 1:
             raise VerlConfigError(f"actor.fsdp.shard_size={a.fsdp.shard_size} (HSDP) with the rollout on its own "

@@ -45,6 +45,13 @@ class HybridEngineConfig:
     """Per-rank bound on one bucket (targets received plus slices sent), in MiB."""
     weight_format: str = "hf"
     """"hf": HF-named q/k/v, gate/up tensors; "vllm": fused qkv_proj / gate_up_proj per TP_g shard."""
+    engine_dtype: torch.dtype | None = None
+    """The dtype the engine holds its weights in (None: the training tensors'); the sync casts into it."""
+    delta: bool = False
+    """Send per bucket only the elements whose engine-dtype value changed since the last sync (rollout.sync=delta;
+    verl.hybrid_engine.delta); the engine then has to offer `weight_tensors()`."""
+    verify_every: int = 0
+    """delta: every N-th sync the receivers checksum all their weights against the senders' fresh ones (0: never)."""
     rank_mapping: str = "hybrid"
     """"hybrid": generation ranks that gather only inside their merged TP group; "contiguous": rank r is
     generation TP rank r % TP_g."""
@@ -91,10 +98,12 @@ class HybridEngine:
                                               mapping=self.config.rank_mapping, train_ranks=train_ranks,
                                               gen_ranks=gen_ranks)
         self.last_stats: ExecutorStats | None = None
+        self.delta_state = None  # rollout.sync=delta: what this rank remembers between syncs (delta.DeltaState)
 
     def stream(self, local_params: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's generation weights as (name, tensor) pairs; every rank must drain its stream."""
-        ex = ReshardExecutor(self.plan, local_params, group=self.group, device=self.device)
+        ex = ReshardExecutor(self.plan, local_params, group=self.group, device=self.device,
+                             out_dtype=self.config.engine_dtype)
         self.last_stats = ex.stats
         return ex.stream()
 
@@ -126,6 +135,31 @@ class HybridEngine:
             raise VerlRuntimeError("another rank's rollout engine failed while receiving weights (see its error); "
                                    "this rank's engine may hold a partial update", rank=rank)
         return self.last_stats
+
+    def sync_delta(self, local_params: Mapping[str, torch.Tensor], rollout):
+        """rollout.sync=delta: writes only the changed elements into `rollout`'s weights in place (None on a rank
+        that only sends); the first sync, and any sync after the engine's weights changed otherwise, is full.
+        Returns the `verl.hybrid_engine.delta.DeltaStats` of this rank."""
+        import uuid
+
+        from verl.hybrid_engine.delta import DeltaExecutor, DeltaState
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        self._check_names(rollout, rank)
+        if self.delta_state is None:
+            self.delta_state = DeltaState(token=uuid.uuid4().hex)
+        dtype = self.config.engine_dtype
+        if dtype is None:
+            dtypes = {s.dtype for s in self.plan.specs.values()}
+            if len(dtypes) != 1:
+                raise VerlConfigError(f"delta sync of parameters in several dtypes {sorted(map(str, dtypes))}: set "
+                                      f"the engine's dtype (rollout.dtype)")
+            dtype = dtypes.pop()
+        every, index = self.config.verify_every, self.delta_state.version + 1  # this sync's index (0: the first)
+        verify = bool(every) and index > 0 and index % every == 0
+        ex = DeltaExecutor(self.plan, local_params, self.delta_state, group=self.group, device=self.device,
+                           engine_dtype=dtype, verify=verify)
+        self.last_stats = ex.stats
+        return ex.run(rollout)
 
     def _check_names(self, rollout, rank: int) -> None:
         """Fails on every rank, before any byte moves, when an engine does not know a name it would receive."""

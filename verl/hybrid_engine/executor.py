@@ -64,8 +64,11 @@ class ReshardExecutor:
     global layer index, or the HF name) → this rank's training tensor (shard, chunk or whole)."""
 
     def __init__(self, plan: ReshardPlan, local_params: Mapping[str, torch.Tensor], *, group=None,
-                 rank: int | None = None, device: torch.device | None = None):
+                 rank: int | None = None, device: torch.device | None = None, out_dtype: torch.dtype | None = None):
         self.plan = plan
+        self.out_dtype = out_dtype
+        """The engine's dtype (None: the training tensors'): senders cast what they pack, so the wire and the
+        targets carry it (a bfloat16 generation copy of a float32 actor moves half the bytes)."""
         self.group = group
         if rank is None:
             rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -129,13 +132,13 @@ class ReshardExecutor:
         ops, send_bufs, recv_bufs = [], [], {}
         dtypes = sorted({k[1] for k in list(sends) + list(recvs)}, key=str)
         for (peer, dtype), slices in sorted(sends.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            buf = reshard_pack(slices)
+            buf = self._cast(reshard_pack(slices))
             send_bufs.append(buf)
             held += buf.nbytes
             ops.append(dist.P2POp(dist.isend, buf, self._peer(peer), self.group, tag=dtypes.index(dtype)))
         for (peer, dtype), items in sorted(recvs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             numel = sum(tp.piece_nbytes(tp.pieces[i]) // tp.element_size for tp, i in items)
-            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            buf = torch.empty(numel, dtype=self.out_dtype or dtype, device=self.device)
             recv_bufs[(peer, dtype)] = buf
             held += buf.nbytes
             ops.append(dist.P2POp(dist.irecv, buf, self._peer(peer), self.group, tag=dtypes.index(dtype)))
@@ -181,6 +184,9 @@ class ReshardExecutor:
                 off += n
         return views
 
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.out_dtype is None or t.dtype == self.out_dtype else t.to(self.out_dtype)
+
     def _source(self, tp: TargetPlan, pc: Piece) -> torch.Tensor:
         """The local training tensor a piece reads from (narrowed first when the plan says so)."""
         t = self.params[pc.param]
@@ -198,10 +204,13 @@ class ReshardExecutor:
             pc = tp.pieces[0]
             view = self._source(tp, pc).narrow(tp.dim, pc.src_offset, pc.length)
             if view.is_contiguous():
-                return view
+                return self._cast(view)
         sources, rows = [], []
         for i, pc in enumerate(tp.pieces):
-            if pc.src_rank == self.rank:
+            if pc.src_rank == self.rank and self.out_dtype not in (None, tp.dtype):
+                sources.append(self._cast(self._source(tp, pc).narrow(tp.dim, pc.src_offset, pc.length)))
+                rows.append((len(sources) - 1, 0, pc.dst_offset, pc.length))
+            elif pc.src_rank == self.rank:
                 sources.append(self._source(tp, pc))
                 rows.append((len(sources) - 1, pc.src_offset, pc.dst_offset, pc.length))
             else:

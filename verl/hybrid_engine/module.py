@@ -74,10 +74,11 @@ def _fsdp_shards(params: dict[str, torch.Tensor], group) -> int:
     return len(ranks)
 
 
-def module_layout(module: torch.nn.Module, group=None) -> ModelLayout:
-    """The ModelLayout of `module` (metadata only, no communication)."""
+def module_layout(module: torch.nn.Module, group=None, params: dict[str, torch.Tensor] | None = None) -> ModelLayout:
+    """The ModelLayout of `module` (metadata only, no communication); `params`: the tensors the sync moves by
+    the names the engine receives (a LoRA view, verl.models.lora.sync_tensors(..., local=False)), default all."""
     bare = _bare(module)
-    params = dict(bare.named_parameters())
+    params = dict(bare.named_parameters()) if params is None else dict(params)
     shards = _fsdp_shards(params, group) if dist.is_initialized() else 1
     config = getattr(bare, "config", None)
     return hf_model_layout(params, config, shards=shards,
@@ -113,9 +114,10 @@ def _same_everywhere(layout: ModelLayout, group) -> None:
 
 
 def hybrid_engine_for_module(module: torch.nn.Module, config: HybridEngineConfig | None = None,
-                             group=None) -> HybridEngine:
-    """A HybridEngine planned for a Hugging Face module trained data-parallel over `group` (collective)."""
-    layout = module_layout(module, group)
+                             group=None, params: dict[str, torch.Tensor] | None = None) -> HybridEngine:
+    """A HybridEngine planned for a Hugging Face module trained data-parallel over `group` (collective);
+    `params` as in `module_layout`."""
+    layout = module_layout(module, group, params)
     _same_everywhere(layout, group)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     return HybridEngine(layout, Placement.layout(tp=1, pp=1, dp=world), config, group=group)
@@ -123,7 +125,8 @@ def hybrid_engine_for_module(module: torch.nn.Module, config: HybridEngineConfig
 
 def hybrid_engine_across(module: torch.nn.Module | None, config: HybridEngineConfig | None, *, group,
                          actor_ranks: tuple[int, ...], rollout_ranks: tuple[int, ...], shard_group=None,
-                         device: torch.device | None = None) -> HybridEngine:
+                         device: torch.device | None = None,
+                         params: dict[str, torch.Tensor] | None = None) -> HybridEngine:
     """A HybridEngine from a module trained data-parallel on `actor_ranks` (whole copies, or FSDP2 dim-0 shards
     over `shard_group`, which must span all of them) to a generation layout on the disjoint `rollout_ranks`
     (world ranks). Collective over `group`, a process group over exactly both sets. `module` is given on the
@@ -134,7 +137,7 @@ def hybrid_engine_across(module: torch.nn.Module | None, config: HybridEngineCon
         raise VerlConfigError(f"the weight-sync group spans ranks {members}; it must be exactly the disjoint union "
                               f"of actor ranks {list(actor_ranks)} and rollout ranks {list(rollout_ranks)}")
     me = dist.get_rank()
-    layout = module_layout(module, shard_group) if me in actor_ranks else None
+    layout = module_layout(module, shard_group, params) if me in actor_ranks else None
     mine = (layout if me == actor_ranks[0] else None, None if layout is None else _fingerprint(layout),
             config if me == rollout_ranks[0] else None)
     everyone: list = [None] * len(members)

@@ -123,6 +123,9 @@ class RolloutEngine(abc.ABC):
         version differs from the previous token's, the engine rebuilds its KV cache from the tokens so far with
         the current weights before sampling. Each token's version lands in GenerationOutput.token_versions.
         Engines that cannot pause ignore it."""
+        self.sync_base: tuple[str, int] | None = None
+        """The tag of the last delta sync written into the weights (verl.hybrid_engine.delta); any other weight
+        load clears it, so the next delta sync knows its base is gone and sends everything."""
 
     # -- the interface --------------------------------------------------------------------------------------
 
@@ -157,12 +160,19 @@ class RolloutEngine(abc.ABC):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Loads HF-named tensors (consumed one by one, so a bucketed stream never piles up); returns the count."""
+        self.sync_base = None
         with self._engine_errors("update_weights"):
             return self._update_weights(named_tensors)
 
     def weight_names(self) -> set[str] | None:
         """Every weight name update_weights accepts (None when the engine cannot tell up front)."""
         return None
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's live weight tensors by the names update_weights takes, for a sync that writes changed
+        elements in place (rollout.sync=delta; engines with `delta_sync` in verl.engines)."""
+        raise VerlConfigError(f"the {self.name} rollout engine does not expose its weights for a delta sync; use "
+                              f"rollout.sync=full")
 
     def release(self) -> None:
         """Frees the engine's memory (KV cache; weights where the engine supports it) for the training phase."""

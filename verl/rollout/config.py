@@ -46,10 +46,20 @@ class RolloutConfig:
     vllm / sglang shard their model over TP_g ranks; torch and hf need 1."""
     sync_bucket_mb: float = 64.0
     """Per-rank bound (MiB) on one bucket of the weight sync (targets received plus slices sent)."""
+    sync: Literal["full", "delta"] = "full"
+    """What each weight sync moves. full: every weight. delta: per bucket only the elements whose value in the
+    engine's dtype changed since the last sync (index + value, or a bitmask + values, whichever is smaller),
+    with a checksum verified on arrival; a generation copy in a narrower dtype (rollout.dtype=bfloat16 beside
+    float32 training) is where it pays: a small update rarely moves a bfloat16 value. Full fine-tuning only
+    (LoRA moves just the adapter), engines with delta_sync in verl.engines, trainer.mode sync or one_step_off."""
+    delta_verify_every: int = 100
+    """rollout.sync=delta: every N-th sync the receiver recomputes the checksum of all its weights and compares
+    it with the sender's (a mismatch is a full resync, counted in perf/sync_verify_failures); 0: never."""
     compare_full_gather: bool = False
     """Benchmark: before each sync also move the weights the way the 3D-HybridEngine replaced (megatron actors:
     the whole model gathered to one rank, broadcast to the model-parallel group, loaded whole) and log its time
-    as perf/full_gather_s beside perf/sync_s, measured in the same run."""
+    as perf/full_gather_s beside perf/sync_s, measured in the same run; with rollout.sync=delta (any actor on the
+    rollout's ranks), the full sync of the same weights through the same plan, as perf/full_sync_s."""
     partial: bool = False
     """Partial rollouts (trainer.mode=async): generation in flight when a new weight version arrives is paused
     and resumed with the new weights, recording per token the version that produced it. It needs an engine
@@ -59,7 +69,9 @@ class RolloutConfig:
     seed: int = 0
     """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype of an engine that loads a model directory (auto: the actor's)."""
+    """Weights dtype of the generation copy (auto: the actor's). vllm / sglang load their model in it; torch /
+    hf given another dtype than the actor's keep their own copy in it (instead of generating with the actor's
+    module), and every sync casts the weights into it."""
     max_batch_size: int = 1024
     """torch / hf: sequences decoded together; vllm: max_num_seqs."""
     decoder: Literal["fast", "model", "train"] = "fast"
@@ -114,6 +126,12 @@ class RolloutConfig:
             raise VerlConfigError(f"rollout.tp={self.tp} with rollout.engine={self.engine}: the {self.engine} engine "
                                   f"runs one model replica per rank; use rollout.tp=1, or one of "
                                   f"{list(engines('rollout', tensor_parallel=True))} for tensor-parallel generation")
+        if self.delta_verify_every < 0:
+            raise VerlConfigError(f"rollout.delta_verify_every={self.delta_verify_every} must be >= 0 (0: never)")
+        if self.sync == "delta" and not spec.delta_sync:
+            raise VerlConfigError(f"rollout.sync=delta writes the changed elements into the engine's weights in "
+                                  f"place, which rollout.engine={self.engine} does not let the sync do; use "
+                                  f"rollout.sync=full, or one of {list(engines('rollout', delta_sync=True))}")
         if self.kv_cache_memory_mb < 0 or not 0 < self.gpu_memory_utilization <= 1:
             raise VerlConfigError(f"rollout.kv_cache_memory_mb={self.kv_cache_memory_mb} must be >= 0 and "
                                   f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} in (0, 1]")

@@ -4,7 +4,7 @@ Hugging Face's forward pays, per layer and per generated token, for its generic 
 cache objects, attention-interface dispatch, separate q/k/v and gate/up projections. For the small models an
 RL rollout decodes thousands of times per step that bookkeeping costs more than the arithmetic. This decoder
 runs the same math on the model's own parameters (nothing is copied that training could change behind its
-back: fused projection weights are rebuilt at every `start`) with
+back: fused projection weights are rebuilt at every `start`; LoRA adapters are merged into them there) with
 
 - one preallocated key/value buffer per layer, written in place (no cache objects, no concatenation);
 - q/k/v as one GEMM and gate/up as one GEMM;
@@ -53,12 +53,26 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([lin.weight for lin in linears])
-    if all(lin.bias is None for lin in linears):
+def _weight_bias(lin: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer's effective (weight, bias): a PEFT LoRA layer's active adapters merged into its base
+    weight (base + scale * B A), so the adapters decode at the cost of the plain model."""
+    base = getattr(lin, "base_layer", None)
+    if base is None:
+        return lin.weight, lin.bias
+    weight = base.weight
+    if not lin.disable_adapters and not lin.merged:
+        for name in lin.active_adapters:
+            if name in lin.lora_A:
+                weight = weight + lin.scaling[name] * (lin.lora_B[name].weight @ lin.lora_A[name].weight)
+    return weight, base.bias
+
+
+def _fused(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    pairs = [_weight_bias(lin) for lin in linears]
+    weight = torch.cat([w for w, _ in pairs])
+    if all(b is None for _, b in pairs):
         return weight, None
-    return weight, torch.cat([lin.bias if lin.bias is not None else weight.new_zeros(lin.out_features)
-                              for lin in linears])
+    return weight, torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in pairs])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,7 +115,8 @@ class LlamaFamilyDecoder:
             shape = (batch, self.n_kv, max_len, self.head_dim)
             self.layers.append(dict(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv_w=qkv_w, qkv_b=qkv_b, o=attn.o_proj, gu_w=gu_w, gu_b=gu_b, down=mlp.down_proj,
+                qkv_w=qkv_w, qkv_b=qkv_b, o=_weight_bias(attn.o_proj), gu_w=gu_w, gu_b=gu_b,
+                down=_weight_bias(mlp.down_proj),
                 act=mlp.act_fn, k=emb.new_empty(shape), v=emb.new_empty(shape)))
         # the model's own rotary module gives cos/sin for every position a row can reach
         positions = torch.arange(max_len, device=emb.device)[None]
@@ -151,8 +166,8 @@ class LlamaFamilyDecoder:
             L["v"][:, :, t0:t1] = v.view(B, S, KV, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, L["k"][:, :, :t1], L["v"][:, :, :t1], attn_mask=keys,
                                                enable_gqa=KV != H)
-            x = x + L["o"](o.transpose(1, 2).reshape(B, S, H * d))
+            x = x + F.linear(o.transpose(1, 2).reshape(B, S, H * d), *L["o"])
             gate, up = F.linear(self._norm(x, L["ln2"]), L["gu_w"], L["gu_b"]).chunk(2, dim=-1)
-            x = x + L["down"](L["act"](gate) * up)
+            x = x + F.linear(L["act"](gate) * up, *L["down"])
         self.length = t1
         return self.model.lm_head(self._norm(x[:, -1], self.base.norm.weight))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -78,6 +79,8 @@ class TorchRollout(RolloutEngine):
     # successful update_weights calls (a class default: HFRollout skips this __init__); a load inside the pause
     # hook's first call, which no earlier version can reveal, shows here
     _loads: int = 0
+    last_swap_s: float = 0.0
+    """Seconds the last update_weights took to put its staged tensors in place (the swap itself)."""
 
     @classmethod
     def from_config(cls, config: RolloutConfig, *, model=None, model_path: str | None = None, tokenizer=None):
@@ -89,6 +92,10 @@ class TorchRollout(RolloutEngine):
             from transformers import AutoModelForCausalLM
             dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        elif config.dtype != "auto" and next(model.parameters()).dtype != getattr(torch, config.dtype):
+            # a generation copy of its own in rollout.dtype (e.g. bfloat16 beside a float32 actor)
+            import copy
+            model = copy.deepcopy(model).to(getattr(torch, config.dtype))
         return cls(model, tokenizer if tokenizer is not None else model_path, config)
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
@@ -329,24 +336,30 @@ class TorchRollout(RolloutEngine):
     def weight_names(self) -> set[str]:
         return {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
 
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = dict(self.model.named_parameters())
+        tensors.update(dict(self.model.named_buffers()))
+        return {n: t.data for n, t in tensors.items()}
+
     @torch.no_grad()
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """All or nothing: every tensor is checked (name, shape, dtype) before it is copied, and a failure
-        restores the tensors this call already overwrote, so the engine keeps its previous weights."""
+        """Atomic: every tensor is checked (name, shape, dtype) and staged in a copy of its own while the stream
+        is consumed, then all of them replace the engine's at once (`last_swap_s`: that swap alone; it is the
+        only moment the weights change, so no token is ever computed from a mix of two versions). A failure
+        while staging leaves the engine's weights untouched."""
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
-        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
-        try:
-            for name, tensor in named_tensors:
-                dst = self._checked_destination(params, name, tensor)
-                undo.append((dst, dst.detach().clone()))
-                dst.copy_(tensor.to(dst.device))  # stays on the device hf_device_map chose
-        except BaseException:
-            for dst, old in reversed(undo):
-                dst.copy_(old)
-            raise
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor in named_tensors:
+            dst = self._checked_destination(params, name, tensor)
+            # stays on the device hf_device_map chose; a copy, since the stream's tensors are views it reuses
+            staged.append((dst, tensor.to(dst.device, copy=True)))
+        t0 = time.perf_counter()
+        for dst, new in staged:
+            dst.data = new
+        self.last_swap_s = time.perf_counter() - t0
         self._loads += 1
-        return len(undo)
+        return len(staged)
 
     def _checked_destination(self, params: dict, name: str, tensor: torch.Tensor) -> torch.Tensor:
         dst = params.get(name)

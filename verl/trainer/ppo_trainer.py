@@ -3,6 +3,7 @@ logging metrics and writing checkpoints. The algorithm itself lives in `verl.tra
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from verl.distributed.collectives import barrier, reduce_metrics
 from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, build_reward
-from verl.workers.engine import ModuleEngine
+from verl.workers.engine import BaseModelView, ModuleEngine
 from verl.workers.request import EngineRequest
 from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 
@@ -165,6 +166,7 @@ class PPOTrainer:
         if cfg.rollout.decoder == "train":  # the samples' log-probs come from the padded training forward
             actor_cfg = dataclasses.replace(actor_cfg, padding_free=False)
         limit = cfg.trainer.max_nonfinite_steps
+        generation_model = self._apply_lora()
         if places["actor"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["actor"].dp_size * cfg.rollout.n
             self.actor = ActorWorker(self._engine("actor", init_dir), actor_cfg,
@@ -172,7 +174,9 @@ class PPOTrainer:
                                      **kw)
         if cfg.needs_ref and places["ref"] is not None:
             kw["responses_per_mini"] = cfg.actor.mini_batch_size // places["ref"].dp_size * cfg.rollout.n
-            self.ref = ActorWorker(self._engine("ref", init_dir), actor_cfg, **kw)
+            # with LoRA the reference is the actor's base model, adapters off: no second copy of the weights
+            ref = BaseModelView(self.actor.engine) if cfg.actor.lora.enabled else self._engine("ref", init_dir)
+            self.ref = ActorWorker(ref, actor_cfg, **kw)
         if cfg.needs_critic and places["critic"] is not None:
             mini = cfg.critic.mini_batch_size // places["critic"].dp_size * cfg.rollout.n
             self.critic = CriticWorker(self._engine("critic", init_dir), cfg.critic, max_nonfinite_steps=limit,
@@ -181,12 +185,64 @@ class PPOTrainer:
             rollout_cfg = cfg.rollout
             if rollout_cfg.decoder == "train":  # decode in the actor's micro-batches: the shapes its forward sees
                 rollout_cfg = dataclasses.replace(rollout_cfg, max_batch_size=cfg.actor.micro_batch_size)
-            engine = build_rollout(rollout_cfg, model=self.policy, model_path=str(init_dir) if init_dir else None,
+            engine = build_rollout(rollout_cfg, model=generation_model, model_path=str(init_dir) if init_dir else None,
                                    tokenizer=self.tokenizer)
             self.rollout = RolloutWorker(engine, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length,
                                          placement=places["rollout"])
         if roles["rollout"].ranks != roles["actor"].ranks:
             self._link_rollout()
+
+    def _apply_lora(self) -> torch.nn.Module:
+        """actor.lora: adapters into the policy (the same initial ones on every rank); returns the model a torch /
+        hf rollout generates with: the policy itself (adapter sync, or no LoRA), or for a merged sync a plain copy
+        that receives base + scale * B A."""
+        lora = self.cfg.actor.lora
+        if not lora.enabled:
+            return self.policy
+        from verl.models.lora import apply_lora
+        plain = None
+        if lora.sync == "merged" and self.places["rollout"] is not None \
+                and not self.roles["rollout"].spec.needs_model_dir:
+            plain = copy.deepcopy(self.policy)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.trainer.seed)
+            apply_lora(self.policy, lora)
+        return self.policy if plain is None else plain
+
+    def _lora_base(self, resume: Path | None) -> None:
+        """LoRA checkpoints hold the adapter only, so a warmed-up base is kept as output_dir/lora_base (a Hugging
+        Face directory written once, after the warm start) and a resumed run loads it instead of warming up."""
+        base = self.out_dir / "lora_base"
+        if resume is None:
+            if self.placement.is_main:
+                export_hf(self.policy, self.tokenizer, base)
+            barrier(self.placement)
+            return
+        if not (base / "config.json").is_file():
+            raise VerlConfigError(f"resuming a LoRA run that warmed its base up (warmup.steps="
+                                  f"{self.cfg.warmup.steps}) needs that base, {base}, which is missing; start afresh "
+                                  f"(trainer.overwrite=true) or restore the directory")
+        from transformers import AutoModelForCausalLM
+        warmed = AutoModelForCausalLM.from_pretrained(str(base), dtype=next(self.policy.parameters()).dtype)
+        self.policy.load_state_dict(warmed.state_dict())
+
+    def memory_report(self) -> dict[str, float]:
+        """perf/actor_ref_memory_mb (the distinct weights the actor and reference hold on this rank, the reference's
+        shared base counted once) beside perf/model_memory_mb (one copy of the policy), and the actor's optimizer
+        state (perf/actor_optim_memory_mb)."""
+        from verl.models.lora import unique_bytes
+        if self.actor is None or not isinstance(self.actor.engine, ModuleEngine):
+            return {}
+        modules = [self.actor.engine.module]
+        if self.ref is not None and isinstance(self.ref.engine, ModuleEngine):
+            modules.append(self.ref.engine.module)
+        model = sum(p.numel() * p.element_size() for n, p in self.policy.named_parameters() if ".lora_" not in n)
+        optim = self.actor.engine.optimizer
+        state = 0 if optim is None else sum(t.numel() * t.element_size() for st in optim.state.values()
+                                            for t in st.values() if isinstance(t, torch.Tensor))
+        mb = float(1 << 20)
+        return {"perf/actor_ref_memory_mb": unique_bytes(*modules) / mb, "perf/model_memory_mb": model / mb,
+                "perf/actor_optim_memory_mb": state / mb}
 
     def _link_rollout(self) -> None:
         """A rollout on its own ranks: the actor's ranks send it the weights over a group of both sets (created on
@@ -214,7 +270,7 @@ class PPOTrainer:
         own per-rank layout): all go to one DCP checkpoint."""
         modules, sharded = {}, {}
         for name, w in {"actor": self.actor, "ref": self.ref, "critic": self.critic}.items():
-            if w is None:
+            if w is None or getattr(w.engine, "view_of", None) is not None:  # a LoRA reference holds nothing
                 continue
             if isinstance(w.engine, ModuleEngine):
                 modules[name] = (w.engine.module, w.engine.optimizer)
@@ -277,12 +333,15 @@ class PPOTrainer:
                 world = world.subset(tuple(range(world.world_size)), dist.group.WORLD)
             info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, world,
                                      self.cfg.trainer.seed)
+        if self.cfg.actor.lora.enabled and self.cfg.warmup.steps > 0:
+            self._lora_base(resume)
         self._build_workers()
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
         if self.rollout is not None or self.actor is not None:  # both sides of a rollout on its own ranks
             sync_rollout_weights(self.actor, self.rollout)
+        info.update(self.memory_report())
         if self.cfg.streaming:  # from here on new versions flow in the background
             self._start_stream()
         return info
@@ -485,9 +544,24 @@ class PPOTrainer:
         if self.rollout is not None:
             self.rollout.engine.close()
 
+    def _export_lora(self, out_dir: Path) -> None:
+        """The adapter in PEFT's format (output_dir/hf_actor) and, with actor.lora.export_merged, the merged model
+        (output_dir/hf_actor_merged); collective over the actor's ranks (FSDP2 gathers each tensor)."""
+        from verl.models.lora import export_adapter, merged_model
+        module, write = self.actor.engine.module, self.placement.global_rank == self.roles["actor"].ranks[0]
+        export_adapter(module, out_dir / "hf_actor", base_model=self.cfg.model.path, write=write)
+        if write and self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(out_dir / "hf_actor"))
+        if self.cfg.actor.lora.export_merged:
+            merged = merged_model(module)
+            if write:
+                export_hf(merged, self.tokenizer, out_dir / "hf_actor_merged")
+
     def _finish(self) -> None:
         out_dir = self.out_dir
-        if self.cfg.trainer.export_hf and self.actor is not None:
+        if self.cfg.trainer.export_hf and self.actor is not None and self.cfg.actor.lora.enabled:
+            self._export_lora(out_dir)
+        elif self.cfg.trainer.export_hf and self.actor is not None:
             engine = self.actor.engine
             if isinstance(engine, TorchEngine):
                 if self.placement.is_main:

@@ -57,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from verl.distributed import Placement
 from verl.distributed.collectives import barrier
@@ -270,10 +270,15 @@ def _dcp_state(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer |
     for name, (model, optim) in modules.items():
         if optim is None:
             out[name] = {"model": model.state_dict()}
-        else:
-            msd, osd = get_state_dict(model, optim)
-            out[name] = {"model": msd, "optim": osd}
+        else:  # a frozen base (LoRA: only the adapters train) is the model it was loaded from: not saved
+            msd, osd = get_state_dict(model, optim, options=StateDictOptions(ignore_frozen_params=True))
+            frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            out[name] = {"model": {k: v for k, v in msd.items() if k not in frozen}, "optim": osd}
     return out
+
+
+def _frozen(model: torch.nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
 
 
 Modules = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]]
@@ -514,7 +519,8 @@ class CheckpointManager:
                 model.load_state_dict(tensors[name]["model"])
             else:
                 set_state_dict(model, optim, model_state_dict=tensors[name]["model"],
-                               optim_state_dict=tensors[name]["optim"])
+                               optim_state_dict=tensors[name]["optim"],
+                               options=StateDictOptions(strict=not _frozen(model)))
         for name, eng in sharded.items():
             eng.load_dcp_state(tensors[name], str(path))
 

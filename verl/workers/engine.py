@@ -35,8 +35,8 @@ from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_pr
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.packing import PackedBatch, micro_batch_slices, pack, pack_shared, packed_attention
 
-__all__ = ["ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation", "head_outputs",
-           "packed_head_outputs"]
+__all__ = ["BaseModelView", "ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation",
+           "head_outputs", "packed_head_outputs"]
 
 
 class OptimizerStep(NamedTuple):
@@ -142,6 +142,9 @@ class ModuleEngine:
     scheduler = None
     supports_fused_head = True
     """train_step runs a loss function's `fused_head` (actor.fused_loss_head) in place of the LM head."""
+    sync_view = "all"
+    """What the weight sync moves (verl.models.lora.SYNC_VIEWS): every weight, or with LoRA the adapters only
+    ("adapter") or the merged weights ("merged")."""
 
     def _forward(self, mb: RolloutBatch, temperature: float, packed: PackedBatch | None = None,
                  loss_head=None) -> dict[str, torch.Tensor]:
@@ -180,6 +183,15 @@ class ModuleEngine:
                    max_tokens: int = 0, share_prefix: bool = False) -> tuple[list[dict], OptimizerStep]:
         """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step (`step`).
         Returns each micro-batch's statistics (floats) and what the step did."""
+        from verl.models.lora import adapter_dropout
+        with adapter_dropout(self.module):
+            stats, losses = self._accumulate(batch, micro_batch_size, loss_fn, extra, temperature, padding_free,
+                                             max_tokens, share_prefix)
+        return stats, self.step(losses)
+
+    def _accumulate(self, batch, micro_batch_size, loss_fn, extra, temperature, padding_free, max_tokens,
+                    share_prefix) -> tuple[list[dict], list[torch.Tensor]]:
+        """Forward / backward of every micro-batch: (statistics, losses)."""
         stats, losses = [], []
         micro = list(self._micro_batches(batch, micro_batch_size, max_tokens, padding_free, share_prefix))
         for i, (sl, mb, packed) in enumerate(micro):
@@ -191,7 +203,7 @@ class ModuleEngine:
             loss.backward()
             losses.append(loss.detach())
             stats.append({k: float(v) for k, v in s.items()})
-        return stats, self.step(losses)
+        return stats, losses
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor a loss function filled (on the last pipeline stage): here every rank is the last stage."""
@@ -231,9 +243,19 @@ class ModuleEngine:
     # -- weights for the rollout engine -------------------------------------------------------------------------
     def local_params(self) -> dict[str, torch.Tensor]:
         """This rank's weights by Hugging Face name (the live tensors, or FSDP2's local dim-0 chunks: views; the
-        hybrid engine only reads them)."""
+        hybrid engine only reads them); with LoRA the `sync_view` of them (collective for the merged view)."""
         from verl.hybrid_engine.module import module_local_params
-        return module_local_params(self.module)
+        if self.sync_view == "all":
+            return module_local_params(self.module)
+        from verl.models.lora import sync_tensors
+        return sync_tensors(self.module, self.sync_view)
+
+    def sync_layout_params(self) -> dict[str, torch.Tensor] | None:
+        """The tensors the weight sync is planned from (None: every parameter)."""
+        if self.sync_view == "all":
+            return None
+        from verl.models.lora import sync_tensors
+        return sync_tensors(self.module, self.sync_view, local=False)
 
     @property
     def shard_group(self):
@@ -243,7 +265,37 @@ class ModuleEngine:
     def hybrid_engine(self, config):
         """The 3D-HybridEngine planned for this module's data-parallel replicas (collective)."""
         from verl.hybrid_engine.module import hybrid_engine_for_module
-        return hybrid_engine_for_module(self.module, config, group=self.placement.dp)
+        return hybrid_engine_for_module(self.module, config, group=self.placement.dp,
+                                        params=self.sync_layout_params())
+
+
+class BaseModelView:
+    """The reference of a LoRA actor: the actor's own engine and module with every adapter off for the forward
+    (no second copy of the weights). Offers what the reference's worker calls; holds nothing of its own (it is
+    not checkpointed, and its memory is the actor's)."""
+
+    def __init__(self, engine: ModuleEngine):
+        self.view_of = engine
+        self.placement = engine.placement
+        self.optimizer = self.scheduler = None
+        self.lr = 0.0
+
+    def forward(self, batch: RolloutBatch, micro_batch_size: int, **kw) -> dict[str, torch.Tensor]:
+        from verl.models.lora import adapters_disabled
+        with adapters_disabled(self.view_of.module):
+            return self.view_of.forward(batch, micro_batch_size, **kw)
+
+    def aggregation(self, mode: str, mask: torch.Tensor, norm_len: int) -> Aggregation:
+        return self.view_of.aggregation(mode, mask, norm_len)
+
+    def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def onload(self, device: torch.device) -> None:
+        """The actor's engine holds the memory."""
+
+    def offload(self) -> None:
+        """See `onload`."""
 
 
 def is_device_mapped(module: torch.nn.Module) -> bool:
@@ -260,7 +312,9 @@ class TorchEngine(ModuleEngine):
     def from_role(cls, req) -> "TorchEngine":
         """The role's module on this rank (`verl.workers.request.EngineRequest`): the actor trains the policy
         in place, the reference a copy, the critic a value model on the policy's trunk."""
-        return cls(req.module(), req.optim, req.placement, head=req.head, total_steps=req.total_steps)
+        engine = cls(req.module(), req.optim, req.placement, head=req.head, total_steps=req.total_steps)
+        engine.sync_view = req.sync_view
+        return engine
 
     def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, *,
                  head: str = "lm", total_steps: int = 1):

@@ -94,8 +94,10 @@ class FSDPEngine(ModuleEngine):
     def from_role(cls, req) -> "FSDPEngine":
         """Shards a copy of the role's module in place (the policy stays whole for a colocated rollout)."""
         fsdp = req.cfg.critic.fsdp if req.role == "critic" else req.cfg.actor.fsdp
-        return cls(req.module(share=False), req.optim, req.placement, fsdp, head=req.head,
-                   total_steps=req.total_steps, cpu_offload=req.cpu_offload)
+        engine = cls(req.module(share=False), req.optim, req.placement, fsdp, head=req.head,
+                     total_steps=req.total_steps, cpu_offload=req.cpu_offload)
+        engine.sync_view = req.sync_view
+        return engine
 
     def __init__(self, module: torch.nn.Module, optim: OptimConfig | None, placement: Placement, cfg: FSDPConfig, *,
                  head: str = "lm", total_steps: int = 1, cpu_offload: bool = False):
@@ -155,7 +157,8 @@ class FSDPEngine(ModuleEngine):
         """The 3D-HybridEngine planned over this rank's shard group (which holds one whole copy; under HSDP
         every replica syncs its own rollout ranks), collective over that group."""
         from verl.hybrid_engine.module import hybrid_engine_for_module
-        return hybrid_engine_for_module(self.module, config, group=self.mesh.get_group("shard"))
+        return hybrid_engine_for_module(self.module, config, group=self.mesh.get_group("shard"),
+                                        params=self.sync_layout_params())
 
     def export_hf(self, path: Path, tokenizer=None) -> None:
         """Writes the model as a Hugging Face directory from the group's first rank (collective: every tensor

@@ -53,9 +53,19 @@ class EngineRequest:
     def total_steps(self) -> int:
         return self.cfg.trainer.total_steps
 
+    @property
+    def sync_view(self) -> str:
+        """What the weight sync moves from this role's engine (verl.models.lora.SYNC_VIEWS): with actor.lora the
+        actor's adapters ("adapter") or its merged weights ("merged"), else every weight."""
+        lora = self.cfg.actor.lora
+        return lora.sync if self.role == "actor" and lora.enabled else "all"
+
     def module(self, *, share: bool = True) -> torch.nn.Module:
-        """The role's torch module: a value model on the policy's trunk for the critic, else the policy itself
-        for the actor (when `share`) and a copy for the reference."""
+        """The role's torch module: a value model on the policy's trunk for the critic (without the actor's LoRA
+        adapters: the critic trains every weight), else the policy itself for the actor (when `share`) and a
+        copy for the reference."""
         if self.role == "critic":
-            return ValueModel.from_causal_lm(self.policy)
+            from verl.models.lora import has_lora, strip_lora
+            value = ValueModel.from_causal_lm(self.policy)
+            return strip_lora(value) if has_lora(value) else value
         return self.policy if share and self.role == "actor" else copy.deepcopy(self.policy)

@@ -138,10 +138,13 @@ class RolloutWorker:
             getattr(actor.engine, "module", None) is self.engine.model
 
     def hybrid_config(self):
-        """The generation side of the weight sync: rollout.tp, the engine's format, rollout.sync_bucket_mb."""
+        """The generation side of the weight sync: rollout.tp, the engine's format and dtype, rollout.sync_bucket_mb,
+        rollout.sync (full or delta)."""
         from verl.hybrid_engine import HybridEngineConfig
+        dtype = None if self.cfg.dtype == "auto" else getattr(torch, self.cfg.dtype)
         return HybridEngineConfig(generation_tp=self.cfg.tp, bucket_mb=self.cfg.sync_bucket_mb,
-                                  weight_format=self.weight_format, rank_mapping="contiguous")
+                                  weight_format=self.weight_format, rank_mapping="contiguous", engine_dtype=dtype,
+                                  delta=self.cfg.sync == "delta", verify_every=self.cfg.delta_verify_every)
 
     def sync_weights(self, actor) -> dict[str, float]:
         """Moves the actor's current weights into the engine; returns perf/sync_* metrics of this transfer.
@@ -158,17 +161,26 @@ class RolloutWorker:
                     "perf/sync_shared": 1.0}
         if self.engine.released:
             self.engine.resume()
-        baseline = self._full_gather(actor) if self.cfg.compare_full_gather else {}
-        t0 = time.perf_counter()
         if self._hybrid is None:
             self._hybrid = actor.engine.hybrid_engine(self.hybrid_config())
             # the plan numbers the ranks of the engine's group (the role's ranks, or an HSDP shard group)
             rank = dist.get_rank(self._hybrid.group) if dist.is_initialized() else 0
-            self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(rank))
-        stats = self._hybrid.sync(actor.engine.local_params(), self.engine)
-        return {"perf/sync_s": time.perf_counter() - t0, "perf/sync_bytes": float(self._engine_bytes),
-                "perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received),
-                "perf/sync_peak_bytes": float(stats.peak_bytes), "perf/sync_shared": 0.0, **baseline}
+            self._engine_bytes = target_bytes(self._hybrid, rank)
+        baseline = {}
+        if self.cfg.compare_full_gather:
+            baseline = self._full_sync(actor) if self.cfg.sync == "delta" else self._full_gather(actor)
+        t0 = time.perf_counter()
+        m = run_sync(self._hybrid, actor.engine.local_params(), self.engine, self._engine_bytes)
+        return {"perf/sync_s": time.perf_counter() - t0, **m, **baseline}
+
+    def _full_sync(self, actor) -> dict[str, float]:
+        """rollout.sync=delta with compare_full_gather: the same weights moved the full way through the same plan
+        (into a sink that copies each tensor as an engine would), timed beside the delta."""
+        t0 = time.perf_counter()
+        sink = _Staged(None)
+        self._hybrid.sync(actor.engine.local_params(), sink)
+        return {"perf/full_sync_s": time.perf_counter() - t0,
+                "perf/full_sync_bytes": float(sum(t.nbytes for _, t in sink.tensors))}
 
     def _full_gather(self, actor) -> dict[str, float]:
         """The old transfer, timed (rollout.compare_full_gather): gather everything, broadcast, load whole."""
@@ -201,7 +213,8 @@ class WeightLink:
             None if actor is None else actor.engine.module, None if rollout is None else rollout.hybrid_config(),
             group=self.group, actor_ranks=self.actor_ranks, rollout_ranks=self.rollout_ranks,
             shard_group=None if actor is None else actor.engine.shard_group,
-            device=None if rollout is None else rollout.placement.device)
+            device=None if rollout is None else rollout.placement.device,
+            params=None if actor is None else actor.engine.sync_layout_params())
 
     def sync(self, actor, rollout: RolloutWorker | None) -> dict[str, float]:
         """Every rank of the group calls it: the actor's ranks with (actor, None), the rollout's with (None,
@@ -210,15 +223,48 @@ class WeightLink:
         if self._hybrid is None:
             self._hybrid = self._plan(actor, rollout)
             if rollout is not None:
-                self._engine_bytes = sum(t.nbytes for t in self._hybrid.plan.targets_of(dist.get_rank(self.group)))
+                self._engine_bytes = target_bytes(self._hybrid, dist.get_rank(self.group))
         local = {} if actor is None else actor.engine.local_params()
-        stats = self._hybrid.sync(local, None if rollout is None else rollout.engine)
-        m = {"perf/sync_s": time.perf_counter() - t0, "perf/sync_peak_bytes": float(stats.peak_bytes),
-             "perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received), "perf/sync_shared": 0.0}
+        m = run_sync(self._hybrid, local, None if rollout is None else rollout.engine, self._engine_bytes)
+        stats = self._hybrid.last_stats
+        m["perf/sync_s"] = time.perf_counter() - t0
         if rollout is None:
             return {**m, "perf/sync_sent_bytes": float(stats.bytes_sent)}
-        return {**m, "perf/sync_bytes": float(self._engine_bytes),
-                "perf/sync_received_bytes": float(stats.bytes_received)}
+        return {**m, "perf/sync_received_bytes": float(stats.bytes_received)}
+
+
+def target_bytes(hybrid, rank: int) -> int:
+    """Bytes a full sync hands the engine on `rank` (its targets, in the engine's dtype when it casts)."""
+    dtype = hybrid.config.engine_dtype
+    es = None if dtype is None else torch.empty((), dtype=dtype).element_size()
+    return sum(t.nbytes if es is None else t.nbytes // t.element_size * es for t in hybrid.plan.targets_of(rank))
+
+
+def run_sync(hybrid, local_params: dict, engine, engine_bytes: int) -> dict[str, float]:
+    """One sync through `hybrid` (full, or delta under rollout.sync=delta) into `engine` (None on a rank that only
+    sends); its perf/sync_* metrics: bytes between ranks, and where an engine receives the bytes handed to it
+    (for a delta also the changed share, the full sync's bytes and the counts of forced full syncs, resent
+    buckets and failed checks; for a full sync the engine's swap time)."""
+    m = {"perf/sync_shared": 0.0}
+    if hybrid.config.delta:
+        d = hybrid.sync_delta(local_params, engine)
+        m["perf/sync_full"] = float(d.full)
+        if engine is not None:
+            m.update({"perf/sync_bytes": float(d.engine_bytes), "perf/sync_full_bytes": float(d.full_bytes),
+                      "perf/sync_changed_frac": d.changed / d.elements if d.elements else 0.0,
+                      "perf/sync_forced_full": float(d.forced_full),
+                      "perf/sync_bucket_resyncs": float(d.bucket_resyncs),
+                      "perf/sync_verify_failures": float(d.verify_failures)})
+    else:
+        hybrid.sync(local_params, engine)
+        if engine is not None:
+            m["perf/sync_bytes"] = float(engine_bytes)
+            if hasattr(engine, "last_swap_s"):
+                m["perf/sync_swap_s"] = engine.last_swap_s
+    stats = hybrid.last_stats
+    m.update({"perf/sync_comm_bytes": float(stats.bytes_sent + stats.bytes_received),
+              "perf/sync_peak_bytes": float(stats.peak_bytes)})
+    return m
 
 
 class _Staged:
