@@ -48,7 +48,8 @@ PRE_PROVENANCE: dict[str, str] = {
         "bench_engines.json", "bench_engines_smollm2.json", "bench_reshard.json", "bench_scaling_grpo.json",
         "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
         "validation_default_job.json", "validation_default_job_seed2.json", "validation_default_job_seed3.json",
-        "verl_key_coverage.json",
+        "verl_key_coverage.json", "bench_delta_sync.json", "bench_delta_sync_1000.json", "bench_lora_sync.json",
+        "bench_lora_vs_full.json",
         "e2e_grpo_vs_trl_tiny_padded.json")},
     "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
                          "script's default run.",
@@ -259,6 +260,9 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
     ("Megatron layouts", "megatron_layout_matrix", generic), ("Sandbox", "bench_sandbox", generic),
     ("Validation on held-out prompts", "validation_", generic),
+    ("Weight sync: deltas and LoRA adapters", "bench_delta_sync", generic),
+    ("Weight sync: deltas and LoRA adapters", "bench_lora_sync", generic),
+    ("LoRA vs full fine-tuning", "bench_lora_vs_full", generic),
     ("Upstream verl's config keys", "verl_key_coverage", generic),
 ]
 
