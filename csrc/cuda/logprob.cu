@@ -41,6 +41,10 @@ struct Online {
 
 template <typename acc_t>
 __device__ __forceinline__ void merge(Online<acc_t>& a, const Online<acc_t>& b) {
+  if (isnan(a.s) || isnan(b.s)) {  // a poisoned state stays NaN (see "Non-finite logits" in logprob.h)
+    a.m = a.s = a.t = acc_t(NAN);
+    return;
+  }
   if (!(b.s > acc_t(0))) return;
   if (!(a.s > acc_t(0))) {
     a = b;
@@ -60,7 +64,11 @@ __device__ __forceinline__ void merge(Online<acc_t>& a, const Online<acc_t>& b) 
 
 template <typename acc_t>
 __device__ __forceinline__ void add_one(Online<acc_t>& a, acc_t z) {
-  if (!(z > -std::numeric_limits<acc_t>::infinity())) return;  // -inf (masked vocab) adds exactly 0
+  if (z == -std::numeric_limits<acc_t>::infinity()) return;  // -inf (masked vocab) adds exactly 0
+  if (!(z < std::numeric_limits<acc_t>::infinity())) {      // NaN or +inf: the row's result is NaN
+    a.m = a.s = a.t = acc_t(NAN);
+    return;
+  }
   if (z > a.m) {
     if (a.s > acc_t(0)) {
       const acc_t f = exp_acc(a.m - z);

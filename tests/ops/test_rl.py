@@ -128,7 +128,7 @@ def _grad_pair(fused_fn, ref_fn, x, dtype):
 AGGS = [O.Aggregation(mode=m) for m in O.AGG_MODES] + [
     O.Aggregation(mode="token-mean", global_tokens=1000.0, dp_size=4),
     O.Aggregation(mode="seq-mean-token-sum-norm", global_seqs=37.0, dp_size=2, norm_len=512.0),
-    O.Aggregation(mode="seq-mean-token-mean", global_seqs=0.0)]
+    O.Aggregation(mode="seq-mean-token-mean", global_seqs=5.0)]  # a count of 0 with valid tokens is refused
 
 
 @needs_ext

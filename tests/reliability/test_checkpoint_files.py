@@ -14,6 +14,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +29,8 @@ from verl.errors import VerlConfigError
 from verl.models.optimizer import read_plain_state
 from verl.utils import checkpoint as ckpt_mod
 from verl.utils.checkpoint import MANIFEST, CheckpointManager, read_manifest, verify
-from verl.utils.metrics import MetricsLogger, read_metrics
+from verl.utils.metrics import MetricsLogger, metrics_view, read_metrics
+from verl.utils.run_folder import RunFolder
 
 from tests.reliability._save_loop import build
 
@@ -193,7 +195,7 @@ def test_clear_manifest_naming_a_file_outside(tmp_path):
     _save(tmp_path, 1)
     path = _step_dir(tmp_path, 1)
     manifest = read_manifest(path)
-    manifest["files"]["../../etc/passwd"] = {"size": 1, "sha256": "0"}
+    manifest["files"]["../../etc/passwd"] = {"size": 1, "sha256": "0" * 64}
     (path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(VerlConfigError, match="outside the checkpoint"):
         _resume(tmp_path, str(path))
@@ -247,14 +249,26 @@ def test_clear_checkpoint_of_a_different_model(tmp_path):
         mgr.load(path, {"m": (other, None)})
 
 
-def test_behaves_stale_tmp_dir_is_ignored_then_cleaned(tmp_path):
-    _save(tmp_path, 1)
-    stale = tmp_path / ".tmp-step_000002"
-    stale.mkdir()
-    (stale / ".metadata").write_bytes(b"half a save")
-    assert _resume(tmp_path) == 1
-    _save(tmp_path, 3)
-    assert not stale.exists()
+def test_behaves_stale_tmp_dir_is_ignored_then_cleaned(tmp_path, monkeypatch):
+    """A save this run began and did not finish leaves a recorded .tmp- folder: ignored by resume, deleted by the
+    next save; one that no run recorded stays."""
+    mgr = _save(tmp_path, 1)
+
+    def crash(*a, **k):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(ckpt_mod.dcp, "save", crash)
+    with pytest.raises(OSError, match="simulated"):
+        _save(tmp_path, 2, mgr=mgr)
+    monkeypatch.undo()
+    stale, foreign = tmp_path / ".tmp-step_000002", tmp_path / ".tmp-step_000007"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not verl's")
+    assert stale.is_dir() and _resume(tmp_path) == 1
+    mgr = CheckpointManager(tmp_path, Placement())
+    mgr.resolve("auto")
+    _save(tmp_path, 3, mgr=mgr)
+    assert not stale.exists() and (foreign / "notes.txt").read_text() == "not verl's"
 
 
 # -- crafted pickles: refused, and the code never runs ---------------------------------------------------------
@@ -328,40 +342,55 @@ def test_clear_crafted_training_state_runs_no_code(tmp_path):
 
 
 # -- run ownership ---------------------------------------------------------------------------------------------
+DESTINATIONS = [("metrics.jsonl", False), ("hf_actor", True)]
+
+
+def _run(out: Path, keep: int = 2, resume: str | None = None, overwrite: bool = False) -> CheckpointManager:
+    """A run in output folder `out` as the trainer makes it: the run manifest in `out`, checkpoints below."""
+    mgr = CheckpointManager(out / "checkpoints", Placement(), keep=keep, folder=RunFolder(out))
+    mgr.resolve(resume, overwrite=overwrite, destinations=DESTINATIONS)
+    return mgr
+
+
 def test_clear_fresh_run_refuses_a_used_folder(tmp_path):
-    root, metrics = tmp_path / "checkpoints", tmp_path / "metrics.jsonl"
-    _save(root, 1)
-    with pytest.raises(VerlConfigError, match=re.escape(str(tmp_path)) + r".*resume=auto.*overwrite=true"):
-        CheckpointManager(root, Placement()).resolve(None, run_files=[metrics])
-    assert _step_dir(root, 1).is_dir()  # nothing touched
+    _save(tmp_path / "checkpoints", 1, mgr=_run(tmp_path))
+    with pytest.raises(VerlConfigError, match=re.escape(str(tmp_path)) + r".*holds an earlier run.*resume=auto.*"
+                                                                         r"overwrite=true"):
+        _run(tmp_path)
+    assert _step_dir(tmp_path / "checkpoints", 1).is_dir()  # nothing touched
 
 
-def test_clear_fresh_run_refuses_leftover_metrics(tmp_path):
+def test_clear_fresh_run_refuses_metrics_no_run_recorded(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n')
-    with pytest.raises(VerlConfigError, match=r"metrics.jsonl.*overwrite=true"):
-        CheckpointManager(tmp_path / "checkpoints", Placement()).resolve(None, run_files=[metrics])
+    for overwrite in (False, True):  # overwrite deletes only what a run recorded
+        with pytest.raises(VerlConfigError, match=r"no run recorded.*metrics.jsonl.*move them away"):
+            _run(tmp_path, overwrite=overwrite)
     assert metrics.read_text() == '{"step": 1}\n'
 
 
 def test_behaves_overwrite_replaces_the_earlier_run(tmp_path):
     root, metrics = tmp_path / "checkpoints", tmp_path / "metrics.jsonl"
-    _save(root, 5)  # the earlier run got further than the new one will
+    first = _run(tmp_path)
+    first.folder.record("metrics.jsonl", "file")
     metrics.write_text('{"step": 5}\n')
-    mgr = CheckpointManager(root, Placement(), keep=2)
-    with pytest.warns(UserWarning, match="deleting"):
-        assert mgr.resolve(None, overwrite=True, run_files=[metrics]) is None
+    _save(root, 5, mgr=first)  # the earlier run got further than the new one will
+    with pytest.warns(UserWarning, match="deleting the earlier run"):
+        mgr = _run(tmp_path, overwrite=True)
     assert not metrics.exists() and not root.exists()
     _save(root, 1, mgr=mgr)
-    assert _resume(root) == 1  # not the earlier run's step 5
+    assert [p.name for p in mgr.list()] == ["step_000001"]  # not the earlier run's step 5
+    assert CheckpointManager(root, Placement(), folder=RunFolder(tmp_path)).resolve("auto") == _step_dir(root, 1)
 
 
 def test_behaves_pruning_spares_another_runs_checkpoint(tmp_path):
-    _save(tmp_path, 1, keep=1)  # run A
-    mgr = CheckpointManager(tmp_path, Placement(), keep=1)
-    _save(tmp_path, 2, 3, 4, mgr=mgr)
+    other = _save(tmp_path / "a", 1, keep=1)  # run A, elsewhere
+    mgr = _run(tmp_path / "b", keep=1)
+    _save(tmp_path / "b" / "checkpoints", 2, mgr=mgr)
+    shutil.copytree(_step_dir(tmp_path / "a", 1), _step_dir(tmp_path / "b" / "checkpoints", 1))  # copied in
+    _save(tmp_path / "b" / "checkpoints", 3, 4, mgr=mgr)
     assert [p.name for p in mgr.list()] == ["step_000001", "step_000004"]
-    assert read_manifest(_step_dir(tmp_path, 1))["run_id"] != mgr.run_id
+    assert read_manifest(_step_dir(tmp_path / "b" / "checkpoints", 1))["run_id"] == other.run_id != mgr.run_id
 
 
 def test_behaves_resumed_run_keeps_its_run_id_and_prunes_its_own(tmp_path):
@@ -378,7 +407,7 @@ def test_behaves_resumed_run_keeps_its_run_id_and_prunes_its_own(tmp_path):
 def test_behaves_replace_is_safe(tmp_path, monkeypatch, kill_after):
     mgr = _save(tmp_path, 1, 2)
     renames = []
-    real_rename, real_rmtree = os.rename, ckpt_mod.shutil.rmtree
+    real_rename, real_delete = os.rename, RunFolder._delete
 
     class Killed(BaseException):
         pass
@@ -390,21 +419,21 @@ def test_behaves_replace_is_safe(tmp_path, monkeypatch, kill_after):
             if kill_after == "first_rename" and len(renames) == 1:
                 raise Killed
 
-    def rmtree(path, *a, **k):
-        if kill_after == "second_rename" and Path(path).name.startswith(".old-") and Path(path).exists():
+    def delete(self, rel, kind):
+        if kill_after == "second_rename" and Path(rel).name.startswith(".old-"):
             raise Killed
-        return real_rmtree(path, *a, **k)
+        return real_delete(self, rel, kind)
 
     monkeypatch.setattr(ckpt_mod.os, "rename", rename)
-    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(RunFolder, "_delete", delete)
     with pytest.raises(Killed):
         _save(tmp_path, 2, mgr=mgr)  # a resumed run re-saving step 2
     monkeypatch.undo()
-    assert (tmp_path / ".old-step_000002").is_dir()
+    assert len(list(tmp_path.glob(".old-step_000002-*"))) == 1
     restored = kill_after == "first_rename"  # the old copy is the only one: renamed back, with a warning
     with pytest.warns(UserWarning, match="restored") if restored else contextlib.nullcontext():
         assert _resume(tmp_path) == 2
-    assert not (tmp_path / ".old-step_000002").exists()
+    assert not list(tmp_path.glob(".old-step_000002*"))
 
 
 # -- RNG ---------------------------------------------------------------------------------------------------------
@@ -423,35 +452,42 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_behaves_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+def test_behaves_torn_last_metrics_line_is_kept_and_skipped_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"')
-    with pytest.warns(UserWarning, match="torn last line 3"):
+    before = '{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"'
+    path.write_text(before)
+    with pytest.warns(UserWarning, match="cut short"):
         logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, start_step=2)
     logger.log(3, {"a": 3.5})
-    assert _rows(path) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}, {"step": 3, "a": 3.5}]
-    with pytest.warns(UserWarning, match="torn"):  # the plot's reader tolerates it too
+    assert path.read_text().startswith(before + "\n")  # append-only: not a byte of the earlier text changed
+    with pytest.warns(UserWarning, match="torn line 3"):
+        assert metrics_view(read_metrics(path)) == [{"step": 1, "a": 1.0},
+                                                    {"step": 2, "a": 2.0, "resumed_from_step": 2},
+                                                    {"step": 3, "a": 3.5}]
+    with pytest.warns(UserWarning, match="torn"):  # the plot's reader tolerates a torn last line too
         path.write_text(path.read_text() + '{"st')
-        assert len(read_metrics(path)) == 3
+        assert len(read_metrics(path)) == 4
 
 
 def test_clear_unreadable_metrics_line_inside_the_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\ngarbage\n{"step": 2}\n')
     with pytest.raises(VerlConfigError, match=re.escape(str(path)) + " line 2"):
-        MetricsLogger(tmp_path, enabled=True, tensorboard=False, start_step=2)
+        read_metrics(path)
 
 
 def test_behaves_metrics_one_row_per_step_after_resume(tmp_path):
+    """The resumed run redoes steps 3 and 4: its rows replace theirs in the view; the file keeps all of them."""
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": 0, "warmup/loss": 1.0}] + [{"step": s, "a": float(s)} for s in (1, 2, 3, 4)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"step": 2, "b": 9.0}]))
+    earlier = "".join(json.dumps(r) + "\n" for r in rows + [{"step": 2, "b": 9.0}])
+    path.write_text(earlier)
     logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, start_step=2)  # resumed from step 2
-    logger.log(2, {"resumed_from_step": 2})
     logger.log(3, {"a": 30.0})
-    got = _rows(path)
+    assert path.read_text().startswith(earlier) and len(_rows(path)) == 8
+    got = metrics_view(read_metrics(path))
     assert [r["step"] for r in got] == [0, 1, 2, 3]
-    assert got[2] == {"step": 2, "a": 2.0, "b": 9.0, "resumed_from_step": 2.0}
+    assert got[2] == {"step": 2, "a": 2.0, "b": 9.0, "resumed_from_step": 2}
     assert got[3] == {"step": 3, "a": 30.0}
 
 
@@ -469,7 +505,7 @@ def test_clear_trainer_refuses_a_used_output_dir_and_overwrite_restarts(tmp_path
     with pytest.warns(UserWarning, match="deleting"):
         main([*args, "trainer.overwrite=true"])
     assert read_manifest(_step_dir(tmp_path / "checkpoints", 1))["run_id"] != first
-    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == [1]
+    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl") if "reward/mean" in r] == [1]
 
 
 # -- SIGKILL at random moments of a save -------------------------------------------------------------------------

@@ -308,7 +308,9 @@ def test_behaves_timeouts_default_and_reach_every_ppo_node():
     from verl.config import PPOConfig, load_config
     from verl.trainer.ppo_flow import node_configs
     cfg = load_config(PPOConfig, None, [])
-    assert cfg.trainer.collective_timeout_s == 600 and cfg.trainer.node_timeout_s == 0
+    assert cfg.trainer.collective_timeout_s == 600 and cfg.trainer.node_timeout_s == 3600  # finite by default
+    assert all(c.timeout_s == 3600 for c in node_configs(cfg, cfg.roles(1)).values())
+    cfg = load_config(PPOConfig, None, ["trainer.node_timeout_s=0"])  # off on request
     assert all(c.timeout_s == 0 for c in node_configs(cfg, cfg.roles(1)).values())
     cfg = load_config(PPOConfig, None, ["trainer.node_timeout_s=900"])
     nodes = node_configs(cfg, cfg.roles(1))
@@ -594,7 +596,7 @@ def test_behaves_ctrl_c_in_async_mode_ends_both_stages(tmp_path, target):
          "-m", "verl.trainer.main_ppo", "trainer.mode=async", "algorithm.max_staleness=2", "trainer.placement=split",
          "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]", "warmup.steps=0", "trainer.total_steps=100000",
          "trainer.progress_bar=false", "trainer.save_final=false", "trainer.collective_timeout_s=300",
-         f"trainer.output_dir={tmp_path}"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "val.num_examples=0", f"trainer.output_dir={tmp_path}"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

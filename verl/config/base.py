@@ -6,9 +6,19 @@ Every config class is a `@dataclass(kw_only=True, slots=True)` whose fields carr
 literal right after the field, read back with `field_docs`). Unknown keys — in the YAML or in an override —
 raise `VerlConfigError` naming the full dotted key and its nearest valid spelling; values are checked
 against the field's type (int, float, bool, str, Literal choices, optional, lists, nested configs). A section
-given a scalar, a key written twice in one YAML mapping and a NaN are errors too. Ranges live on the classes:
-each may define `check()`, which raises `ConfigValueError(key, why)`; `from_dict` puts the section's dotted path
-in front of the key, so one OptimConfig under `actor.optim` and `critic.optim` names the right one.
+given a scalar, a key written twice in one YAML mapping and a NaN are errors too.
+
+Ranges: a numeric field declares its bounds in its annotation, `n: Annotated[int, Range(1, 1 << 16)] = 8`
+(shown in --help); an int field without one is held to 32 bits (`INT_RANGE`), so no huge integer reaches torch
+as an overflow naming no key. Bounds are checked on load, before the class's own `check()`, which holds the
+rules between fields and raises `ConfigValueError(key, why)`; `from_dict` puts the section's dotted path in
+front of the key, so one OptimConfig under `actor.optim` and `critic.optim` names the right one.
+
+Sizes (`LIMITS`): a config file must be UTF-8 (or UTF-16/32 with a byte-order mark) text of at most
+`max_file_bytes`, nested at most `max_depth` deep, and no key's value may expand (YAML anchors and aliases are
+expanded by everything that later copies or saves the config) to more than `max_values` values; each is a
+VerlConfigError naming the file or the key. `VERL_CONFIG_MAX_VALUES` raises the last for a legitimately large
+config.
 """
 
 from __future__ import annotations
@@ -19,9 +29,11 @@ import difflib
 import functools
 import inspect
 import math
+import os
 import textwrap
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -45,6 +57,68 @@ def require(ok: bool, key: str, value: Any, want: str) -> None:
     written as `ok = low <= value <= high` rejects NaN too)."""
     if not ok:
         raise ConfigValueError(key, f"{value!r} {want}")
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Bounds of a numeric config field (both inclusive; None: unbounded on that side), declared in the field's
+    annotation: `n: Annotated[int, Range(1, 1 << 16)] = 8`. On a list field it bounds every item."""
+
+    low: float | None = None
+    high: float | None = None
+
+    def violation(self, value: Any) -> str | None:
+        """Why `value` is out of range, or None (bools, strings and None are not judged here)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        if self.low is not None and not value >= self.low:  # written so that NaN fails
+            return f"must be >= {self.low}" + self._span()
+        if self.high is not None and not value <= self.high:
+            return f"must be <= {self.high}" + self._span()
+        return None
+
+    def _span(self) -> str:
+        return f" (range [{self.low}, {self.high}])" if self.low is not None and self.high is not None else ""
+
+    def __str__(self) -> str:
+        return f"[{'-inf' if self.low is None else self.low}, {'inf' if self.high is None else self.high}]"
+
+
+INT_RANGE = Range(-(1 << 31), (1 << 31) - 1)
+"""The bounds of an int field that declares none: every count, size, seed and rank a job uses fits in 32 bits,
+and larger values would end as overflows inside torch that name no key."""
+
+
+@functools.cache
+def ranges(cls: type) -> dict[str, Range]:
+    """Field name → its declared Range (INT_RANGE for an int field, or a list of ints, that declares none)."""
+    out = {}
+    for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+        declared = [m for m in getattr(tp, "__metadata__", ()) if isinstance(m, Range)]
+        if declared:
+            out[name] = declared[0]
+        elif _int_like(_hints(cls)[name]):
+            out[name] = INT_RANGE
+    return out
+
+
+def _int_like(tp: Any) -> bool:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if tp is int:
+        return True
+    if typing.get_origin(tp) in (Union, types.UnionType, list, tuple):
+        return any(_int_like(a) for a in args)
+    return False
+
+
+def check_ranges(cfg: Any) -> None:
+    """Every field of the config object `cfg` within its Range (see `ranges`); raises ConfigValueError."""
+    for name, rng in ranges(type(cfg)).items():
+        value = getattr(cfg, name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            why = rng.violation(v)
+            if why is not None:
+                raise ConfigValueError(name, f"{v!r} {why}")
 
 
 def check_finite(cfg: Any, allow_inf: tuple[str, ...] = ()) -> None:
@@ -166,6 +240,8 @@ def _to_float(value: Any, key: str) -> float:
 
 def _to_str(value: Any, key: str) -> str:
     if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, str) and "\x00" in value:  # no path, name or text setting has a use for NUL
+            raise VerlConfigError(f"config key '{key}': {value!r} contains a NUL character; remove it")
         return str(value)
     raise VerlConfigError(f"config key '{key}': expected a string, got {value!r}")
 
@@ -197,6 +273,7 @@ def from_dict(cls: type[T], data: dict | None, prefix: str = "") -> T:
                                   f"{_section_hint(sub, full, value)}")
     try:
         obj = cls(**kwargs)
+        check_ranges(obj)
         check = getattr(obj, "check", None)
         if callable(check):
             check()
@@ -268,6 +345,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         value = _safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except RecursionError:
+        raise VerlConfigError(f"override of '{key}' is nested too deeply to read; flatten it") from None
+    check_size({key: value}, "(command-line override)")
     return key.split("."), value
 
 
@@ -291,6 +371,13 @@ def _check_path(cls: type, path: list[str]) -> None:
             cur = sub
 
 
+def _section_at(cls: type, path: list[str]) -> type | None:
+    """The config class at the dotted `path` below `cls` (None where it is a free-form mapping)."""
+    for part in path:
+        cls = _dataclass_type(_hints(cls)[part]) if cls is not None else None
+    return cls
+
+
 def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
     """Returns a copy of the raw mapping `data` with dotted `key=value` overrides applied (validated)."""
     import copy
@@ -299,37 +386,138 @@ def apply_overrides(cls: type, data: dict, overrides: list[str]) -> dict:
         path, value = _parse_override(item)
         _check_path(cls, path)
         node = out
-        for part in path[:-1]:
-            if not isinstance(node.get(part), dict):
+        for i, part in enumerate(path[:-1]):
+            if node.get(part) is None:  # absent, or `section:` with nothing under it
                 node[part] = {}
+            elif not isinstance(node[part], dict):  # replacing it would drop the value without a word
+                full = ".".join(path[:i + 1])
+                sub = _section_at(cls, path[:i + 1])
+                hint = _section_hint(sub, full, node[part]) if sub is not None else "write it as a mapping"
+                raise VerlConfigError(f"config key '{full}' is a section, but the config file gives it the value "
+                                      f"{node[part]!r} (and override {item!r} sets a key under it); {hint}")
             node = node[part]
         node[path[-1]] = value
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigLimits:
+    """How large a config may be (see the module docstring); `LIMITS` holds the ones load_config applies."""
+
+    max_file_bytes: int = 16 << 20
+    """Largest config file read."""
+    max_depth: int = 32
+    """Deepest nesting of mappings and lists (the job's own tree is 4 deep)."""
+    max_values: int = 100_000
+    """Most values (scalars, mappings, lists) one key's value may expand to, YAML aliases expanded."""
+
+
+def _limits_from_env() -> ConfigLimits:
+    raw = os.environ.get("VERL_CONFIG_MAX_VALUES")
+    if raw is None:
+        return ConfigLimits()
+    if not raw.isdigit() or int(raw) < 1:
+        raise VerlConfigError(f"VERL_CONFIG_MAX_VALUES={raw!r} must be a positive integer")
+    return ConfigLimits(max_values=int(raw))
+
+
+def check_size(data: Any, where: str, limits: ConfigLimits | None = None) -> None:
+    """Raises VerlConfigError naming the key (under `where`) whose value nests deeper than limits.max_depth,
+    refers to itself, or expands to more than limits.max_values values. Shared (aliased) values are measured
+    once and counted at every place they appear, so an alias bomb costs the check no more than its text."""
+    limits = limits or _limits_from_env()
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(v: Any, path: str, depth: int) -> int:
+        if not isinstance(v, (dict, list)):
+            return 1
+        if id(v) in sizes:
+            return sizes[id(v)]
+        if id(v) in open_:
+            raise VerlConfigError(f"config key '{path}' {where} contains itself (a YAML alias to an enclosing "
+                                  f"anchor); write the value out")
+        if depth >= limits.max_depth:
+            raise VerlConfigError(f"config key '{path}' {where} is nested more than {limits.max_depth} levels deep; "
+                                  f"flatten it")
+        open_.add(id(v))
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        total = 1
+        for k, child in items:
+            total += size(child, f"{path}.{k}" if isinstance(v, dict) else f"{path}[{k}]", depth + 1)
+        open_.discard(id(v))
+        if total > limits.max_values:  # the innermost value too large on its own (its parts were measured first)
+            raise VerlConfigError(f"config key '{path}' {where} expands to more than {limits.max_values} values "
+                                  f"(YAML anchors and aliases are expanded); shrink it, or raise the limit with "
+                                  f"VERL_CONFIG_MAX_VALUES")
+        sizes[id(v)] = total
+        return total
+
+    for key, value in (data.items() if isinstance(data, dict) else [("<root>", data)]):
+        size(value, str(key), 1)
+
+
+def _decode(raw: bytes, p: Path) -> str:
+    """The text of a config file: UTF-8 (a BOM allowed), or UTF-16 / UTF-32 announced by their BOM."""
+    import codecs
+    for bom, enc in ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+                     (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16")):
+        if raw.startswith(bom):
+            try:
+                return raw.decode(enc)
+            except UnicodeDecodeError as e:
+                raise VerlConfigError(f"config file {str(p)!r} starts with a {enc.upper()} byte-order mark but is "
+                                      f"not {enc.upper()} text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    if b"\x00" in raw:
+        raise VerlConfigError(f"config file {str(p)!r} is not a text file (it holds NUL bytes); pass a YAML file")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise VerlConfigError(f"config file {str(p)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line} "
+                              f"cannot be decoded: {e.reason}); save it as UTF-8") from None
+
+
 def load_yaml(path: str | Path) -> dict:
+    """The mapping a YAML config file holds; every way the file can be unreadable is a VerlConfigError naming it."""
     p = Path(path)
+    limits = _limits_from_env()
+    if p.is_dir():
+        raise VerlConfigError(f"config file {str(p)!r} is a directory; pass a YAML file inside it "
+                              f"(e.g. verl/trainer/config/default.yaml)")
     if not p.is_file():
         raise VerlConfigError(f"config file {str(p)!r} does not exist; pass a YAML file "
                               f"(e.g. verl/trainer/config/default.yaml)")
-    with p.open() as f:
-        try:
-            data = _safe_load(f)
-        except yaml.YAMLError as e:
-            raise VerlConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        except VerlConfigError as e:
-            raise VerlConfigError(f"config file {str(p)!r}: {e}") from None
+    try:
+        if p.stat().st_size > limits.max_file_bytes:
+            raise VerlConfigError(f"config file {str(p)!r} is {p.stat().st_size} bytes, more than a config's "
+                                  f"{limits.max_file_bytes}; pass the YAML config, not a data file")
+        text = _decode(p.read_bytes(), p)
+    except OSError as e:
+        raise VerlConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from e
+    try:
+        data = _safe_load(text)
+    except yaml.YAMLError as e:
+        raise VerlConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+    except VerlConfigError as e:
+        raise VerlConfigError(f"config file {str(p)!r}: {e}") from None
+    except RecursionError:
+        raise VerlConfigError(f"config file {str(p)!r} is nested too deeply to read (more than "
+                              f"{limits.max_depth} levels are refused anyway); flatten it") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise VerlConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    check_size(data, f"in {str(p)!r}", limits)
     return data
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
     """YAML file (optional) + dotted overrides → a validated config tree of type `cls`."""
     data = load_yaml(path) if path is not None else {}
-    return from_dict(cls, apply_overrides(cls, data, list(overrides or [])))
+    data = apply_overrides(cls, data, list(overrides or []))
+    check_size(data, "(file and overrides together)")
+    return from_dict(cls, data)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -348,7 +536,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def describe(cls: type, prefix: str = "") -> list[str]:
-    """Lines `key (type, default): doc` for every field of the tree — the `--help` of a config."""
+    """Lines `key = default [in range]: doc` for every field of the tree — the `--help` of a config."""
     lines = []
     docs = field_docs(cls)
     hints = _hints(cls)
@@ -360,7 +548,9 @@ def describe(cls: type, prefix: str = "") -> list[str]:
             lines.extend(describe(sub, f"{prefix}{f.name}."))
         else:
             default = getattr(defaults, f.name)
-            lines.append(f"{prefix}{f.name} = {default!r}: {docs.get(f.name, '')}")
+            rng = ranges(cls).get(f.name)
+            shown = f" in {rng}" if rng is not None and rng is not INT_RANGE else ""
+            lines.append(f"{prefix}{f.name} = {default!r}{shown}: {docs.get(f.name, '')}")
             item = typing.get_args(hints[f.name])[:1] if typing.get_origin(hints[f.name]) is list else ()
             if item and dataclasses.is_dataclass(item[0]):  # the keys of each entry of a list of configs
                 lines.extend(describe(item[0], f"{prefix}{f.name}[]."))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from verl.config.base import ConfigValueError, check_finite, from_dict, require
+from verl.config.base import ConfigValueError, Range, check_finite, from_dict, require
 from verl.distributed.roles import Role, resolve_roles
 from verl.engines import ROLE_KIND, engine_spec, engines, rollout_engine, training_engine
 from verl.errors import VerlConfigError
@@ -21,25 +21,22 @@ from verl.rollout.config import RolloutConfig
 class TinyModelConfig:
     """A Llama-architecture model built locally with random weights (no download)."""
 
-    hidden_size: int = 128
+    hidden_size: Annotated[int, Range(1, 1 << 16)] = 128
     """Width of the residual stream."""
-    num_layers: int = 2
+    num_layers: Annotated[int, Range(1, 1024)] = 2
     """Number of transformer blocks."""
-    num_heads: int = 4
+    num_heads: Annotated[int, Range(1, 1024)] = 4
     """Attention heads."""
-    num_kv_heads: int = 2
+    num_kv_heads: Annotated[int, Range(1, 1024)] = 2
     """Key/value heads (grouped-query attention when smaller than num_heads)."""
-    intermediate_size: int = 256
+    intermediate_size: Annotated[int, Range(1, 1 << 18)] = 256
     """Width of the SwiGLU MLP."""
-    max_position_embeddings: int = 128
+    max_position_embeddings: Annotated[int, Range(1, 1 << 20)] = 128
     """Longest sequence (prompt + response) the model supports."""
-    vocab_size: int = 96
+    vocab_size: Annotated[int, Range(1, 1 << 20)] = 96
     """Target size of the BPE vocabulary trained in memory on the task's text."""
 
     def check(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                     "max_position_embeddings", "vocab_size"):
-            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
                 f"must be a multiple of num_heads={self.num_heads}")
         require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
@@ -87,13 +84,13 @@ class DataConfig:
     task: Literal["arithmetic", "counting", "gsm_symbolic"] = "arithmetic"
     """Task used when `train_files` is empty: arithmetic / counting (synthetic, local) or gsm_symbolic (GSM8K-style
     word problems from the reasoning-gym wheel, as chat messages; see verl.data.tasks)."""
-    num_examples: int = 2000
+    num_examples: Annotated[int, Range(1, 1 << 20)] = 2000
     """Examples generated for the synthetic task."""
-    max_operand: int = 20
+    max_operand: Annotated[int, Range(1, 1 << 30)] = 20
     """Operands of the synthetic arithmetic task are below this (difficulty)."""
-    train_batch_size: int = 16
+    train_batch_size: Annotated[int, Range(1, 1 << 20)] = 16
     """Prompts per step over all ranks."""
-    max_prompt_length: int = 32
+    max_prompt_length: Annotated[int, Range(1, 1 << 20)] = 32
     """Longest prompt in tokens, as the model's tokenizer encodes it (chat prompts after its chat template);
     every row is checked before training starts (see overlong_prompts). Batches are left-padded to their
     longest prompt, not to this."""
@@ -104,8 +101,6 @@ class DataConfig:
     """Reshuffle every epoch (seeded by trainer.seed, so runs and resumes are reproducible)."""
 
     def check(self) -> None:
-        for name in ("num_examples", "max_operand", "max_prompt_length"):
-            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         for name in ("train_max_samples", "val_max_samples"):
             require(getattr(self, name) == -1 or getattr(self, name) >= 1, name, getattr(self, name),
                     "must be -1 (all rows) or >= 1")
@@ -121,7 +116,7 @@ class OptimConfig:
     """Learning rate at the end of the decay (linear / cosine)."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after the warm-up, over the job's remaining steps."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, Range(0, 1 << 30)] = 0
     """Linear learning-rate warm-up in optimizer steps."""
     warmup_ratio: float = 0.0
     """Warm-up as a share of trainer.total_steps, used when warmup_steps is 0 (the trainer sets warmup_steps to
@@ -139,7 +134,6 @@ class OptimConfig:
         check_finite(self)
         require(self.lr > 0, "lr", self.lr, "must be > 0 (e.g. 1e-6 for a 7B policy)")
         require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
-        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
         require(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1)")
         require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         require(self.eps > 0, "eps", self.eps, "must be > 0")
@@ -164,9 +158,9 @@ class OptimConfig:
 class MegatronConfig:
     """Parallel layout of the megatron engine (actor, reference and critic share it)."""
 
-    tp: int = 1
+    tp: Annotated[int, Range(1, 1024)] = 1
     """Tensor-parallel size."""
-    pp: int = 1
+    pp: Annotated[int, Range(1, 1024)] = 1
     """Pipeline-parallel size."""
     sequence_parallel: bool = False
     """Split activations along the sequence over the TP group (needs tp > 1)."""
@@ -186,7 +180,7 @@ class FSDPConfig:
     """Dtype gradients are reduce-scattered in."""
     reshard_after_forward: bool = True
     """Free the gathered parameters after each unit's forward (ZeRO-3; False keeps them until backward: ZeRO-2)."""
-    shard_size: int = -1
+    shard_size: Annotated[int, Range(-1, 1 << 20)] = -1
     """Ranks each parameter is sharded over: -1 = all ranks of the role; a smaller divisor of them gives
     HSDP (replicas of shard_size-rank shard groups, gradients all-reduced across the replicas)."""
 
@@ -267,15 +261,15 @@ class ActorConfig:
     """Optimizer of the policy."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning (actor.lora.enabled=true; torch and fsdp engines)."""
-    ppo_epochs: int = 1
+    ppo_epochs: Annotated[int, Range(1, 1000)] = 1
     """Passes over each step's batch."""
-    mini_batch_size: int = 16
+    mini_batch_size: Annotated[int, Range(1, 1 << 20)] = 16
     """Prompts per optimizer step over all ranks (each brings rollout.n responses)."""
-    micro_batch_size: int = 32
+    micro_batch_size: Annotated[int, Range(1, 1 << 20)] = 32
     """Responses per forward/backward on one rank (gradient accumulation unit), unless
     max_tokens_per_micro_batch is set; more than a rank's share of a mini-batch is clamped to that share (said
     once at start), so one config runs on any number of processes."""
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: Annotated[int, Range(0, 1 << 30)] = 0
     """Token budget of a micro-batch on one rank: consecutive responses fill it while their real (prompt +
     response) tokens fit, instead of micro_batch_size responses; every data-parallel rank then runs as many
     micro-batches as the one that needs most. 0: count-based. At least data.max_prompt_length +
@@ -400,21 +394,21 @@ class CriticConfig:
     """Optimizer of the critic."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """Sharding of the critic under actor.engine=fsdp."""
-    ppo_epochs: int = 1
+    ppo_epochs: Annotated[int, Range(1, 1000)] = 1
     """Passes over each step's batch."""
-    mini_batch_size: int = 0
+    mini_batch_size: Annotated[int, Range(0, 1 << 20)] = 0
     """Prompts per optimizer step of the critic over all ranks (each brings rollout.n responses); 0: the whole
     step's batch in one optimizer step per epoch."""
-    micro_batch_size: int = 32
+    micro_batch_size: Annotated[int, Range(1, 1 << 20)] = 32
     """Responses per forward/backward on one rank, unless max_tokens_per_micro_batch is set; more than a rank's
     share of the batch is clamped to it."""
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: Annotated[int, Range(0, 1 << 30)] = 0
     """Token budget of a micro-batch on one rank (see actor.max_tokens_per_micro_batch); 0: count-based."""
     padding_free: bool = True
     """Value and update passes on packed micro-batches (see actor.padding_free)."""
     cliprange_value: float = 0.5
     """Clip of the new values around the old ones in the value loss."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, Range(0, 1 << 30)] = 0
     """Steps during which only the critic is trained (the actor update is skipped)."""
 
     def check(self) -> None:
@@ -423,9 +417,6 @@ class CriticConfig:
         check_finite(self, allow_inf=("cliprange_value",))  # inf: no value clipping
         require(self.cliprange_value >= 0, "cliprange_value", self.cliprange_value,
                 "must be >= 0 (.inf: no clipping)")
-        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "must be >= 0")
-        require(self.mini_batch_size >= 0, "mini_batch_size", self.mini_batch_size,
-                "must be >= 0 (0: the whole batch per optimizer step)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -438,7 +429,7 @@ class KLControlConfig:
     """(Initial) coefficient of the KL penalty in the reward."""
     target_kl: float = 0.1
     """Adaptive controller's target KL per sequence."""
-    horizon: int = 10000
+    horizon: Annotated[int, Range(0, 1 << 30)] = 10000
     """Adaptive controller's horizon in samples."""
 
     def check(self) -> None:
@@ -510,7 +501,7 @@ class AlgorithmConfig:
     """Rollout/training mismatch correction (truncated IS, rejection, bypass); off by default. Under
     trainer.mode=one_step_off / async it also corrects for the staleness of each sample: the old log-probs are
     the trained policy's, the rollout log-probs those of the (older) version that generated the sample."""
-    max_staleness: int = 1
+    max_staleness: Annotated[int, Range(0, 1 << 20)] = 1
     """trainer.mode=async: the most optimizer steps between the weight version that generated a sample and the
     one that trains on it. The rollout's ranks never start a batch with weights older than that allows (they wait
     for the next version instead), so no sample exceeds the bound and none has to be dropped or down-weighted
@@ -521,8 +512,6 @@ class AlgorithmConfig:
         check_finite(self)
         require(0 <= self.gamma <= 1, "gamma", self.gamma, "must be in [0, 1]")
         require(0 <= self.lam <= 1, "lam", self.lam, "must be in [0, 1]")
-        require(self.max_staleness >= 0, "max_staleness", self.max_staleness,
-                "must be >= 0 (weight versions a sample may lag the trained policy; 0 equals trainer.mode=sync)")
 
 
 
@@ -600,7 +589,7 @@ class RewardConfig:
     """One-source shorthand: reward model directory for type=model (see RewardSourceConfig.model_path)."""
     sources: list[RewardSourceConfig] = field(default_factory=list)
     """Weighted ensemble of reward sources; when given, the shorthand keys above are left at their defaults."""
-    micro_batch_size: int = 32
+    micro_batch_size: Annotated[int, Range(1, 1 << 20)] = 32
     """Responses per reward-model forward on one rank (every model source)."""
     ranks: list[int] | None = None
     """World ranks that score (None: trainer.placement decides)."""
@@ -692,51 +681,64 @@ class ValConfig:
 class WarmupConfig:
     """Short supervised warm start on the ground-truth answers (for random models)."""
 
-    steps: int = 0
+    steps: Annotated[int, Range(0, 1 << 20)] = 0
     """Supervised steps before RL (0 skips the warm start)."""
-    batch_size: int = 32
+    batch_size: Annotated[int, Range(1, 1 << 20)] = 32
     """Examples per supervised step."""
     lr: float = 3e-3
     """Learning rate of the warm start."""
 
     def check(self) -> None:
         check_finite(self)
-        require(self.steps >= 0, "steps", self.steps, "must be >= 0 (0 skips the warm start)")
-        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
         require(self.lr > 0, "lr", self.lr, "must be > 0")
+
+
+MAX_CONFIG_BYTES = 16 << 20
+"""The largest config (as JSON text) a job may have: it is stored in every checkpoint's trainer_state.json."""
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """Loop, logging and checkpoints."""
 
-    total_steps: int = 50
+    total_steps: Annotated[int, Range(1, 1 << 30)] = 50
     """RL steps to run."""
-    total_epochs: int = 0
+    total_epochs: Annotated[int, Range(0, 1 << 30)] = 0
     """When > 0, the run's length in passes over the training prompts instead: total_steps becomes
     total_epochs x (rows // data.train_batch_size), set once the data is read."""
-    test_freq: int = 0
+    test_freq: Annotated[int, Range(0, 1 << 30)] = 0
     """Validate every K steps and after the last step (0: never during training); see `val`."""
     val_before_train: bool = True
     """Validate once before the first step (when there is a held-out set)."""
     val_only: bool = False
     """Only validate (before training), then stop."""
-    seed: int = 1
+    seed: Annotated[int, Range(0, (1 << 32) - 1)] = 1
     """Seed of data order, sampling and initialisation."""
     output_dir: str = "outputs/default"
-    """Metrics, plots, checkpoints and the exported model go here."""
-    save_every: int = 0
+    """Metrics, plots, checkpoints and the exported model go here. The run records what it creates in
+    output_dir/verl_run.json and never replaces or deletes anything else there. Refused on load: the filesystem
+    root, the home directory and folders above it, the verl checkout and folders above it, and a path of the run
+    that is a symbolic link leading out of the folder."""
+    save_every: Annotated[int, Range(0, 1 << 30)] = 0
     """Checkpoint every K steps (0: only at the end)."""
     save_final: bool = True
     """Checkpoint at the end of training."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Range(0, 1 << 30)] = 2
     """Most recent checkpoints kept on disk (0 keeps all)."""
     resume: str | None = None
-    """Checkpoint directory to continue from, or 'auto' for the newest valid one in output_dir (an incomplete or
-    corrupted newer one is skipped with a warning)."""
+    """Checkpoint directory to continue from, or 'auto' for the newest valid one of the folder's run in
+    output_dir (an incomplete or corrupted newer one is skipped with a warning; with none, a fresh start, unless
+    the folder holds an earlier run's history: then an error naming it). A checkpoint of N processes resumed by M
+    is resharded (torch / FSDP2 engines; rank r >= N seeds its RNG from trainer.seed, the step and r) or, for
+    megatron engines, refused."""
     overwrite: bool = False
-    """Start a fresh run in an output_dir that an earlier run used (checkpoints or metrics.jsonl there): deletes
-    that run's checkpoints and metrics first. Without it (and without `resume`) such a folder is refused."""
+    """Start a fresh run in an output_dir that an earlier run used: deletes exactly the files and folders that run
+    recorded in its verl_run.json first (anything else stays; a folder left holding other files is kept, with a
+    warning). Without it (and without `resume`) such a folder is refused."""
+    max_state_mb: float = 1024.0
+    """Largest trainer_state.json a checkpoint may write or read, in MB (it holds the step, data position, LR
+    schedules, the config and, in one_step_off mode, the batches in flight). A bigger one is an error naming the
+    key that makes it so; a checkpoint's file above it is refused before it is parsed."""
     trust_checkpoint: bool = False
     """Resume from a checkpoint without verl's verified manifest.json, and let DCP unpickle its metadata and
     objects unrestricted. Unpickling runs code: only for checkpoints whose origin you trust."""
@@ -744,7 +746,7 @@ class TrainerConfig:
     """Export the final actor as a Hugging Face directory (output_dir/hf_actor)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the workers (auto: cuda when available)."""
-    threads: int = 0
+    threads: Annotated[int, Range(0, 4096)] = 0
     """torch intra-op threads per process (0: leave torch's default)."""
     progress_bar: bool = True
     """Show a tqdm bar with step, reward, KL, entropy and tokens/s (rank 0)."""
@@ -755,12 +757,12 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0
     """Timeout of every collective of every process group the job creates: a rank waiting longer than this for
     its peers (one died, or hangs) fails with an error instead of hanging."""
-    node_timeout_s: float = 0.0
+    node_timeout_s: float = 3600.0
     """Longest a PPO dataflow node (generate, score, update_actor, ...) may run on a rank before it is stopped
     and the step fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time
-    (0: no limit). A node blocked inside a collective is stopped when the collective returns, i.e. at the
+    (an hour by default, as for any dataflow node; 0: no limit, on request). A node blocked inside a collective is stopped when the collective returns, i.e. at the
     latest after collective_timeout_s."""
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: Annotated[int, Range(1, 1 << 30)] = 3
     """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN
     or inf, on any rank: the one that reaches this count fails the run, naming the step, the rank and the first
     non-finite quantity (1: fail at the first). A skipped step changes nothing (weights, optimizer state and LR
@@ -771,7 +773,7 @@ class TrainerConfig:
     generates with the actor's weights in place). split: the actor, its rollout engine and the reference on the
     first half of the ranks, the critic and the reward on the second half, each role's nodes running
     concurrently where the dataflow allows. A role's own `ranks` overrides its default."""
-    trace_step: int = 0
+    trace_step: Annotated[int, Range(0, 1 << 30)] = 0
     """Write a Chrome trace of this step's dataflow to output_dir/trace_step_N.json (0: no trace)."""
     mode: Literal["sync", "one_step_off", "async"] = "sync"
     """How generation and training interleave. sync: each step generates with the current weights, then trains.
@@ -784,24 +786,21 @@ class TrainerConfig:
     restored weights. Both modes overlap engines, so they need the rollout on ranks of its own (rollout.ranks
     apart from actor.ranks). Each sample carries the version that generated it
     (rollout/staleness_mean, rollout/staleness_max)."""
-    queue_size: int = 0
+    queue_size: Annotated[int, Range(0, 1 << 30)] = 0
     """async: responses the queue of generated, not yet trained batches holds; generation runs at most
     min(algorithm.max_staleness, queue_size / (data.train_batch_size x rollout.n)) versions ahead. 0: room for
     max_staleness batches."""
 
     def check(self) -> None:
-        for name in ("total_epochs", "test_freq"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        require(self.queue_size >= 0, "queue_size", self.queue_size,
-                "must be >= 0 (0: room for algorithm.max_staleness batches)")
-        for name in ("save_every", "keep_checkpoints", "threads", "trace_step"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        require(self.output_dir.strip() != "", "output_dir", self.output_dir,
+                "is empty, which would write into the current directory; name a folder (e.g. outputs/run1)")
+        from verl.utils.run_folder import check_output_dir
+        check_output_dir(self.output_dir)
+        require(0 < self.max_state_mb < 1 << 20, "max_state_mb", self.max_state_mb, "must be a number of MB > 0")
         require(0 < self.collective_timeout_s < 1e9, "collective_timeout_s", self.collective_timeout_s,
                 "must be a finite number of seconds > 0")
         require(0 <= self.node_timeout_s < 1e9, "node_timeout_s", self.node_timeout_s,
                 "must be a finite number of seconds >= 0 (0: no limit)")
-        require(self.max_nonfinite_steps >= 1, "max_nonfinite_steps", self.max_nonfinite_steps,
-                "must be >= 1 (1 fails the run at the first skipped step)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -984,14 +983,6 @@ class PPOConfig:
         if advantage_info(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
             raise VerlConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses "
                                   f"within a group; set rollout.n >= 2 (got {self.rollout.n})")
-        for name, value in (("data.train_batch_size", self.data.train_batch_size),
-                            ("actor.mini_batch_size", self.actor.mini_batch_size),
-                            ("actor.micro_batch_size", self.actor.micro_batch_size),
-                            ("critic.micro_batch_size", self.critic.micro_batch_size),
-                            ("rollout.n", self.rollout.n), ("rollout.max_new_tokens", self.rollout.max_new_tokens),
-                            ("actor.ppo_epochs", self.actor.ppo_epochs), ("trainer.total_steps", self.trainer.total_steps)):
-            if value < 1:
-                raise VerlConfigError(f"{name} must be >= 1, got {value}")
         if self.rollout.decoder == "train" and (self.rollout.engine != "torch" or self.actor.engine != "torch"):
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
@@ -1010,6 +1001,17 @@ class PPOConfig:
                                       f"{longest} tokens (data.max_prompt_length + rollout.max_new_tokens); use "
                                       f">= {longest}, or 0 for micro-batches of {role}.micro_batch_size responses")
         self.reward.check()
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Every checkpoint stores the config: bounded (free-form mappings such as rollout.engine_kwargs can hold
+        a YAML alias graph that expands to gigabytes), measured without expanding it."""
+        from verl.config.base import to_dict
+        from verl.utils.state_check import StateError, check_json_size
+        try:
+            check_json_size(to_dict(self), MAX_CONFIG_BYTES, "the copy of the config every checkpoint stores")
+        except StateError as e:
+            raise VerlConfigError(f"config key '{e.where or '<root>'}' {e.why}; shrink it") from None
 
     def engine_specs(self) -> dict:
         """Each role's engine (`verl.engines.EngineSpec`), as the config names it (world-size independent)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from verl.errors import VerlConfigError
+from verl.errors import VerlConfigError, library_errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,11 @@ class PromptDataset:
         a file without it but with upstream verl's `reward_model.ground_truth` uses that."""
         if not records:
             raise VerlConfigError(f"dataset {source} is empty")
+        bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise VerlConfigError(f"dataset {source} row {bad} is a {type(records[bad]).__name__} "
+                                  f"({records[bad]!r:.60}), not a record of columns; every row maps column names "
+                                  f"to values")
         answer_key = _answer_key(records[0], answer_key)
         for key, what in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
             if _lookup(records[0], key) is _MISSING:
@@ -149,17 +154,10 @@ def _read_file(path: Path, key: str = "data.train_files") -> list[dict]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist()
+        with library_errors(f"dataset file {str(path)!r} (data.train_files) cannot be read as parquet"):
+            return pq.read_table(path).to_pylist()
     if suffix in (".jsonl", ".json"):
-        rows = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise VerlConfigError(f"dataset file {str(path)!r} line {lineno} is not JSON: {e}") from e
-        return rows
+        return _read_jsonl(path)
     raise VerlConfigError(f"dataset file {str(path)!r}: unsupported format {suffix!r}; use .parquet or .jsonl")
 
 
@@ -220,5 +218,30 @@ class BatchSampler:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
+    def state_spec(self):
+        """What a restored `state_dict` must hold: an epoch count and a position within this dataset."""
+        from verl.utils.state_check import MAX_STEP, Dict, Int
+        return Dict({"epoch": Int(0, MAX_STEP), "cursor": Int(0, self.num_examples)})
+
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """One JSON object per line (blank lines skipped); anything else is a VerlConfigError naming the line."""
+    rows = []
+    with library_errors(f"dataset file {str(path)!r} (data.train_files) is not UTF-8 text", "save it as UTF-8"):
+        text = path.read_text(encoding="utf-8")
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise VerlConfigError(f"dataset file {str(path)!r} line {lineno} is not JSON: {e}") from e
+        if not isinstance(row, dict):
+            raise VerlConfigError(f"dataset file {str(path)!r} line {lineno} is a JSON {type(row).__name__} "
+                                  f"({line.strip()[:60]!r}), not an object; write one object per line, e.g. "
+                                  f'{{"prompt": "...", "answer": "..."}}')
+        rows.append(row)
+    return rows

@@ -21,6 +21,11 @@ from typing import Any
 from verl.errors import VerlConfigError, nearest
 from verl.engines import KINDS, engines
 
+DEFAULT_NODE_TIMEOUT_S = 3600.0
+"""A node's time limit unless its config gives one: generous for any node of a training step, yet finite, so a
+node that hangs (a stage whose peer is gone, a deadlocked engine) ends instead of holding its ranks forever.
+`timeout_s=0` turns the limit off, on request only."""
+
 
 def node_engines() -> tuple[str, ...]:
     """What a node's `engine` may name: any engine of `verl.engines` (generation, training, or `rule`: plain
@@ -49,8 +54,9 @@ class NodeConfig:
     replicated_outputs: tuple[str, ...] = ()
     """Outputs every rank of the node holds whole (metrics, a scalar): when another rank set needs them they are
     copied from the node's first rank instead of being split/gathered as data-parallel shards."""
-    timeout_s: float = 0.0
-    """Longest the node may run on a rank, retries included (0: no limit). Past it the node is interrupted and
+    timeout_s: float = DEFAULT_NODE_TIMEOUT_S
+    """Longest the node may run on a rank, retries included (default DEFAULT_NODE_TIMEOUT_S, an hour; 0: no
+    limit). Past it the node is interrupted and
     the run fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time (see
     `verl.dataflow.runtime` for what can and cannot be interrupted)."""
     lag: dict[str, int] = field(default_factory=dict)
@@ -154,7 +160,7 @@ def make_config(node_name: str, raw: Any, settings: Mapping[str, Any]) -> NodeCo
     retry_on = (retry_on,) if isinstance(retry_on, type) else tuple(retry_on)
     if not all(isinstance(t, type) and issubclass(t, BaseException) for t in retry_on):
         raise VerlConfigError(f"node '{node_name}': retry_on must list exception types, got {retry_on!r}")
-    timeout = kwargs.get("timeout_s", 0.0)
+    timeout = kwargs.get("timeout_s", DEFAULT_NODE_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
             or timeout < 0:
         raise VerlConfigError(f"node '{node_name}': timeout_s must be a finite number of seconds >= 0 (0: no "

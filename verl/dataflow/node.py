@@ -321,16 +321,13 @@ def registered_nodes() -> dict[str, Node]:
 
 def get_node(ref: str) -> Node:
     """The node ``"package.module:function"``, importing the module if needed (for nodes named in configs)."""
-    import importlib
+    from verl.registry import import_module_checked
     if ref in _REGISTRY:
         return _REGISTRY[ref]
     module, sep, qualname = ref.partition(":")
     if not sep or not module or not qualname:
         raise VerlConfigError(f"node reference {ref!r} must look like 'package.module:function'")
-    try:
-        importlib.import_module(module)
-    except ImportError as e:
-        raise VerlConfigError(f"node reference {ref!r}: cannot import module '{module}' ({e})") from e
+    import_module_checked(module, f"node reference {ref!r}: ", "dataflow node")  # verl.registry's search rule
     if ref not in _REGISTRY:
         known = [k.split(":", 1)[1] for k in _REGISTRY if k.startswith(module + ":")]
         raise VerlConfigError(f"module '{module}' has no dataflow node '{qualname}'"

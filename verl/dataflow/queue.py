@@ -79,8 +79,9 @@ class QueueChannel:
             comm.send_value(msg, d, group=self.group)
 
     def _send_failed(self, exc: BaseException) -> VerlRuntimeError:
-        return VerlRuntimeError(f"sending {self.name} failed: {type(exc).__name__}: {exc}; the consumer's ranks "
-                                f"stopped or died", rank=self.rank, cause=exc)
+        return VerlRuntimeError(f"the consumer's ranks {list(self.dst)} of {self.name} stopped taking values (their "
+                                f"run failed, or they exited: their own error says why); sending failed with "
+                                f"{type(exc).__name__}: {exc}", rank=self.rank, cause=exc)
 
     def drain(self, timeout_s: float) -> None:
         """Waits (at most `timeout_s`) until every value put has been sent (the producer's last run), then stops

@@ -31,7 +31,8 @@ when their next collective with it fails (the connection closes as the process e
 also stops them) and raise VerlRuntimeError saying so.
 
 Timeouts. Guarantees:
-- A node with ``timeout_s > 0`` that is still running after that long (on one rank; retries, onload and offload
+- Every node has a time limit (``timeout_s``: an hour unless its config says otherwise, 0 only on request,
+  `verl.dataflow.config.DEFAULT_NODE_TIMEOUT_S`). A node still running after that long (on one rank; retries, onload and offload
   included) is interrupted and the run fails on every rank with VerlRuntimeError naming the node, the rank, the
   limit and the elapsed time. In the main thread the interrupt is SIGALRM (an interval timer, restored after
   the node), whose handler raises inside the node: it stops pure-Python loops at their next bytecode and wakes
@@ -58,6 +59,7 @@ Limits:
 from __future__ import annotations
 
 import ctypes
+import difflib
 import os
 import signal
 import threading
@@ -522,7 +524,7 @@ def _normalize(entry: NodeEntry, out: Any) -> tuple:
                            f"return a dict with exactly these keys, or declare @CustomNode(output_keys=[...])")
     n = len(keys)
     if n == 1:
-        return (out,)
+        return (_one_output(keys[0], out),)
     if n == 0:
         if out is None or (isinstance(out, Mapping) and not out):
             return ()
@@ -538,6 +540,35 @@ def _normalize(entry: NodeEntry, out: Any) -> tuple:
     got = f"a {type(out).__name__} of length {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
     raise _OutputError(f"returned {got} but declares {n} output_keys {list(keys)}; return a tuple in that order "
                        f"or a dict keyed by them")
+
+
+def _one_output(key: str, out: Any) -> Any:
+    """The value of a one-output node: what it returned, checked here where it is made (a consumer would
+    otherwise fail on it and be blamed). None is refused; so is a one-key dict whose key is a misspelling of
+    the output, and a dict keyed by the output itself gives its value, as it would for several outputs."""
+    if out is None:
+        raise _OutputError(f"returned None for its output '{key}'; return the value (a node that makes nothing "
+                           f"declares no output_keys)")
+    if isinstance(out, Mapping) and len(out) == 1:
+        (got,) = out
+        if got == key:
+            return out[got]
+        if isinstance(got, str) and _misspelt(got, key):
+            raise _OutputError(f"returned a dict with the one key {got!r}, close to its output '{key}'; return "
+                               f"the value itself, {{'{key}': value}}, or, for a dict-valued output, "
+                               f"{{'{key}': {{{got!r}: ...}}}}")
+    return out
+
+
+def _misspelt(a: str, b: str) -> bool:
+    """`a` is one edit (insert, delete, replace) from `b`, ignoring case, or as close by difflib's ratio."""
+    a, b = a.lower(), b.lower()
+    if abs(len(a) - len(b)) <= 1:
+        short, long_ = sorted((a, b), key=len)
+        for i in range(len(long_)):
+            if long_[:i] + long_[i + 1:] == short or (len(a) == len(b) >= 3 and a[:i] + b[i] + a[i + 1:] == b):
+                return True
+    return difflib.SequenceMatcher(None, a, b).ratio() >= 0.8
 
 
 class _OutputError(Exception):
@@ -801,7 +832,8 @@ class _Run:
     def lost_peers(self, what: str, ranks: Sequence[int], exc: BaseException, waited: float) -> VerlRuntimeError:
         from verl.distributed.placement import collective_timeout
         why = " ".join(str(exc).split())[:240]
-        msg = (f"lost contact with ranks {list(ranks)} while {what}, after {waited:.1f} s ({type(exc).__name__}: "
+        peers = [r for r in ranks if r != self.plan.rank] or list(ranks)  # the ones it waited for, not itself
+        msg = (f"lost contact with ranks {peers} while {what}, after {waited:.1f} s ({type(exc).__name__}: "
                f"{why}); a rank died or was interrupted, or stayed inside a node longer than the collective "
                f"timeout ({collective_timeout().total_seconds():g} s, trainer.collective_timeout_s)")
         f = self.failure
@@ -881,7 +913,7 @@ def execute(df: Dataflow, inputs: Mapping[str, Any], *, trace: str | None = None
                                     "ranks": list(plan.members), "run": recorder.run}, ranks=plan.members)
     for ch, s in plan.queues_out:  # after the status exchange: a failure anywhere in the stage is queued instead
         f = run.failure
-        run.collective(f"putting {ch.name}", ch.src, ch.put, vals[s],
+        run.collective(f"putting {ch.name}", sorted(set(ch.src) | set(ch.dst)), ch.put, vals[s],
                        None if f is None else (f.node, f.rank, f.message))
         if f is not None:  # the consumer learns of it before this process can end
             try:

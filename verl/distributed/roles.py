@@ -79,11 +79,23 @@ def resolve_roles(cfg, world: int) -> dict[str, Role]:
                                   f"every rank; give {name} all {world} ranks, or use one of "
                                   f"{list(engines(ROLE_KIND[name], spans_world=False))}")
         roles[name] = Role(name=name, ranks=ranks, engine=engine, cpu_offload=bool(offload))
-    _check_shared_ranks(roles, mode)
+    holding = (("critic",) if cfg.needs_critic else ()) + (("reward",) if cfg.reward.uses_model else ())
+    _check_shared_ranks(roles, mode, holding)
+    gen, r = roles["rollout"], cfg.rollout
+    # one replica per rank (tp=1) in-process: each rank's engine creates groups over the whole job (seen to hang
+    # on CPU); tp > 1 in-process is vLLM's torchrun launcher, which takes the job's ranks by design
+    if rollout_engine(gen.engine).in_process_spans_world and r.in_process and r.tp == 1 and gen.ranks != everyone:
+        raise VerlConfigError(f"rollout.ranks={list(gen.ranks)} are not all {world} ranks, but rollout.engine="
+                              f"{gen.engine} started in the trainer's processes (rollout.in_process=true) creates its "
+                              f"process groups over every rank, which the other ranks never join; set "
+                              f"rollout.in_process=false (the engine in a process of its own), or give the rollout "
+                              f"every rank")
     return roles
 
 
-def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
+def _check_shared_ranks(roles: dict[str, Role], mode: str, holding: tuple[str, ...] = ("critic", "reward")) -> None:
+    """`holding`: the roles of the job that hold device memory besides the actor's (a critic only when the
+    estimator reads values, a reward only when it is a model)."""
     actor, rollout = roles["actor"], roles["rollout"]
     if 0 not in actor.ranks:
         raise VerlConfigError(f"actor.ranks={list(actor.ranks)} must include rank 0, which logs the metrics and "
@@ -99,7 +111,7 @@ def _check_shared_ranks(roles: dict[str, Role], mode: str) -> None:
                               f"(shared: {sorted(shared)}); the rollout runs either on the actor's ranks (the same "
                               f"list) or on ranks of its own (disjoint lists, weights sent by the 3D-HybridEngine)")
     if mode == "split" and rollout_engine(rollout.engine).exclusive and not rollout.cpu_offload:
-        for other in ("critic", "reward"):
+        for other in holding:
             shared = sorted(set(roles[other].ranks) & set(rollout.ranks))
             if shared:
                 raise VerlConfigError(f"{other}.ranks={list(roles[other].ranks)} overlaps the {rollout.engine} "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from verl.errors import VerlConfigError, nearest
+from verl.errors import first_line, VerlConfigError, nearest
 
 __all__ = ["SHIPPED", "ShippedModel", "convert_gguf", "load_pretrained", "model_cache_dir", "resolve_model_path",
            "shipped_gguf"]
@@ -158,7 +158,7 @@ def convert_gguf(gguf: Path, out: Path, *, progress: bool = True) -> Path:
             archs = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # metadata sections
             raise VerlConfigError(f"{gguf}: {e} GGUF conversion supports the architectures "
                                   f"{', '.join(archs)}") from e
-        raise VerlConfigError(f"could not load {gguf} ({type(e).__name__}: {_first_line(e)}); the file is likely "
+        raise VerlConfigError(f"could not load {gguf} ({type(e).__name__}: {first_line(e)}); the file is likely "
                               f"damaged: reinstall or re-download it") from e
     finally:
         if not progress:
@@ -208,7 +208,7 @@ def load_pretrained(path: str | Path, dtype: str = "float32"):
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError/safetensors errors
         model_type = _model_type(path)
         raise VerlConfigError(f"could not load the model in {path} (model_type {model_type!r}; "
-                              f"{type(e).__name__}: {_first_line(e)}); verl trains Hugging Face causal LMs "
+                              f"{type(e).__name__}: {first_line(e)}); verl trains Hugging Face causal LMs "
                               f"(AutoModelForCausalLM; docs/MODELS.md lists the tested families) saved with "
                               f"their tokenizer") from e
     if tokenizer.pad_token_id is None:
@@ -216,10 +216,6 @@ def load_pretrained(path: str | Path, dtype: str = "float32"):
     return model, tokenizer
 
 
-def _first_line(e: BaseException) -> str:
-    """An exception's first line (transformers appends paragraphs of upgrade advice; the full text stays chained)."""
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def _model_type(path: Path) -> str | None:

@@ -79,12 +79,18 @@ class Aggregation:
         return (self.mode, f(self.global_tokens), f(self.global_seqs), int(self.dp_size), f(self.norm_len))
 
 
-def _agg(agg: Aggregation | str | None) -> Aggregation:
-    if agg is None:
-        return Aggregation()
-    if isinstance(agg, str):
-        return Aggregation(mode=agg)
-    return agg
+def _agg(agg: Aggregation | str | None, mask: torch.Tensor | None = None, op: str = "") -> Aggregation:
+    """The Aggregation `agg` names; with `mask`, its global counts checked against the batch they aggregate:
+    a global count of 0 while the batch has valid tokens would weigh every row 0, a loss of exactly 0 that
+    trains nothing without a word. The mask is read only when a count is 0, so a healthy step never syncs."""
+    a = Aggregation() if agg is None else Aggregation(mode=agg) if isinstance(agg, str) else agg
+    zero = [n for n in ("global_tokens", "global_seqs") if getattr(a, n) == 0]
+    if zero and mask is not None and not torch.compiler.is_compiling():
+        n = int(valid_mask(mask).sum())
+        check_arg(n == 0, op, f"`{zero[0]}`=0 but `mask` has {n} valid tokens; a global count covers every token "
+                              f"of the step (all ranks and micro-batches), so it is at least this batch's; pass the "
+                              f"step's count, or None for this batch's")
+    return a
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -170,8 +176,8 @@ def kl_penalty_ref(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) 
 
 def agg_loss_ref(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | None = None) -> torch.Tensor:
     """Pure-PyTorch aggregation of a [B, T] per-token loss into a 0-d tensor."""
-    a = _agg(agg)
     check_agg_loss(loss, mask)
+    a = _agg(agg, mask, "agg_loss")
     valid = valid_mask(mask)
     acc = torch.float64 if loss.dtype == torch.float64 else torch.float32
     x = torch.where(valid, loss.to(acc), 0.0)
@@ -273,8 +279,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "lo
 
 def agg_loss(loss: torch.Tensor, mask: torch.Tensor, agg: Aggregation | str | None = None) -> torch.Tensor:
     """Aggregates a per-token loss [B, T] over `mask` [B, T] into a 0-d tensor (e.g. the entropy bonus)."""
-    a = _agg(agg)
     check_agg_loss(loss, mask)
+    a = _agg(agg, mask, "agg_loss")
     if use_fused("agg_loss", loss):
         return torch.ops.verl.agg_loss(loss, mask, *a.args())[0]
     return agg_loss_ref(loss, mask, a)
@@ -284,7 +290,7 @@ def kl_loss(logprob: torch.Tensor, ref_logprob: torch.Tensor, mask: torch.Tensor
             agg: Aggregation | str | None = None) -> torch.Tensor:
     """KL penalty (see verl.ops.kl_penalty for the kinds) fused with masked aggregation: [B, T] x2 -> 0-d."""
     check_kl_loss(logprob, ref_logprob, mask, kind)
-    a = _agg(agg)
+    a = _agg(agg, mask, "kl_loss")
     if use_fused("kl_loss", logprob, ref_logprob):
         with_grad = _wants_grad(logprob, ref_logprob)
         return torch.ops.verl.kl_loss(logprob, ref_logprob, mask, kind, *a.args(), with_grad)[0]
@@ -301,9 +307,9 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
     carried per token with a stop-gradient (token-level gradient), no dual clip. reinforce: -A r, unclipped
     (on-policy its gradient is -A grad logp). clip_high defaults to clip_low.
     """
-    a = _agg(agg)
     ch = clip_low if clip_high is None else clip_high
     check_policy_loss(logprob, old_logprob, advantages, mask, loss_type, clip_low, ch, clip_c)
+    a = _agg(agg, mask, "policy_loss")
     if use_fused("policy_loss", logprob):
         out = torch.ops.verl.policy_loss(logprob, old_logprob.detach(), advantages.detach(), mask, loss_type,
                                          float(clip_low), float(ch), float(clip_c), *a.args(), _wants_grad(logprob))
@@ -314,8 +320,8 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip: float = 0.5, *, agg: Aggregation | str | None = None) -> ValueLossOutput:
     """Clipped value loss 0.5 * max((v - R)^2, (old + clamp(v - old, +-clip) - R)^2) aggregated; [B, T] -> 0-d."""
-    a = _agg(agg)
     check_value_loss(values, old_values, returns, mask, clip)
+    a = _agg(agg, mask, "value_loss")
     if use_fused("value_loss", values):
         out = torch.ops.verl.value_loss(values, old_values.detach(), returns.detach(), mask, float(clip), *a.args(),
                                         _wants_grad(values))

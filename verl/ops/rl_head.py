@@ -194,7 +194,7 @@ def linear_rl_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     ch = clip_low if clip_high is None else clip_high
     t = check_linear_rl_loss(h, weight, labels, mask, advantages, old_logprob, ref_logprob, temperature, loss_type,
                              clip_low, ch, clip_c, kl_kind, kl_coef, entropy_coeff, chunk_n)
-    a = _agg(agg)
+    a = _agg(agg, mask, op)
     if not use_fused(op, h, weight):
         return linear_rl_loss_ref(h, weight, labels, mask, advantages, old_logprob=old_logprob,
                                   ref_logprob=ref_logprob, temperature=t, loss_type=loss_type, clip_low=clip_low,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +24,8 @@ import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 
-__all__ = ["SamplingParams", "GenerationOutput", "RolloutEngine", "Prompt", "FINISH_REASONS"]
+__all__ = ["SamplingParams", "GenerationOutput", "RolloutEngine", "Prompt", "FINISH_REASONS", "length_limit",
+           "check_token_ids"]
 
 Prompt = str | Sequence[int]
 FINISH_REASONS = ("stop", "length")
@@ -106,6 +108,33 @@ class GenerationOutput:
     sampling it; same length as token_ids), or None when no hook was set (partial rollouts)."""
 
 
+def length_limit(configured: int | None, positions: int | None) -> int | None:
+    """The one length rule of every engine: the longest prompt + response is rollout.max_model_len, else the
+    model's max_position_embeddings (None: unbounded, for a model that declares none). A max_model_len beyond
+    the model's positions is refused: positions past them were never trained (RoPE extrapolation, or an index
+    past a learned position table). A prompt that leaves no room under the limit is refused in `generate`; a
+    response stops at it with finish_reason "length" (`budget`)."""
+    if configured is not None and positions is not None and configured > positions:
+        raise VerlConfigError(f"rollout.max_model_len={configured} exceeds the model's max_position_embeddings="
+                              f"{positions}; use at most {positions} (or leave it unset)")
+    return configured if configured is not None else positions
+
+
+def check_token_ids(rows: Sequence[Sequence[int]], vocab_size: int | None, what: str = "prompt") -> None:
+    """Every id of every row an int in [0, vocab_size) (None: only the type is checked); else VerlConfigError
+    naming the row, the position, the id and the vocabulary (an embedding lookup would raise a bare
+    IndexError, or worse on a GPU, a device-side assert)."""
+    for i, row in enumerate(rows):
+        for j, t in enumerate(row):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise VerlConfigError(f"{what} {i} has {t!r} ({type(t).__name__}) at position {j}; token ids are "
+                                      f"ints")
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise VerlConfigError(f"{what} {i} has token id {t} at position {j}, outside the model's vocabulary "
+                                      f"of {vocab_size} ids [0, {vocab_size}); encode prompts with the model's "
+                                      f"own tokenizer")
+
+
 class RolloutEngine(abc.ABC):
     """The interface every generation engine implements. Engine failures raise VerlRuntimeError."""
 
@@ -115,7 +144,10 @@ class RolloutEngine(abc.ABC):
         self.tokenizer = tokenizer
         self.released = False
         self.max_model_len = max_model_len
-        """Longest prompt + response (None: unbounded); every engine enforces it the same way (see budget)."""
+        """Longest prompt + response (None: unbounded); set by `length_limit`, enforced alike in every engine
+        (generate, budget)."""
+        self.vocab_size: int | None = None
+        """Token ids the model embeds (its embedding rows), checked on every prompt; None: not known."""
         self.pause_hook: Callable[[], int] | None = None
         """Partial rollouts (rollout.partial): an engine that can pause (`EngineSpec.pausable`) calls this
         once per decode step, after the prefill and before sampling each generated token. It returns the weight
@@ -147,7 +179,9 @@ class RolloutEngine(abc.ABC):
             prompts = [prompts]
         if self.released:
             raise VerlRuntimeError(f"the {self.name} rollout engine is released; call resume() before generate()")
-        ids = [self.tokenizer.encode_prompt(p) for p in prompts]
+        ids = [self._encode(i, p) for i, p in enumerate(prompts)]
+        check_token_ids(ids, self.vocab_size)
+        ids = [[int(t) for t in row] for row in ids]
         for i, p in enumerate(ids):
             if not p:
                 raise VerlConfigError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -157,6 +191,13 @@ class RolloutEngine(abc.ABC):
                                       f"raise rollout.max_model_len")
         with self._engine_errors("generate"):
             return self._generate(ids, params)
+
+    def _encode(self, i: int, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, (str, torch.Tensor)) or (len(prompt) > 0 and isinstance(prompt[0], dict)):
+            return self.tokenizer.encode_prompt(prompt)
+        if not isinstance(prompt, Sequence):
+            raise VerlConfigError(f"prompt {i} is a {type(prompt).__name__}; give text, token ids or chat messages")
+        return list(prompt)  # token ids are checked as they are, never cast (int(2.7) would be 2)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Loads HF-named tensors (consumed one by one, so a bucketed stream never piles up); returns the count."""

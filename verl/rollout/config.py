@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
+from verl.config.base import Range, check_ranges
 from verl.engines import engines, rollout_engine
 from verl.errors import VerlConfigError
 
@@ -26,22 +27,22 @@ class RolloutConfig:
     engine: str = "torch"
     """Generation engine, one of the rollout engines of `verl.engines` (`verl doctor` lists them): hf
     (transformers generate), torch (verl's batched KV-cache engine), vllm or sglang."""
-    n: int = 8
+    n: Annotated[int, Range(1, 1 << 16)] = 8
     """Responses sampled per prompt (the GRPO group size)."""
-    max_new_tokens: int = 8
+    max_new_tokens: Annotated[int, Range(1, 1 << 20)] = 8
     """Response length limit."""
     temperature: float = 1.0
     """Sampling temperature (also applied to the log-probs the actor trains on); 0 is greedy."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1 disables)."""
-    top_k: int = 0
+    top_k: Annotated[int, Range(0, 1 << 24)] = 0
     """Top-k sampling (0 disables)."""
     ignore_eos: bool = False
     """Keep sampling past EOS up to max_new_tokens (fixed-length responses, e.g. for benchmarks)."""
-    max_model_len: int | None = None
+    max_model_len: Annotated[int | None, Range(2, 1 << 24)] = None
     """Longest prompt + response, enforced by every engine alike (a longer prompt is an error; a response stops
     with finish_reason 'length' there). None: the model's max_position_embeddings."""
-    tp: int = 1
+    tp: Annotated[int, Range(1, 1024)] = 1
     """Tensor-parallel size of the generation layout (TP_g): the 3D-HybridEngine reshards the actor into it.
     vllm / sglang shard their model over TP_g ranks; torch and hf need 1."""
     sync_bucket_mb: float = 64.0
@@ -66,13 +67,13 @@ class RolloutConfig:
     that can pause (`EngineSpec.pausable` in `verl.engines`): the torch engine calls its pause hook between tokens, rebuilds
     the KV cache from the tokens so far when the weights moved, and records per-token versions (vllm, sglang
     and hf cannot pause, so true with them is refused before step 1)."""
-    seed: int = 0
+    seed: Annotated[int, Range(0, (1 << 32) - 1)] = 0
     """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype of the generation copy (auto: the actor's). vllm / sglang load their model in it; torch /
     hf given another dtype than the actor's keep their own copy in it (instead of generating with the actor's
     module), and every sync casts the weights into it."""
-    max_batch_size: int = 1024
+    max_batch_size: Annotated[int, Range(1, 1 << 20)] = 1024
     """torch / hf: sequences decoded together; vllm: max_num_seqs."""
     decoder: Literal["fast", "model", "train"] = "fast"
     """torch: how tokens are decoded. fast: verl's static-cache decoder for Llama-family models (other
@@ -85,7 +86,7 @@ class RolloutConfig:
     kv_cache: bool = True
     """torch, decoder=model: reuse keys/values across steps; false recomputes the whole sequence (models
     without a cache)."""
-    kv_cache_memory_mb: int = 256
+    kv_cache_memory_mb: Annotated[int, Range(0, 1 << 30)] = 256
     """vllm: KV-cache size. Always set on CPU, where vLLM would otherwise claim 0.9 × RAM."""
     gpu_memory_utilization: float = 0.5
     """vllm (when kv_cache_memory_mb is 0) and sglang (mem_fraction_static): GPU memory fraction for weights
@@ -109,19 +110,13 @@ class RolloutConfig:
 
     def check(self) -> None:
         spec = rollout_engine(self.engine, "rollout.engine")
-        for name in ("n", "max_new_tokens", "tp", "max_batch_size"):
-            if getattr(self, name) < 1:
-                raise VerlConfigError(f"rollout.{name}={getattr(self, name)} must be >= 1")
+        check_ranges(self)  # runs at construction (__post_init__), before from_dict would check them
         if not 0 <= self.temperature < math.inf:  # written so that NaN fails too
             raise VerlConfigError(f"rollout.temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise VerlConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise VerlConfigError(f"rollout.top_k={self.top_k} must be >= 0 (0 disables)")
         if not 0 < self.sync_bucket_mb < math.inf:
             raise VerlConfigError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise VerlConfigError(f"rollout.max_model_len={self.max_model_len} must be >= 2 (or unset)")
         if not spec.tensor_parallel and self.tp != 1:
             raise VerlConfigError(f"rollout.tp={self.tp} with rollout.engine={self.engine}: the {self.engine} engine "
                                   f"runs one model replica per rank; use rollout.tp=1, or one of "
@@ -132,9 +127,8 @@ class RolloutConfig:
             raise VerlConfigError(f"rollout.sync=delta writes the changed elements into the engine's weights in "
                                   f"place, which rollout.engine={self.engine} does not let the sync do; use "
                                   f"rollout.sync=full, or one of {list(engines('rollout', delta_sync=True))}")
-        if self.kv_cache_memory_mb < 0 or not 0 < self.gpu_memory_utilization <= 1:
-            raise VerlConfigError(f"rollout.kv_cache_memory_mb={self.kv_cache_memory_mb} must be >= 0 and "
-                                  f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise VerlConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
     def sampling(self, *, n: int | None = None, greedy: bool = False, logprobs: bool = True):
         """The SamplingParams these settings describe (n and greedy overridable, e.g. for ReMax's baseline)."""

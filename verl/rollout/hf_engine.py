@@ -14,7 +14,7 @@ import torch
 from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
-from verl.rollout.torch_engine import TorchRollout, model_length_limit
+from verl.rollout.torch_engine import TorchRollout, model_length_limit, model_vocab_size
 
 __all__ = ["HFRollout"]
 
@@ -28,6 +28,7 @@ class HFRollout(TorchRollout):
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
         config = config or RolloutConfig(engine="hf")
         RolloutEngine.__init__(self, Tokenizer.wrap(tokenizer), max_model_len=model_length_limit(config, model))
+        self.vocab_size = model_vocab_size(model)
         self.model, self.config = model, config
         self._offloaded, self._fast = None, None
         self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}  # read by take_metrics, as in torch

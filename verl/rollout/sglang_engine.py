@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, length_limit
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
@@ -82,7 +82,9 @@ class SGLangRollout(RolloutEngine):
         self.dtype = resolve_dtype(config.dtype, model_path)
         self._hf_shapes = checkpoint_shapes(model_path)
         hf = json.loads((Path(model_path) / "config.json").read_text())
-        self.max_model_len = config.max_model_len or int(hf.get("max_position_embeddings", 1 << 30))
+        positions = hf.get("max_position_embeddings")
+        self.max_model_len = length_limit(config.max_model_len, int(positions) if positions else None) or 1 << 30
+        self.vocab_size = int(hf["vocab_size"]) if hf.get("vocab_size") else None
         self.group, self.group_ranks, self.tp_rank = _tp_group(config.tp)
         self._rng = torch.Generator().manual_seed(config.seed + 1_000_003 * (_rank() // config.tp))
         self._names = self._weight_names()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from verl.errors import VerlConfigError
+from verl.errors import VerlConfigError, library_errors
 
 __all__ = ["Tokenizer"]
 
@@ -29,7 +29,11 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> Tokenizer:
         from transformers import AutoTokenizer
-        return cls(AutoTokenizer.from_pretrained(path), **kwargs)
+        with library_errors(f"tokenizer directory {str(path)!r} cannot be loaded",
+                            "give a Hugging Face model or tokenizer directory (tokenizer.json, or tokenizer.model "
+                            "with its config)"):
+            hf = AutoTokenizer.from_pretrained(path)
+        return cls(hf, **kwargs)
 
     @classmethod
     def wrap(cls, tokenizer) -> Tokenizer:

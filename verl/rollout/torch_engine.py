@@ -25,18 +25,25 @@ from dataclasses import dataclass
 import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
-from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, length_limit
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchRollout", "model_length_limit", "process_logits", "sample_tokens"]
+__all__ = ["TorchRollout", "model_length_limit", "model_vocab_size", "process_logits", "sample_tokens"]
 
 
 def model_length_limit(config: RolloutConfig, model: torch.nn.Module) -> int | None:
-    """rollout.max_model_len, else the model's max_position_embeddings (None when it has none)."""
-    return config.max_model_len or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """The one length rule (`verl.rollout.base.length_limit`) for a model object."""
+    return length_limit(config.max_model_len, getattr(getattr(model, "config", None), "max_position_embeddings", None))
+
+
+def model_vocab_size(model: torch.nn.Module) -> int | None:
+    """The token ids a model embeds (its input embedding's rows), None when it does not say."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    return int(rows) if rows is not None else getattr(getattr(model, "config", None), "vocab_size", None)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -101,6 +108,7 @@ class TorchRollout(RolloutEngine):
     def __init__(self, model: torch.nn.Module, tokenizer, config: RolloutConfig | None = None):
         config = config or RolloutConfig(engine="torch")
         super().__init__(Tokenizer.wrap(tokenizer), max_model_len=model_length_limit(config, model))
+        self.vocab_size = model_vocab_size(model)
         self.model = model  # may be the actor's own module: put back in its training mode after each call
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None

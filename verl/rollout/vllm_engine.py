@@ -44,7 +44,7 @@ import torch
 
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import vllm_worker
-from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, length_limit
 from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 
@@ -134,6 +134,9 @@ class VLLMRollout(RolloutEngine):
         self._check_config(current_platform.device_name)
         self.dtype = resolve_dtype(config.dtype, model_path)
         self._hf_shapes = checkpoint_shapes(model_path)
+        hf = json.loads((Path(model_path) / "config.json").read_text())
+        length_limit(config.max_model_len, hf.get("max_position_embeddings"))  # refused before vLLM starts
+        self.vocab_size = int(hf["vocab_size"]) if hf.get("vocab_size") else None
         self.dp_rank = _world()[0] // config.tp
         # Unseeded calls draw from here: the same stream on every rank of a TP group, another per replica.
         self._rng = torch.Generator().manual_seed(config.seed + 1_000_003 * self.dp_rank)

@@ -8,11 +8,14 @@ lists, dicts: the prompts' rows), a tensor becomes its dtype, shape and raw byte
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Any
 
 import torch
 
 from verl.utils.checkpoint import b64_to_bytes, bytes_to_b64
+from verl.utils.state_check import MAX_STEP, Dict, Each, Int, List, StateError
 from verl.workers.batch import RolloutBatch
 
 _TENSOR, _BATCH = "__tensor__", "__rollout_batch__"
@@ -50,6 +53,51 @@ def decode(data: Any) -> Any:
     if isinstance(data, list):
         return [decode(v) for v in data]
     return data
+
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+def check_encoded(data: Any, where: str) -> None:
+    """A value `encode` wrote, checked before `decode` builds anything from it: tensors of a plain dtype whose
+    shape matches their bytes, batches of `RolloutBatch` fields, JSON data otherwise (StateError naming the path)."""
+    stack = [(data, where)]
+    while stack:
+        value, at = stack.pop()
+        if isinstance(value, dict) and _TENSOR in value:
+            _check_tensor(value, at)
+        elif isinstance(value, dict) and _BATCH in value:
+            fields = value[_BATCH]
+            names = {f.name for f in dataclasses.fields(RolloutBatch)}
+            if not isinstance(fields, dict) or not set(fields) <= names:
+                raise StateError(at, f"a batch with fields other than RolloutBatch's ({', '.join(sorted(names))})")
+            stack += [(v, f"{at}.{k}") for k, v in fields.items()]
+        elif isinstance(value, dict):
+            stack += [(v, f"{at}.{k}") for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, f"{at}[{i}]") for i, v in enumerate(value)]
+        elif not (value is None or isinstance(value, (bool, int, float, str))):
+            raise StateError(at, f"a {type(value).__name__} is not stored data")
+
+
+def _check_tensor(value: dict, at: str) -> None:
+    raw, dtype, shape = value.get(_TENSOR), value.get("dtype"), value.get("shape")
+    if not isinstance(raw, str) or dtype not in _DTYPES or not isinstance(shape, list) or set(value) != {
+            _TENSOR, "dtype", "shape"}:
+        raise StateError(at, f"not a stored tensor (dtype must be one of {', '.join(sorted(_DTYPES))})")
+    if not all(type(d) is int and 0 <= d < 1 << 40 for d in shape) or len(shape) > 8:
+        raise StateError(at, f"shape {str(shape)[:60]}: must be at most 8 sizes in [0, 2**40)")
+    if len(raw) % 4 or not _BASE64.fullmatch(raw):
+        raise StateError(at, "its bytes are not base64 text")
+    want = math.prod(shape) * getattr(torch, dtype).itemsize
+    have = len(raw) * 3 // 4 - raw[-2:].count("=") if raw else 0
+    if have != want:
+        raise StateError(at, f"{have} bytes for a {dtype} tensor of shape {shape}, which needs {want}")
+
+
+FLOW_STATE = Dict({"runs": Int(0, MAX_STEP), "carried": Dict({}, extra=List(Each(check_encoded)))})
+"""What a rank's stored `RunState` (trainer_state.json's flow_state[r]) must hold."""
 
 
 def encode_state(state_dict: dict[str, Any]) -> dict[str, Any]:

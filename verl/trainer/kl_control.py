@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from verl.config.ppo import KLControlConfig
 from verl.errors import VerlConfigError
+from verl.utils.state_check import Dict, Float, Spec
 
 
 class FixedKLController:
@@ -18,6 +19,11 @@ class FixedKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+    @staticmethod
+    def state_spec() -> Spec:
+        """A restored coefficient: finite and >= 0 (the adaptive update multiplies it by factors in [0.8, 1.2])."""
+        return Dict({"value": Float(0.0)})
 
 
 class AdaptiveKLController(FixedKLController):

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if placement.is_main and history:
             first, last = history[0], history[-1]
             print(f"done: {len(history)} steps, reward {first['reward/mean']:.3f} -> {last['reward/mean']:.3f}, "
-                  f"outputs in {cfg.trainer.output_dir}")
+                  f"outputs in {Path(cfg.trainer.output_dir).resolve()}")
         if placement.is_main and trainer.val_history:
             (s0, v0), (s1, v1) = trainer.val_history[0], trainer.val_history[-1]
             print(f"held-out accuracy (val/pass@1): {v0['val/pass@1']:.3f} at step {s0} -> {v1['val/pass@1']:.3f} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -16,29 +17,35 @@ from verl.config.ppo import PPOConfig
 from verl.data import BatchSampler, PromptDataset, fit_prompt_lengths, load_splits, prompt_text, task_corpus
 from verl.dataflow.trace import merge_traces
 from verl.distributed import Placement
-from verl.errors import VerlConfigError
+from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import Tokenizer, build_rollout
+from verl.rollout.base import length_limit
 from verl.trainer.carried import decode_state, encode_state
 from verl.trainer.kl_control import build_kl_controller
+from verl.trainer.memory import check_memory_fits, hf_shape, model_shape
 from verl.trainer.ppo_flow import build_ppo_dataflow
 from verl.rewards import check_sources
 from verl.trainer.validation import Validator, validation_due
 from verl.trainer.warmup import supervised_warmup
-from verl.utils.checkpoint import CheckpointManager
+from verl.trainer.carried import FLOW_STATE
+from verl.utils.checkpoint import CheckpointManager, broadcast_json
 from verl.distributed.collectives import barrier, reduce_metrics
 from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
+from verl.utils.run_folder import RunFolder, check_output_dir
+from verl.utils.state_check import MAX_STEP, Dict, Int, Json, List, Opt, Spec
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, build_reward
-from verl.workers.engine import BaseModelView, ModuleEngine
+from verl.workers.engine import SCHEDULER_STATE, BaseModelView, ModuleEngine
 from verl.workers.request import EngineRequest
 from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 
 MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
 
 
-def load_policy(cfg: PPOConfig, dataset: PromptDataset):
+def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
-    the tiny local Llama with a BPE trained on the data."""
+    the tiny local Llama with a BPE trained on the data, in model.dtype. With a `placement`, a step that cannot
+    fit in memory with the tiny model's vocabulary is refused before the model is built (verl.trainer.memory)."""
     from verl.models.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
@@ -46,6 +53,9 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset):
     corpus = (task_corpus(cfg.data.task) if not cfg.data.train_files
               else [prompt_text(p) + str(a) for p, a in zip(dataset.prompts, dataset.answers)])
     tokenizer = tiny_tokenizer(corpus, cfg.model.tiny.vocab_size)
+    if placement is not None:  # again with the vocabulary the corpus allowed (at most model.tiny.vocab_size)
+        check_memory_fits(cfg, model_shape(cfg, tiny_vocab=len(tokenizer)), placement.world_size,
+                          placement.device.type)
     model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
     return model.to(getattr(torch, cfg.model.dtype)), tokenizer  # model.dtype, as a loaded model gets it
 
@@ -56,7 +66,7 @@ def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
     if heads % cfg.rollout.tp:
         raise VerlConfigError(f"rollout.tp={cfg.rollout.tp} does not divide the model's {heads} attention heads; "
                               f"use one of {[d for d in range(1, heads + 1) if heads % d == 0]}")
-    limit = cfg.rollout.max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    limit = length_limit(cfg.rollout.max_model_len, getattr(hf_config, "max_position_embeddings", None))
     need = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     if limit is not None and need > limit:
         raise VerlConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.max_new_tokens="
@@ -71,11 +81,11 @@ class PPOTrainer:
                  tokenizer=None):
         """`actor_model` (with `tokenizer`): a Hugging Face causal LM object to train instead of `model.*`, e.g.
         one loaded with `device_map=...`, whose `hf_device_map` must agree with the actor's ranks."""
+        cfg.engine_specs()["rollout"].require("rollout.engine")  # an engine that cannot run here: said first
         notes = cfg.validate_world(placement.world_size)  # before anything touches the disk
         if placement.is_main:
             for note in notes:
                 print(f"verl: {note}", flush=True)
-        cfg.engine_specs()["rollout"].require("rollout.engine")
         self.cfg, self.placement = cfg, placement
         self.roles = cfg.roles(placement.world_size)
         if actor_model is not None:
@@ -83,6 +93,10 @@ class PPOTrainer:
         self.places = role_placements(placement, self.roles)
         if cfg.trainer.threads > 0:
             torch.set_num_threads(cfg.trainer.threads)
+        # before the data is read or generated: what the config alone says a step needs (load_policy checks again
+        # with the tiny model's vocabulary once its tokenizer is trained)
+        shape = model_shape(cfg) if actor_model is None else hf_shape(actor_model.config.to_dict(), ("actor_model",))
+        check_memory_fits(cfg, shape, placement.world_size, placement.device.type)
         self.dataset, self.val_dataset = load_splits(cfg.data, cfg.val, cfg.trainer.seed)
         check_sources(cfg.reward, [self.dataset, self.val_dataset])
         derived = cfg.resolve_run_length(len(self.dataset))
@@ -93,7 +107,7 @@ class PPOTrainer:
                 raise VerlConfigError("PPOTrainer(actor_model=...) needs tokenizer=... (the model's own tokenizer)")
             self.policy, self.tokenizer = actor_model, tokenizer
         else:
-            self.policy, self.tokenizer = load_policy(cfg, self.dataset)
+            self.policy, self.tokenizer = load_policy(cfg, self.dataset, placement)
         check_generation_layout(cfg, self.policy.config)
         self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
                                           cfg.data.max_prompt_length, cfg.data.overlong_prompts,
@@ -106,6 +120,9 @@ class PPOTrainer:
         # agrees within a model-parallel group; sampling itself is seeded per step and row
         torch.manual_seed(cfg.trainer.seed * 1000 + placement.dp_rank)
         self.sampler = BatchSampler(len(self.dataset), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+        if cfg.warmup.steps and cfg.warmup.batch_size > len(self.dataset):
+            raise VerlConfigError(f"warmup.batch_size={cfg.warmup.batch_size} examples per warm-start step exceeds the "
+                                  f"{len(self.dataset)} rows of the dataset; use at most {len(self.dataset)}")
         self.reward_fn = build_reward(cfg.reward, placement.device, cfg.rollout.max_new_tokens) \
             if self.places["reward"] else None
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
@@ -118,8 +135,11 @@ class PPOTrainer:
         if cfg.streaming:
             self._split_stages()
         self.out_dir = Path(cfg.trainer.output_dir)
+        self.folder = RunFolder(self.out_dir, active=placement.is_main)  # what this run owns there
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", placement, cfg.trainer.keep_checkpoints,
-                                      trust=cfg.trainer.trust_checkpoint)
+                                      trust=cfg.trainer.trust_checkpoint, folder=self.folder, seed=cfg.trainer.seed,
+                                      max_state_bytes=int(cfg.trainer.max_state_mb * 2**20))
+        self.trace_stem: str | None = None  # trace_step_N, or trace_step_N-2, ... when that name is taken
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -148,19 +168,39 @@ class PPOTrainer:
         self.node_seconds["transfer"] = self.node_seconds.get("transfer", 0.0) + end - start
 
     # -- workers (built after the warm start: the reference and critic copy the warm-started policy) --------
+    @property
+    def _needs_init_dir(self) -> bool:
+        """Megatron models and vLLM / SGLang load the warm-started policy from a Hugging Face directory."""
+        return any(r.spec.needs_model_dir for r in self.roles.values())
+
     def _init_dir(self) -> Path:
-        """The warm-started policy as a Hugging Face directory: what megatron models and vLLM / SGLang load."""
-        path = self.out_dir / ".init_hf"
+        """The warm-started policy as a Hugging Face directory (.init_hf, replaced at every start of the run)."""
+        tmp = f".tmp-init_hf-{self.ckpt.run_id[:8]}"
+        def write():
+            self.folder.record(tmp, "tree")
+            export_hf(self.policy, self.tokenizer, self.out_dir / tmp)
+            self.folder.publish(tmp, ".init_hf")
+        self._on_main(write)
+        return self.out_dir / ".init_hf"
+
+    def _on_main(self, fn) -> None:
+        """Runs `fn` on rank 0; its failure is raised on every rank (which wait for it)."""
+        failure, problem = None, None
         if self.placement.is_main:
-            export_hf(self.policy, self.tokenizer, path)
-        barrier(self.placement)
-        return path
+            try:
+                fn()
+            except Exception as e:
+                failure, problem = e, f"{type(e).__name__}: {e}"
+        problem = broadcast_json(problem, self.placement)
+        if failure is not None:
+            raise failure
+        if problem is not None:
+            raise VerlRuntimeError(f"rank 0 failed: {problem}")
 
     def _build_workers(self) -> None:
         """Each role's worker on its own ranks (None elsewhere), engines built in the same order everywhere."""
         cfg, roles, places = self.cfg, self.roles, self.places
-        needs_dir = any(r.spec.needs_model_dir for r in roles.values())
-        init_dir = self._init_dir() if needs_dir else None
+        init_dir = self._init_dir() if self._needs_init_dir else None
         kw = dict(temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_new_tokens)
         actor_cfg = cfg.actor
         if cfg.rollout.decoder == "train":  # the samples' log-probs come from the padded training forward
@@ -295,8 +335,16 @@ class PPOTrainer:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 **scheds, "config": to_dict(self.cfg), "generation_lag": self.lag, "flow_state": flow_states}
 
+    def _state_spec(self) -> Spec:
+        """What a restored trainer state must hold, value by value (checked before anything is restored)."""
+        return Dict({"step": Int(0, MAX_STEP), "sampler": self.sampler.state_spec(),
+                     "kl_ctrl": self.kl_ctrl.state_spec(), "actor_sched": Opt(SCHEDULER_STATE),
+                     "critic_sched": Opt(SCHEDULER_STATE), "config": Json(), "generation_lag": Int(0, 1 << 20),
+                     "flow_state": List(Opt(FLOW_STATE), max_len=1 << 20)},
+                    optional=("generation_lag", "flow_state"))
+
     def _restore(self, path: Path) -> None:
-        state = self.ckpt.load(path, *self._checkpointed())
+        state = self.ckpt.load(path, *self._checkpointed(), state_spec=self._state_spec())
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -309,11 +357,14 @@ class PPOTrainer:
         """The batches in flight at the save come back, so a one_step_off / async run resumes exactly. Resumed in
         another mode (another generation lag), they are dropped: their prompts count as used, and the new
         mode's prologue generates afresh with the restored weights."""
-        saved_lag = int(state.get("generation_lag", 0))
-        if self.flow_state is None or saved_lag != self.lag:
+        saved_lag, saved_world = int(state.get("generation_lag", 0)), self.ckpt.saved_world_size
+        resharded = saved_world != self.placement.world_size
+        if self.flow_state is None or saved_lag != self.lag or resharded:
             if saved_lag and self.placement.is_main:
-                print(f"verl: dropping the {saved_lag} batch(es) generated ahead before the checkpoint "
-                      f"(saved with generation lag {saved_lag}, resumed with {self.lag})", flush=True)
+                why = (f"saved by {saved_world} processes, resumed by {self.placement.world_size}" if resharded
+                       else f"saved with generation lag {saved_lag}, resumed with {self.lag}")
+                print(f"verl: dropping the {saved_lag} batch(es) generated ahead before the checkpoint ({why}); "
+                      f"their prompts count as used", flush=True)
             return
         self.flow_state.load_state_dict(decode_state(state["flow_state"][self.placement.global_rank]))
 
@@ -323,8 +374,9 @@ class PPOTrainer:
 
     def setup(self) -> dict[str, float]:
         """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up and first-sync metrics."""
+        check_output_dir(self.cfg.trainer.output_dir)  # again: links may have changed since the config was loaded
         resume = self.ckpt.resolve(self.cfg.trainer.resume, overwrite=self.cfg.trainer.overwrite,
-                                   run_files=[self.out_dir / "metrics.jsonl"])
+                                   destinations=self._destinations())
         info: dict[str, float] = {}
         if resume is None and self.cfg.warmup.steps > 0:
             # every rank warms the same policy up, data parallel over the whole world (whatever the roles)
@@ -339,12 +391,61 @@ class PPOTrainer:
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
+        self.trace_stem = self._claim_trace()
         if self.rollout is not None or self.actor is not None:  # both sides of a rollout on its own ranks
             sync_rollout_weights(self.actor, self.rollout)
         info.update(self.memory_report())
         if self.cfg.streaming:  # from here on new versions flow in the background
             self._start_stream()
         return info
+
+    def _destinations(self) -> list[tuple[str, bool]]:
+        """What this run writes under output_dir besides checkpoints: (path, replaced as a whole?)."""
+        t = self.cfg.trainer
+        out = [("metrics.jsonl", False)]
+        if self.cfg.val.log_generations:
+            out.append(("val_generations.jsonl", False))
+        if t.plot:
+            out.append(("curves.png", False))
+        if t.export_hf:
+            out += [(name, True) for name in self._exports()]
+        if self._needs_init_dir:
+            out.append((".init_hf", True))
+        return out
+
+    def _claim_trace(self) -> str | None:
+        """The trace's file stem, recorded by rank 0 and the same on every rank: a free name, never an existing
+        trace (a resumed run that traces the same step again writes trace_step_N-2.json beside the first)."""
+        step = self.cfg.trainer.trace_step
+        if not step or step <= self.step:  # no trace, or its step was run before the resumed checkpoint
+            return None
+        stem = None
+        if self.placement.is_main:
+            stem = self.folder.free_stem(f"trace_step_{step}", (".json", "_rollout.json"))
+            self.folder.record(f"{stem}.json", "file")
+            if self.cfg.streaming:
+                self.folder.record(f"{stem}_rollout.json", "file")
+        return broadcast_json(stem, self.placement)
+
+    def _open_logger(self) -> MetricsLogger:
+        """metrics.jsonl and TensorBoard, recorded as this run's (an unrecorded metrics.jsonl of a resumed run
+        is appended to, never recorded)."""
+        cfg, main = self.cfg.trainer, self.placement.is_main
+        tb = self.out_dir / "tensorboard"
+        before: set[str] = set()
+        if main:
+            for log in ("metrics.jsonl", "val_generations.jsonl"):  # appended to, never rewritten
+                if not self.folder.foreign(log) and (log == "metrics.jsonl" or self.cfg.val.log_generations):
+                    self.folder.record(log, "file")
+            if cfg.tensorboard:
+                if not os.path.lexists(tb):
+                    self.folder.record("tensorboard", "dir")
+                before = set(os.listdir(tb)) if tb.is_dir() else set()
+        logger = MetricsLogger(self.out_dir, enabled=main, tensorboard=cfg.tensorboard, start_step=self.step)
+        if main and cfg.tensorboard:
+            for name in sorted(set(os.listdir(tb)) - before):  # the event file SummaryWriter just created
+                self.folder.record(f"tensorboard/{name}", "file")
+        return logger
 
     def _start_stream(self) -> None:
         link = (self.actor.weight_link if self.actor is not None else
@@ -367,7 +468,7 @@ class PPOTrainer:
             self._run_flow(trace=None)
         trace = None
         if self.cfg.trainer.trace_step == self.step + 1:
-            trace = str(self.out_dir / f"trace_step_{self.step + 1}.json")
+            trace = str(self.out_dir / f"{self.trace_stem}.json")
         self.node_seconds.clear()
         out = self._run_flow(trace)
         m = self._metrics(out, time.perf_counter() - t0)
@@ -411,8 +512,8 @@ class PPOTrainer:
             if idle is not None:  # the previous batch's cycle: this one's ends only after the batch has left
                 stats["perf/idle_share_rollout"] = idle
             trace = None
-            if cfg.trainer.trace_step and b == min(cfg.trainer.trace_step - 1 + lag, total - 1):  # about then
-                trace = str(self.out_dir / f"trace_step_{cfg.trainer.trace_step}_rollout.json")
+            if self.trace_stem and b == min(cfg.trainer.trace_step - 1 + lag, total - 1):  # about then
+                trace = str(self.out_dir / f"{self.trace_stem}_rollout.json")
             self.node_seconds.clear()
             self._run(trace, b, stream.version, stats)
             cycle = time.perf_counter() - t0
@@ -488,8 +589,7 @@ class PPOTrainer:
             self._produce()
             self._finish()
             return self.history
-        logger = MetricsLogger(self.out_dir, enabled=p.is_main, tensorboard=cfg.trainer.tensorboard,
-                               start_step=self.step)
+        logger = self._open_logger()
         bar = None
         if p.is_main and cfg.trainer.progress_bar:
             from tqdm.auto import tqdm
@@ -499,7 +599,9 @@ class PPOTrainer:
         if validator is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
             info.update(self._validate(validator))
         if info:
-            logger.log(self.step, info)
+            logged = {k: v for k, v in info.items() if k != "resumed_from_step"}  # the logger's resume marker
+            if logged:
+                logger.log(self.step, logged)
             if p.is_main:
                 print("  ".join(f"{k}={v:.4g}" for k, v in info.items()), flush=True)
         try:
@@ -544,39 +646,64 @@ class PPOTrainer:
         if self.rollout is not None:
             self.rollout.engine.close()
 
-    def _export_lora(self, out_dir: Path) -> None:
-        """The adapter in PEFT's format (output_dir/hf_actor) and, with actor.lora.export_merged, the merged model
-        (output_dir/hf_actor_merged); collective over the actor's ranks (FSDP2 gathers each tensor)."""
+    def _export_lora(self, adapter_dir: Path, merged_dir: Path | None) -> None:
+        """The adapter in PEFT's format (into `adapter_dir`, published as output_dir/hf_actor) and, with
+        actor.lora.export_merged, the merged model (`merged_dir`: hf_actor_merged); collective over the actor's
+        ranks (FSDP2 gathers each tensor)."""
         from verl.models.lora import export_adapter, merged_model
         module, write = self.actor.engine.module, self.placement.global_rank == self.roles["actor"].ranks[0]
-        export_adapter(module, out_dir / "hf_actor", base_model=self.cfg.model.path, write=write)
+        export_adapter(module, adapter_dir, base_model=self.cfg.model.path, write=write)
         if write and self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(out_dir / "hf_actor"))
-        if self.cfg.actor.lora.export_merged:
+            self.tokenizer.save_pretrained(str(adapter_dir))
+        if merged_dir is not None:
             merged = merged_model(module)
             if write:
-                export_hf(merged, self.tokenizer, out_dir / "hf_actor_merged")
+                export_hf(merged, self.tokenizer, merged_dir)
 
     def _finish(self) -> None:
+        """The exported actor (hf_actor), curves.png and the merged async trace: each written beside, then moved
+        into place over this run's own earlier copy only."""
+        barrier(self.placement)  # async: the rollout's ranks have written their trace
+        if self.cfg.trainer.export_hf:
+            self._export_actor()
+        self._on_main(self._plot_and_merge)
+
+    def _exports(self) -> list[str]:
+        """The model folders the run exports under output_dir."""
+        lora = self.cfg.actor.lora
+        return ["hf_actor", *(["hf_actor_merged"] if lora.enabled and lora.export_merged else [])]
+
+    def _export_actor(self) -> None:
+        """Collective over every rank (the actor's ranks write), each export into a temporary sibling first."""
+        tmps = {name: f".tmp-{name}-{self.ckpt.run_id[:8]}" for name in self._exports()}
+        self._on_main(lambda: [self.folder.record(t, "tree") for t in tmps.values()])
+        engine = self.actor.engine if self.actor is not None else None
+        if engine is not None and self.cfg.actor.lora.enabled:
+            merged = tmps.get("hf_actor_merged")
+            self._export_lora(self.out_dir / tmps["hf_actor"], self.out_dir / merged if merged else None)
+        elif isinstance(engine, TorchEngine):
+            if self.placement.is_main:
+                export_hf(engine.module, self.tokenizer, self.out_dir / tmps["hf_actor"])
+        elif engine is not None:
+            engine.export_hf(self.out_dir / tmps["hf_actor"], self.tokenizer)  # collective over the actor's ranks
+        for name, tmp in tmps.items():
+            self._on_main(lambda t=tmp, n=name: (self.out_dir / t).is_dir() and self.folder.publish(t, n))
+
+    def _plot_and_merge(self) -> None:
         out_dir = self.out_dir
-        if self.cfg.trainer.export_hf and self.actor is not None and self.cfg.actor.lora.enabled:
-            self._export_lora(out_dir)
-        elif self.cfg.trainer.export_hf and self.actor is not None:
-            engine = self.actor.engine
-            if isinstance(engine, TorchEngine):
-                if self.placement.is_main:
-                    export_hf(engine.module, self.tokenizer, out_dir / "hf_actor")
-            else:
-                engine.export_hf(out_dir / "hf_actor", self.tokenizer)  # collective over the actor's ranks
-        if self.placement.is_main and self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
-            plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", title=self.cfg.algorithm.adv_estimator)
-        barrier(self.placement)
-        step = self.cfg.trainer.trace_step
-        rollout_trace = out_dir / f"trace_step_{step}_rollout.json"
-        if self.placement.is_main and step and rollout_trace.is_file():  # async: one timeline of both stages
-            trace = out_dir / f"trace_step_{step}.json"
+        if self.cfg.trainer.plot and (out_dir / "metrics.jsonl").is_file():
+            tmp = out_dir / ".curves.tmp.png"
+            self.folder.record(tmp.name, "file")
+            plot_curves(out_dir / "metrics.jsonl", tmp, title=self.cfg.algorithm.adv_estimator)
+            self.folder.replace_file(tmp, "curves.png")
+            self.folder.forget(tmp.name)
+        stem = self.trace_stem
+        rollout_trace = out_dir / f"{stem}_rollout.json"
+        if stem and rollout_trace.is_file():  # async: one timeline of both stages
+            trace = out_dir / f"{stem}.json"
             merge_traces([str(trace), str(rollout_trace)] if trace.is_file() else [str(rollout_trace)], str(trace))
             rollout_trace.unlink()
+            self.folder.forget(rollout_trace.name)
 
 
 def role_placements(placement: Placement, roles: dict) -> dict[str, Placement | None]:

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 
 def export_hf(module: torch.nn.Module, tokenizer, path: Path) -> Path:
-    """Writes a Hugging Face directory atomically (temp dir, then rename over the old one)."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.rename(tmp, path)
+    """Writes the model (and tokenizer) as a new Hugging Face directory `path`. An existing non-empty `path` is
+    refused, never replaced: callers write to a temporary folder and rename it into place themselves (the trainer
+    through `verl.utils.run_folder.RunFolder.publish`, which replaces only what the run wrote)."""
+    path = Path(path)
+    if os.path.lexists(path) and (not path.is_dir() or path.is_symlink() or any(path.iterdir())):
+        raise FileExistsError(f"export_hf writes a new folder, and {path} already exists; pick a new path")
+    module.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path

@@ -14,22 +14,28 @@ from verl.errors import VerlConfigError
 class MetricsLogger:
     """Appends `{"step": s, ...}` lines to metrics.jsonl and TensorBoard scalars; inactive off rank 0.
 
-    On resume the JSONL keeps only records up to the resumed step, one per step (a kill mid-write may have torn
-    the last line: it is dropped with a warning), so the file reads as one run. Rewrites are atomic.
+    History is append-only: nothing already in the file is rewritten or truncated. A run resumed from step s
+    first appends the marker `{"step": s, "resumed_from_step": s}`; `metrics_view` (what the plot reads) shows
+    one record per step, in which the rows a resumed run writes replace those of the steps after s written before
+    the resume (the stretch it redoes). A kill mid-write leaves a torn last line: the resumed run ends it with a
+    newline, and readers skip a torn line that is followed by a resume marker, with a warning. TensorBoard gets a
+    new event file per session (its purge step hides the redone stretch; no event file is rewritten).
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, start_step: int = 0):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = None
-        self._last_step = -1
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step] if self.path.exists() else []
-        kept = dedup_by_step(kept)
-        _write_rows(self.path, kept)
-        self._last_step = max((r.get("step", 0) for r in kept), default=-1)
+        with self.path.open("ab") as f:
+            if f.tell() and not _ends_with_newline(self.path):
+                warnings.warn(f"{self.path}: the last line was cut short (a kill mid-write); it stays, ended by a "
+                              f"newline, and readers skip it", stacklevel=2)
+                f.write(b"\n")
+            if start_step > 0:
+                f.write((json.dumps({"step": start_step, "resumed_from_step": start_step}) + "\n").encode())
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
@@ -38,12 +44,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        if step <= self._last_step:  # a step already on file (the resumed one): merge, keeping one row per step
-            _write_rows(self.path, dedup_by_step([*read_metrics(self.path), record]))
-        else:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            self._last_step = step
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(float(v)):
@@ -55,22 +57,27 @@ class MetricsLogger:
             self._tb = None
 
 
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl. A torn last line (a kill mid-write) is dropped with a warning; an
-    unreadable line elsewhere is a VerlConfigError naming it."""
+    """The records of a metrics.jsonl as written (see `metrics_view` for one per step). A torn line (a kill
+    mid-write) is skipped with a warning when it is the last one or a resume marker follows it; an unreadable line
+    elsewhere is a VerlConfigError naming it."""
     path = Path(path)
-    lines = path.read_text().split("\n")
+    lines = [(i, line) for i, line in enumerate(path.read_text().split("\n")) if line.strip()]
     out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    for j, (i, line) in enumerate(lines):
         try:
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:
-            if i == len(lines) - 1:  # no newline after it: the write was cut short
-                warnings.warn(f"{path}: dropping the torn last line {i + 1} ({line[:60]!r}...)", stacklevel=2)
+            if _is_torn(lines, j):
+                warnings.warn(f"{path}: skipping the torn line {i + 1} ({line[:60]!r}...)", stacklevel=2)
                 continue
             raise VerlConfigError(f"{path} line {i + 1} is not a JSON record ({e}): {line[:80]!r}; delete that "
                                   f"line (or the file) to go on") from e
@@ -78,19 +85,26 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
-def dedup_by_step(records: list[dict]) -> list[dict]:
-    """One record per step, in order of first appearance; later values of a step win."""
+def _is_torn(lines: list[tuple[int, str]], j: int) -> bool:
+    if j == len(lines) - 1:
+        return True
+    try:
+        nxt = json.loads(lines[j + 1][1])
+    except ValueError:
+        return False
+    return isinstance(nxt, dict) and "resumed_from_step" in nxt
+
+
+def metrics_view(records: list[dict]) -> list[dict]:
+    """One record per step, in step order of first appearance: rows of a step merge (later values win), and a
+    resume marker of step s drops the rows of steps after s written before it (the resumed run redoes them)."""
     merged: dict[object, dict] = {}
     for r in records:
+        if "resumed_from_step" in r:
+            s = r["resumed_from_step"]
+            merged = {k: v for k, v in merged.items() if not (isinstance(k, (int, float)) and k > s)}
         merged.setdefault(r.get("step"), {}).update(r)
     return list(merged.values())
-
-
-def _write_rows(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, path)
 
 
 VAL_CURVE = "val/reward_mean"
@@ -106,7 +120,7 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path, title: str = "")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
+    records = metrics_view(read_metrics(metrics_path))
     fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.2))
     for ax, (key, label) in zip(axes, CURVES):
         pts = [(r["step"], r[key]) for r in records if key in r]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from verl.errors import VerlConfigError
+
 MicroLossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
                        tuple[torch.Tensor, Mapping[str, torch.Tensor]]]
 """loss_fn(outputs, fields) -> (loss, statistics) for one micro-batch: `outputs` are the engine's [b, R] response
@@ -59,6 +61,18 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def check_token_ids(self, vocab_size: int | None, what: str) -> None:
+        """Every id of input_ids in [0, vocab_size) (one host sync); else VerlConfigError naming the row, the
+        position and the id, instead of the embedding's bare IndexError (a device-side assert on a GPU)."""
+        ids = self.input_ids
+        if vocab_size is None or ids.numel() == 0:
+            return
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise VerlConfigError(f"{what}: row {row} of the batch has token id {int(ids[row, col])} at position "
+                                  f"{col}, outside the model's vocabulary of {vocab_size} ids [0, {vocab_size})")
 
     def select(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         """Rows `idx` (a slice or index tensor) of the batch."""

@@ -20,6 +20,7 @@ were, and `OptimizerStep.nonfinite` says what was not finite, where.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from verl.ops.logprob import lm_head_logprob_entropy, logprob_entropy
 from verl.ops.losses import Aggregation
 from verl.utils.lr_schedule import LRSchedule
 from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
+from verl.utils.state_check import MAX_STEP, Bool, Dict, Each, Float, Int, Json, List, Opt, StateError, Str
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.packing import PackedBatch, micro_batch_slices, pack, pack_shared, packed_attention
 
@@ -120,6 +122,29 @@ def packed_head_outputs(module: torch.nn.Module, head: str, packed: PackedBatch,
     return {"log_probs": packed.unpack(lp[0]), "entropy": packed.unpack(ent[0])}
 
 
+def _scalar_or_list(value, where: str) -> None:
+    """A scheduler state key this verl does not know (torch adds some across versions): JSON scalars only."""
+    items = value if isinstance(value, list) else [value]
+    if len(items) > 1 << 16 or not all(v is None or isinstance(v, (bool, str)) or (isinstance(v, (int, float))
+                                       and math.isfinite(v)) for v in items):
+        raise StateError(where, f"{str(value)[:60]}: must be a finite number, a string, true/false or a list of them")
+
+
+_STEPS, _RATE = Int(0, MAX_STEP), Float(0.0)
+SCHEDULER_STATE = Dict(
+    {"last_epoch": Int(-1, MAX_STEP), "_step_count": _STEPS, "base_lrs": List(_RATE), "_last_lr": List(_RATE),
+     "lr_lambdas": List(Opt(Dict({}, extra=Json()))), "verbose": Bool(), "_is_initial": Bool(),
+     "_get_lr_called_within_step": Bool(),
+     # megatron-core's OptimizerParamScheduler
+     "max_lr": _RATE, "min_lr": _RATE, "num_steps": _STEPS, "lr_warmup_steps": _STEPS, "lr_decay_steps": _STEPS,
+     "lr_decay_style": Str(32), "start_wd": _RATE, "end_wd": _RATE, "wd_incr_style": Str(32), "wd_incr_steps": _STEPS},
+    optional=("last_epoch", "_step_count", "base_lrs", "_last_lr", "lr_lambdas", "verbose", "_is_initial",
+              "_get_lr_called_within_step", "max_lr", "min_lr", "num_steps", "lr_warmup_steps", "lr_decay_steps",
+              "lr_decay_style", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"),
+    extra=Each(_scalar_or_list))
+"""What a restored LR scheduler state (torch's LambdaLR or megatron's) may hold, checked before it is loaded."""
+
+
 def build_optimizer(module: torch.nn.Module, optim: OptimConfig, total_steps: int):
     """(AdamW over the trainable parameters, its `LRSchedule` following `optim.lr_factor`)."""
     params = [p for p in module.parameters() if p.requires_grad]
@@ -174,6 +199,7 @@ class ModuleEngine:
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,
                 padding_free: bool = False, max_tokens: int = 0, share_prefix: bool = False) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] (0 on padding): log-probs and entropy, or values."""
+        batch.check_token_ids(self.vocab_size, f"{type(self).__name__}.forward")
         parts = [self._forward(mb, temperature, packed) for _, mb, packed
                  in self._micro_batches(batch, micro_batch_size, max_tokens, padding_free, share_prefix)]
         return {k: torch.cat([p[k] for p in parts]) * batch.response_mask for k in parts[0]}
@@ -183,6 +209,7 @@ class ModuleEngine:
                    max_tokens: int = 0, share_prefix: bool = False) -> tuple[list[dict], OptimizerStep]:
         """Forward/backward of every micro-batch (gradients accumulate), then one optimizer step (`step`).
         Returns each micro-batch's statistics (floats) and what the step did."""
+        batch.check_token_ids(self.vocab_size, f"{type(self).__name__}.train_step")
         from verl.models.lora import adapter_dropout
         with adapter_dropout(self.module):
             stats, losses = self._accumulate(batch, micro_batch_size, loss_fn, extra, temperature, padding_free,
@@ -204,6 +231,12 @@ class ModuleEngine:
             losses.append(loss.detach())
             stats.append({k: float(v) for k, v in s.items()})
         return stats, losses
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the module embeds (its input embedding's rows)."""
+        emb = self.module.get_input_embeddings() if hasattr(self.module, "get_input_embeddings") else None
+        return getattr(emb, "num_embeddings", None)
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor a loss function filled (on the last pipeline stage): here every rank is the last stage."""

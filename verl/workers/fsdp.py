@@ -35,7 +35,10 @@ def _group_of(placement: Placement):
     if not dist.is_initialized():
         raise VerlConfigError("engine=fsdp needs torch.distributed initialised, even on one process (launch with "
                               "torchrun, or init_placement(..., process_group=True))")
-    return placement.dp if placement.dp is not None else dist.group.WORLD
+    if placement.dp is not None:
+        return placement.dp
+    # a one-rank role in a larger job shards over its own group: the world's other ranks never build this engine
+    return placement.group if placement.group is not None else dist.group.WORLD
 
 
 def build_mesh(placement: Placement, cfg: FSDPConfig):

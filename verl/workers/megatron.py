@@ -198,6 +198,7 @@ class MegatronEngine:
                 padding_free: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] on every rank (0 on padding): log-probs and entropy, or values."""
         from verl.models import compute_log_probs, compute_values
+        batch.check_token_ids(self.model.arch.vocab_size, "MegatronEngine.forward")
         if padding_free or max_tokens > 0:
             return self._forward_micro_batches(batch, micro_batch_size, temperature, padding_free, max_tokens)
         micro = _micro_size(len(batch), micro_batch_size)
@@ -216,6 +217,7 @@ class MegatronEngine:
         every rank when the loss or the gradient norm is not finite on any (`apply_update`). Returns each
         micro-batch's statistics (on every rank) and what the step did."""
         from verl.models.optimizer import accumulate_grads, apply_update
+        batch.check_token_ids(self.model.arch.vocab_size, "MegatronEngine.train_step")
         mbs = self._micro_batches(batch, micro_batch_size, extra, padding_free, max_tokens)
         n, P = len(mbs), batch.prompt_length
         head = getattr(loss_fn, "fused_head", None) if self.supports_fused_head else None

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from verl.config.ppo import RewardConfig, RewardSourceConfig
-from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.errors import VerlConfigError, VerlRuntimeError, library_errors
 from verl.rewards import get_reward, score_samples
 from verl.workers.batch import RolloutBatch, micro_slices
 from verl.workers.critic import VALUE_HEAD_FILE, ValueModel
@@ -81,14 +81,20 @@ class ModelRewardWorker:
                                       f"classification model directory, or a value-head model directory "
                                       f"(ValueModel.save_pretrained)")
         self.label, self.device, self.micro_batch_size = label, torch.device(device), micro_batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path)
+        tok_key = f"{key}.tokenizer_path" if tokenizer_path else f"{key}.model_path"
+        with library_errors(f"{tok_key}={tokenizer_path or path!r}: cannot load its tokenizer",
+                            f"put the tokenizer files (tokenizer.json or tokenizer.model with its config) there, "
+                            f"or set {key}.tokenizer_path"):
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path)
         self.value_head = (Path(path) / VALUE_HEAD_FILE).is_file()
-        if self.value_head:
-            self.model = ValueModel.from_pretrained(path, dtype=dtype)
-            config = self.model.trunk.config
-        else:
-            self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
-            config = self.model.config
+        with library_errors(f"{key}.model_path={path!r}: cannot load the reward model",
+                            "give a sequence-classification model directory or a value-head model directory"):
+            if self.value_head:
+                self.model = ValueModel.from_pretrained(path, dtype=dtype)
+                config = self.model.trunk.config
+            else:
+                self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+                config = self.model.config
             if config.num_labels != 1:
                 raise VerlConfigError(f"{key}.model_path={path!r} has num_labels={config.num_labels}; a reward "
                                       f"model scores with one label (num_labels=1)")

@@ -14,6 +14,12 @@
 // `vocab_start` of a vocabulary of `vocab_size` entries. The target's logit is then taken only by the shard
 // that owns the label (0 elsewhere), so callers can all-reduce it (Megatron's convention).
 //
+// Non-finite logits (one rule for every backend, the pure-PyTorch references included): -inf is a token of
+// probability 0 (masked vocabulary), so a target at -inf has log-prob -inf; a NaN or +inf logit in a row, or a
+// row of nothing but -inf, has no softmax, and its log-prob, entropy and gradient are NaN (as log_softmax
+// gives), never a finite or infinite number that a loss could take for a value. The kernels keep such a row's
+// online state NaN from the first bad block on (`merge` never folds a NaN state away).
+//
 // Gradient: with p_j = exp(z_j - lse), logprob = z_y - lse, H = lse - sum_j p_j z_j,
 //   d logprob / d z_j = [j = y] - p_j,  d H / d z_j = -p_j (z_j - lse + H),  d lse / d z_j = p_j,
 // so  d loss / d x_j = inv_t * (glp [j = y] + p_j (c - gh (z_j - lse + H))),  c = g_lse - g_logprob.
