@@ -37,6 +37,20 @@ TORCH_LIBRARY(verl, m) {
   m.def("reshard_unpack(Tensor flat, int[] shapes, int[] ndims) -> Tensor[]");
   m.def("reshard_gather(Tensor[] sources, Tensor plan, int dim, int[] out_shape) -> Tensor");
 
+  // ---- mixture-of-experts token dispatch (verl/ops/moe.py; driver in verl/moe.h, kernels in {cpu,cuda}/moe) --
+  // hidden [T, H], expert_ids [T, K] (int64/int32, each in [0, num_experts)), probs [T, K] or None.
+  // moe_permute orders the T*K (token, slot) pairs by (expert, token, slot): permuted [T*K, H] and permuted_probs
+  // [T*K] (an empty [0] tensor without probs) in that order, dst_of [T, K] int64 (the row of each pair), and
+  // tokens_per_expert [E] int64. moe_unpermute: out [T, H] = sum_k probs[t, k] * permuted[dst_of[t, k]] (probs None:
+  // a plain sum), accumulated in float (double for double). The backward of moe_permute is moe_unpermute; that of
+  // moe_unpermute is moe_unpermute_backward, which reads `permuted` only for grad_probs (an empty [0] tensor
+  // without probs).
+  m.def("moe_permute(Tensor hidden, Tensor expert_ids, Tensor? probs, int num_experts) -> "
+        "(Tensor permuted, Tensor permuted_probs, Tensor dst_of, Tensor tokens_per_expert)");
+  m.def("moe_unpermute(Tensor permuted, Tensor dst_of, Tensor? probs) -> Tensor");
+  m.def("moe_unpermute_backward(Tensor grad, Tensor dst_of, Tensor? probs, Tensor? permuted) -> "
+        "(Tensor grad_permuted, Tensor grad_probs)");
+
   // ---- RL advantages (verl/ops/rl.py; drivers in verl/rl_advantage.h, kernels in {cpu,cuda}/rl_advantage) --
   // Shapes: B sequences x T response tokens; every [B, T] tensor comes with `mask` (nonzero = valid).
   // `num_nonfinite` outputs count valid positions whose rewards (or values) are NaN/inf, so callers can

@@ -77,6 +77,14 @@ _PIPELINE_MODULES = (
     "megatron.core.pipeline_parallel.p2p_communication",  # shape buffers, torch.cuda.synchronize()
 )
 
+_MOE_MODULES = (
+    "megatron.core.transformer.moe.token_dispatcher",  # a CUDA stream for device-to-host copies, its syncs
+    "megatron.core.transformer.moe.moe_utils",         # aux-loss tracker buffers on device="cuda"
+    "megatron.core.transformer.moe.router",            # expert-bias / global aux-loss buffers on the current device
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",    # a CUDA stream for the overlapped shared expert
+)
+
 _OPTIMIZER_MODULES = (
     "megatron.core.optimizer.optimizer",             # found_inf / scale tensors on device='cuda'
     "megatron.core.optimizer.distrib_optimizer",
@@ -170,6 +178,10 @@ PATCHES: tuple[Patch, ...] = (
           why="pipeline schedules count tokens on device='cuda', p2p communication allocates shape buffers on "
               "torch.cuda.current_device() and calls torch.cuda.synchronize() around batched isend/irecv.",
           targets=_PIPELINE_MODULES, install=_installer(_PIPELINE_MODULES)),
+    Patch(name="moe_device_cpu", mechanism="torch-view",
+          why="the mixture-of-experts layer creates a CUDA stream in its all-to-all token dispatcher (and syncs "
+              "on it), and its router and aux-loss tracker allocate buffers on device='cuda'.",
+          targets=_MOE_MODULES, install=_installer(_MOE_MODULES)),
     Patch(name="optimizer_device_cpu", mechanism="torch-view",
           why="DDP grad buffers, the distributed optimizer, grad clipping and the grad scaler allocate on "
               "torch.cuda.current_device() / device='cuda'.",

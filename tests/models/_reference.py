@@ -27,7 +27,10 @@ def hf_reference(path, ids, mask, *, steps: int, lr: float) -> dict:
     logits, loss = _loss(model, ids, mask)
     loss.backward()
     lp, ent = _logprob_entropy(logits.detach(), ids, mask, 0.7)
+    from verl.models.config import arch_from_hf
+    from verl.models.layout import hf_checkpoint_view
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: g.clone() for n, g in hf_checkpoint_view(grads, arch_from_hf(model.config)).items()}
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
     model = hf_model(path)

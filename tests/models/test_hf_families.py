@@ -14,7 +14,8 @@ from verl.testing import run_distributed
 
 # family → (config class, causal-LM class, config fields beyond the shared tiny shape). Each one exercises
 # something a Llama does not: tied embeddings, q/k biases, qk-norm, scaled embeddings and (1 + w) norms, logit
-# soft-capping, logit scaling (folded into the temperature), partial rotary with an LM-head bias, fused qkv / gate-up projections.
+# soft-capping, logit scaling (folded into the temperature), partial rotary with an LM-head bias, fused qkv / gate-up
+# projections, routed experts (fused 3-D expert weights, top-k routing).
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
@@ -27,6 +28,10 @@ FAMILIES = {
     "cohere": ("CohereConfig", {"logit_scale": 0.5}),
     "phi": ("PhiConfig", {"partial_rotary_factor": 0.5}),
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    # mixture of experts: transformers' fused experts, run on verl's dispatch kernels once a torch engine holds them
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 ROWS = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12-5=", "answer": "7"},
         {"prompt": "2+2=", "answer": "4"}, {"prompt": "9-1=", "answer": "8"}]

@@ -467,7 +467,7 @@ def test_clear_rank_killed_mid_step(tmp_path, scenario):
     (code0, err0), (code1, _) = _finish(procs, within=20)
     assert code1 == -signal.SIGKILL
     assert code0 == 1 and "Traceback" not in err0, err0
-    assert "lost contact with ranks [0, 1]" in err0 and "a rank died" in err0, err0
+    assert "lost contact with ranks [1]" in err0 and "a rank died" in err0, err0
     assert time.monotonic() - start < 15
     if scenario == "kill":  # rank 0 failed inside the node first (its all_reduce lost its peer)
         assert "[node 'step', rank 0] failed: RuntimeError" in err0, err0
@@ -478,7 +478,7 @@ def test_clear_rank_hanging_past_the_collective_timeout(tmp_path):
     procs = _spawn_ranks("hang", tmp_path, collective_timeout=3.0)
     _wait_ready(tmp_path)
     (code0, err0), (code1, err1) = _finish(procs, within=30)
-    assert code0 == 1 and "rank 0 lost contact with ranks [0, 1]" in err0 and "(3 s, " in err0, err0
+    assert code0 == 1 and "rank 0 lost contact with ranks [1]" in err0 and "(3 s, " in err0, err0
     assert "Timed out" in err0 or "timed out" in err0, err0
     assert code1 == 1 and "lost contact" in err1, err1
 
@@ -493,7 +493,7 @@ def test_clear_ctrl_c_on_one_rank_of_plain_processes(tmp_path):
     start = time.monotonic()
     (code0, err0), (code1, err1) = _finish(procs, within=45)
     assert code1 == 130 and "interrupted" in err1 and "Traceback" not in err1, err1
-    assert code0 == 1 and "lost contact with ranks [0, 1]" in err0 and "interrupted" in err0, err0
+    assert code0 == 1 and "lost contact with ranks [1]" in err0 and "interrupted" in err0, err0
     assert time.monotonic() - start < 40  # far below the 180 s collective timeout
 
 

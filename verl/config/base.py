@@ -160,6 +160,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return _coerce_union(value, tp, key)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads off / on / no / yes as booleans: the choice spelled so
+            spelled = ("on", "yes", "true") if value else ("off", "no", "false")
+            value = next((c for c in choices if c in spelled), value)
         if value in choices:
             return value
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.4)

@@ -19,7 +19,8 @@ from verl.rollout.config import RolloutConfig
 
 @dataclass(kw_only=True, slots=True)
 class TinyModelConfig:
-    """A Llama-architecture model built locally with random weights (no download)."""
+    """A model built locally with random weights (no download): Llama-architecture by default, or another family
+    (a mixture-of-experts one with num_experts routed experts per layer)."""
 
     hidden_size: Annotated[int, Range(1, 1 << 16)] = 128
     """Width of the residual stream."""
@@ -35,12 +36,31 @@ class TinyModelConfig:
     """Longest sequence (prompt + response) the model supports."""
     vocab_size: Annotated[int, Range(1, 1 << 20)] = 96
     """Target size of the BPE vocabulary trained in memory on the task's text."""
+    family: Literal["llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"] = "llama"
+    """Hugging Face model family (its model_type); qwen3_moe / qwen2_moe / mixtral / olmoe are mixture-of-experts."""
+    num_experts: Annotated[int, Range(1, 1 << 16)] = 4
+    """Routed experts per MoE layer (MoE families only)."""
+    num_experts_per_tok: Annotated[int, Range(1, 1 << 16)] = 2
+    """Experts each token is routed to (top-k; MoE families only)."""
+    moe_intermediate_size: Annotated[int, Range(0, 1 << 18)] = 0
+    """SwiGLU width of one expert (MoE families only); 0: intermediate_size // num_experts_per_tok, so a token's
+    expert compute matches the dense MLP's."""
 
     def check(self) -> None:
         require(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
                 f"must be a multiple of num_heads={self.num_heads}")
         require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
                 f"must divide num_heads={self.num_heads} (grouped-query attention)")
+        require(self.num_experts >= 1, "num_experts", self.num_experts, "must be >= 1")
+        require(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok", self.num_experts_per_tok,
+                f"must be in [1, num_experts={self.num_experts}]")
+        require(self.moe_intermediate_size >= 0, "moe_intermediate_size", self.moe_intermediate_size,
+                "must be >= 0 (0: intermediate_size // num_experts_per_tok)")
+
+    @property
+    def expert_size(self) -> int:
+        """The SwiGLU width of one expert."""
+        return self.moe_intermediate_size or max(1, self.intermediate_size // self.num_experts_per_tok)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -168,6 +188,32 @@ class MegatronConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the megatron models."""
+    ep: int = 1
+    """Expert-parallel size of mixture-of-experts models: each of ep ranks holds num_experts / ep experts of every
+    MoE layer, tokens travel to them by all-to-all. EP groups are made of data-parallel ranks: etp x ep x pp must
+    divide the world, ep the number of experts."""
+    etp: int | None = None
+    """Expert tensor-parallel size: each expert's matrices split over etp ranks (None: tp, megatron-core's
+    default; 1 keeps experts whole while attention runs at tp)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing auxiliary loss of MoE layers (Switch Transformer's, per layer, added to the
+    actor's loss); 0 disables it (transformers' default: its output_router_logits is off). moe/aux_loss logs the
+    loss's value either way."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss of MoE layers (ST-MoE: the squared log-sum-exp of the router logits, keeping
+    them small); 0 disables it."""
+
+    def check(self) -> None:
+        for name in ("tp", "pp", "ep"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(self.etp is None or self.etp >= 1, "etp", self.etp, "must be >= 1 (or null: tp)")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0 (0 disables it)")
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in effect."""
+        return self.tp if self.etp is None else self.etp
 
 
 @dataclass(kw_only=True, slots=True)
@@ -311,6 +357,11 @@ class ActorConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm", "token-sum"] = "token-mean"
     """How per-token losses are reduced to one number (token-sum: the plain sum over the step's valid tokens)."""
+    router_replay: Literal["off", "rollout"] = "off"
+    """Mixture-of-experts router replay (R3): 'rollout' makes the actor's training forwards (old log-probs, update)
+    send each token to the experts the rollout engine chose for it instead of routing it again, so training and
+    rollout compute with the same experts (moe/router_mismatch_frac is then 0). Needs a rollout engine that
+    records routes and an actor engine that replays them (`verl.engines`: router_replay)."""
     fused_loss_head: bool = True
     """Compute the update's loss straight from the hidden states and the LM head weight with one fused op
     (verl.ops.linear_rl_loss, vocab-parallel on megatron: 3 GEMMs, gradients in its forward pass, no [tokens,
@@ -356,6 +407,10 @@ class ActorConfig:
         require(self.padding_free or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
                 "needs actor.padding_free=true (the shared prompt is a packed layout)")
         spec = _check_engine("training", self.engine)
+        require(spec.router_replay or self.router_replay == "off", "router_replay", self.router_replay,
+                f"needs an actor engine that replays routes; actor.engine={self.engine} cannot "
+                f"({spec.router_replay_why or 'router_replay=False in verl.engines'}; engines that can: "
+                f"{list(engines('training', router_replay=True))})")
         require(spec.prefix_sharing or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
                 f"is not supported on actor.engine={self.engine}; use one of "
                 f"{list(engines('training', prefix_sharing=True))}, or set it to false")
@@ -792,8 +847,6 @@ class TrainerConfig:
     max_staleness batches."""
 
     def check(self) -> None:
-        require(self.output_dir.strip() != "", "output_dir", self.output_dir,
-                "is empty, which would write into the current directory; name a folder (e.g. outputs/run1)")
         from verl.utils.run_folder import check_output_dir
         check_output_dir(self.output_dir)
         require(0 < self.max_state_mb < 1 << 20, "max_state_mb", self.max_state_mb, "must be a number of MB > 0")
@@ -983,6 +1036,14 @@ class PPOConfig:
         if advantage_info(self.algorithm.adv_estimator).needs_group and self.rollout.n < 2:
             raise VerlConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses "
                                   f"within a group; set rollout.n >= 2 (got {self.rollout.n})")
+        gen = rollout_engine(self.rollout.engine)
+        if self.actor.router_replay == "rollout" and not gen.router_replay:
+            raise VerlConfigError(f"actor.router_replay=rollout replays the experts the rollout engine chose for each "
+                                  f"token, but rollout.engine={self.rollout.engine} does not record them "
+                                  f"({gen.router_replay_why or 'router_replay=False in verl.engines'}; "
+                                  f"engines that do: "
+                                  f"{list(engines('rollout', router_replay=True))}); pick one of those, or set "
+                                  f"actor.router_replay=off")
         if self.rollout.decoder == "train" and (self.rollout.engine != "torch" or self.actor.engine != "torch"):
             raise VerlConfigError(f"rollout.decoder=train decodes with the training forward of a torch actor's own "
                                   f"module: it needs rollout.engine=torch and actor.engine=torch (got "
@@ -1031,6 +1092,8 @@ class PPOConfig:
         m = self.actor.megatron
         if actor_ranks % (m.tp * m.pp):
             raise VerlConfigError(f"actor.megatron.tp={m.tp} x pp={m.pp} must divide the {actor_ranks} ranks")
+        from verl.distributed.placement import check_expert_layout
+        check_expert_layout(world=actor_ranks, pp=m.pp, ep=m.ep, etp=m.expert_tp)
         return actor_ranks // (m.tp * m.pp)
 
     def validate_world(self, world_size: int) -> list[str]:

@@ -16,9 +16,10 @@
     out = flow.run({"prompt": prompts, "actor_model": actor, "reward_model": rm})
 
 Modules: `node` (decorators, NodeContext), `config` (NodeConfig), `graph` (building, validation,
-injection: the read-only description), `runtime` (compiling, caching and running plans), `comm`
-(redistribution between rank sets), `queue` (queued inputs between stages that run at their own pace),
-`trace` (Chrome traces, hooks).
+injection: the read-only description), `plan` (compiling and caching one rank's plan), `execute` (running
+it: agreements, failures, stages), `call` (one node call: outputs, offload, retries, timeouts), `transfer`
+(moving a value between rank sets; `comm` is its wire format), `state` (values carried between runs), `queue`
+(queued inputs between stages that run at their own pace), `trace` (Chrome traces, hooks).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from verl.dataflow.node import (
     mark_transient,
     registered_nodes,
 )
-from verl.dataflow.runtime import RunState
+from verl.dataflow.state import RunState
 from verl.dataflow.trace import NodeEvent, TraceRecorder, summarize
 
 

@@ -58,7 +58,7 @@ class NodeConfig:
     """Longest the node may run on a rank, retries included (default DEFAULT_NODE_TIMEOUT_S, an hour; 0: no
     limit). Past it the node is interrupted and
     the run fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time (see
-    `verl.dataflow.runtime` for what can and cannot be interrupted)."""
+    `verl.dataflow.call` for what can and cannot be interrupted)."""
     lag: dict[str, int] = field(default_factory=dict)
     """Inputs read from an earlier run of the dataflow: ``{key: k}`` gives the node the value the key's producer
     made ``k`` runs ago (k >= 1) instead of this run's, so no ordering edge ties the two nodes within a run and a

@@ -17,7 +17,9 @@ from typing import Any
 
 from verl.dataflow.config import NodeConfig, make_config, world_size_now
 from verl.dataflow.node import Node, NodeEntry, as_node
-from verl.dataflow.runtime import RunState, execute, flush, reachable
+from verl.dataflow.execute import execute, flush
+from verl.dataflow.plan import reachable
+from verl.dataflow.state import RunState
 from verl.errors import VerlConfigError, nearest
 
 RESERVED_DICT_KEYS = ("dependencies", "configs", "inputs")
@@ -26,7 +28,7 @@ RESERVED_DICT_KEYS = ("dependencies", "configs", "inputs")
 class Dataflow:
     """A validated, immutable dataflow. Build with `build_dataflow`, `Dataflow.from_dict` or `inject_node`.
 
-    It only describes the graph; `verl.dataflow.runtime` compiles and caches what running it needs (weakly
+    It only describes the graph; `verl.dataflow.plan` compiles and caches what running it needs (weakly
     referenced, hence ``__weakref__``)."""
 
     __slots__ = ("_entries", "_index", "_bindings", "_edges", "_exports", "_order", "_world_size", "_inputs",
@@ -190,7 +192,7 @@ class Dataflow:
         if problems:
             raise VerlConfigError("missing keys:\n  " + "\n  ".join(problems))
 
-    # ---- execution (see verl.dataflow.runtime) ------------------------------------------------------------
+    # ---- execution (see verl.dataflow.execute) -------------------------------------------------------------
     def new_state(self, initial: Mapping[str, Any] | None = None) -> RunState:
         """The carried values of this dataflow's lagged inputs, empty or seeded (see `RunState`)."""
         return RunState(self, initial)

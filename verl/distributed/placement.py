@@ -5,7 +5,10 @@
     model = build_gpt(hf_config, placement); worker = TorchEngine(module, optim, placement)
 
 `Placement` holds the world (rank, size, device) and the training layout TP × PP × DP with its process groups
-(megatron-core's rank order tp-dp-pp: rank = t + TP·(d + DP·p)). This module is the only place that reads
+(megatron-core's rank order tp-dp-pp: rank = t + TP·(d + DP·p)). Mixture-of-experts layers cut the same ranks
+another way (megatron-core's expert groups): expert TP (ETP, default TP) × expert parallel (EP) × expert DP × PP,
+rank = e_t + ETP·(e + EP·(e_d + EDP·p)): each EP rank holds 1/EP of every MoE layer's experts, and EP lives inside
+the data-parallel ranks (EP × ETP × PP divides the world). This module is the only place that reads
 megatron-core's global `parallel_state`; everything below receives the placement. `Placement.layout(...)`
 describes a layout by its sizes alone (no process, no groups), which is what the reshard planner reads.
 
@@ -29,7 +32,8 @@ import torch.distributed as dist
 
 from verl.errors import VerlConfigError
 
-__all__ = ["Placement", "init_placement", "init_process_groups", "destroy_process_groups", "pick_device",
+__all__ = ["Placement", "check_expert_layout", "init_placement", "init_process_groups", "destroy_process_groups",
+           "pick_device",
            "collective_timeout", "new_group", "DEFAULT_TIMEOUT_S", "free_port"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -83,6 +87,18 @@ class Placement:
     """Process group over `global_ranks` (None: the world group, when distributed)."""
     tp_global_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's TP group, in TP order."""
+    ep_size: int = 1
+    """Expert-parallel size: the ranks that split each MoE layer's experts between them (megatron engines)."""
+    etp_size: int = 1
+    """Expert tensor-parallel size: the ranks that split each expert's matrices (megatron-core's default: TP)."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group: it holds experts [ep_rank·E/EP, (ep_rank+1)·E/EP)."""
+    etp_rank: int = 0
+    """This rank's index in its expert tensor-parallel group."""
+    ep: dist.ProcessGroup | None = None
+    """Expert-parallel group (megatron engines with EP > 1)."""
+    etp: dist.ProcessGroup | None = None
+    """Expert tensor-parallel group (megatron engines only)."""
     pp_global_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's pipeline, in stage order."""
 
@@ -136,13 +152,42 @@ class Placement:
         """(tp index, dp index, pp stage) of `rank`."""
         return rank % self.tp_size, (rank // self.tp_size) % self.dp_size, rank // (self.tp_size * self.dp_size)
 
+    @property
+    def edp_size(self) -> int:
+        """Expert data-parallel size: copies of each expert shard (world / (ETP × EP × PP))."""
+        return self.world_size // (self.etp_size * self.ep_size * self.pp_size)
+
+    def expert_coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(expert TP index, EP index, expert DP index, pp stage) of `rank` (megatron-core's expert rank order)."""
+        per_stage = self.world_size // self.pp_size
+        local = rank % per_stage
+        return (local % self.etp_size, (local // self.etp_size) % self.ep_size,
+                local // (self.etp_size * self.ep_size), rank // per_stage)
+
+    def expert_rank_of(self, t: int, e: int, d: int, p: int) -> int:
+        """Global rank of (expert TP index, EP index, expert DP index, pp stage)."""
+        return t + self.etp_size * (e + self.ep_size * (d + self.edp_size * p))
+
     @classmethod
-    def layout(cls, *, tp: int = 1, pp: int = 1, dp: int = 1) -> "Placement":
-        """A layout by its sizes alone (rank 0, no process groups): what planners and tests reason about."""
-        for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
+    def layout(cls, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, etp: int | None = None) -> "Placement":
+        """A layout by its sizes alone (rank 0, no process groups): what planners and tests reason about. `ep` /
+        `etp` (default: tp) describe how the MoE layers' experts are cut over the same ranks."""
+        etp = tp if etp is None else etp
+        for name, v in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep), ("etp", etp)):
             if v < 1:
                 raise VerlConfigError(f"layout {name}={v} must be >= 1")
-        return cls(world_size=tp * pp * dp, tp_size=tp, pp_size=pp, dp_size=dp)
+        check_expert_layout(world=tp * pp * dp, pp=pp, ep=ep, etp=etp)
+        return cls(world_size=tp * pp * dp, tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, etp_size=etp)
+
+
+def check_expert_layout(*, world: int, pp: int, ep: int, etp: int) -> None:
+    """megatron-core's rule for the expert layout over `world` ranks, refused with the values that break it."""
+    if ep < 1 or etp < 1:
+        raise VerlConfigError(f"actor.megatron.ep={ep} and etp={etp} must be >= 1")
+    if world % (etp * ep * pp):
+        raise VerlConfigError(f"actor.megatron.etp={etp} x ep={ep} x pp={pp} = {etp * ep * pp} does not divide the "
+                              f"{world} ranks (megatron-core cuts the experts over ETP x EP x expert-DP per pipeline "
+                              f"stage); pick ep and etp whose product with pp divides {world}")
 
 
 def comm_device() -> torch.device:
@@ -196,13 +241,14 @@ def _join_world(device: torch.device, timeout_s: float) -> None:
 
 
 def init_placement(device_choice: str = "auto", *, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                   seed: int = 1234, megatron: bool = False, process_group: bool = False,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Placement:
+                   ep: int = 1, etp: int | None = None, seed: int = 1234, megatron: bool = False,
+                   process_group: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> Placement:
     """Joins (or creates) the default process group from torchrun's env vars and returns this rank's placement.
 
     A lone process needs no process group, unless megatron-core is used (`megatron=True`, or tp/pp > 1) or
     something else needs one (`process_group=True`: vLLM / SGLang, which would otherwise make their own): it
-    then gets a one-rank gloo group, and with megatron its parallel state is initialised (TP × PP, the rest DP).
+    then gets a one-rank gloo group, and with megatron its parallel state is initialised (TP × PP, the rest DP;
+    the experts of MoE layers over ETP × EP, see `init_process_groups`).
     `timeout_s` bounds every collective of the job (see the module docstring).
     """
     global _timeout_s
@@ -215,15 +261,17 @@ def init_placement(device_choice: str = "auto", *, tp: int = 1, pp: int = 1, seq
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     if megatron:
-        return init_process_groups(tp=tp, pp=pp, sequence_parallel=sequence_parallel, seed=seed, device=device)
+        return init_process_groups(tp=tp, pp=pp, sequence_parallel=sequence_parallel, ep=ep, etp=etp, seed=seed,
+                                   device=device)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return Placement(rank=rank, world_size=world, local_rank=local_rank, device=device, dp_size=world, dp_rank=rank,
                      dp=dist.group.WORLD if world > 1 else None, tp_global_ranks=(rank,), pp_global_ranks=(rank,))
 
 
-def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = False, seed: int = 1234,
-                        device: torch.device | None = None) -> Placement:
-    """Initialises megatron-core's parallel state (TP × PP, the rest DP) and its RNG; returns the placement.
+def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = False, ep: int = 1,
+                        etp: int | None = None, seed: int = 1234, device: torch.device | None = None) -> Placement:
+    """Initialises megatron-core's parallel state (TP × PP, the rest DP; MoE experts over ETP × EP, `etp`
+    defaulting to `tp`) and its RNG; returns the placement.
 
     Call once per process after `torch.distributed.init_process_group`. Calling it again with the same sizes
     returns the existing layout; different sizes first need `destroy_process_groups()`.
@@ -242,17 +290,21 @@ def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = F
                               f"divides {world}")
     if sequence_parallel and tp == 1:
         raise VerlConfigError("sequence_parallel=True needs tp > 1 (it splits the sequence over the TP group)")
+    etp = tp if etp is None else etp
+    check_expert_layout(world=world, pp=pp, ep=ep, etp=etp)
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(torch.cuda.device_count(), 1)))
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp:
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size())
+        if have != (tp, pp, ep, etp):
             raise VerlConfigError(
-                f"megatron parallel state already initialised with tp={ps.get_tensor_model_parallel_world_size()}, "
-                f"pp={ps.get_pipeline_model_parallel_world_size()}; call destroy_process_groups() before "
-                f"tp={tp}, pp={pp}")
+                f"megatron parallel state already initialised with (tp, pp, ep, etp)={have}; call "
+                f"destroy_process_groups() before tp={tp}, pp={pp}, ep={ep}, etp={etp}")
     else:
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)  # one GPU per process; megatron allocates on the current device
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                      distributed_timeout_minutes=collective_timeout().total_seconds() / 60)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     if device is None:
@@ -265,7 +317,10 @@ def init_process_groups(*, tp: int = 1, pp: int = 1, sequence_parallel: bool = F
         dp_rank=ps.get_data_parallel_rank(), sequence_parallel=sequence_parallel,
         tp=tp_group, pp=pp_group, dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
         tp_global_ranks=tuple(dist.get_process_group_ranks(tp_group)),
-        pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)))
+        pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+        ep_size=ep, etp_size=etp, ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), ep=ps.get_expert_model_parallel_group(),
+        etp=ps.get_expert_tensor_parallel_group())
 
 
 def destroy_process_groups() -> None:

@@ -46,7 +46,7 @@ def megatron_local_params(model) -> dict[str, torch.Tensor]:
 def megatron_training_layout(model) -> Placement:
     """The Placement of the model's process groups (checks that the rank order is megatron's tp-dp-pp)."""
     pg = model.pg
-    layout = Placement.layout(tp=pg.tp_size, pp=pg.pp_size, dp=pg.dp_size)
+    layout = Placement.layout(tp=pg.tp_size, pp=pg.pp_size, dp=pg.dp_size, ep=pg.ep_size, etp=pg.etp_size)
     if dist.is_initialized():
         want = layout.rank_of(pg.tp_rank, pg.dp_rank, pg.pp_rank)
         if dist.get_rank() != want:

@@ -14,6 +14,11 @@ needs: for TP_g = TP/k the k training TP ranks t = k·j … k·j+k-1 all become 
 distinct generation DP replicas), so each rank gathers only inside its group of k and TP_g = TP moves
 nothing at all. Pipeline stages other than a rank's own send it their layers point to point.
 
+Routed experts of mixture-of-experts layers are cut differently (verl.models.layout): expert e lives on the
+ranks of expert-parallel index `spec.ep` (megatron-core's expert rank order, `Placement.expert_coords`), its
+matrices split over expert TP; everything else is held by every EP rank of its stage. So an EP × ETP layout
+resharded to generation TP 1 moves each rank exactly the experts it lacks.
+
 A source among equal replicas (DP copies, or all TP ranks for replicated tensors) is chosen as the rank
 itself when it holds the data, else a replica in the rank's own training DP group (same data-parallel
 index: the merged TP group), else the least loaded one, so that senders share the work. A rank that holds
@@ -146,8 +151,11 @@ class ReshardPlan:
         """Parameter name → local shape of every training parameter `rank` holds (none on a generation-only rank)."""
         if rank not in self.train_ranks:
             return {}
-        t, d, p = self.train.coords(self.train_ranks.index(rank))
-        return {s.name: s.local_shape(t if s.axis == "tp" else d) for s in self.specs.values() if s.stage == p}
+        r = self.train_ranks.index(rank)
+        t, d, p = self.train.coords(r)
+        et, e, _, _ = self.train.expert_coords(r)
+        return {s.name: s.local_shape(s.chunk_index(tp=t, dp=d, etp=et)) for s in self.specs.values()
+                if s.stage == p and (s.ep is None or s.ep == e)}
 
     def traffic(self) -> dict[str, list[int]]:
         """Bytes each rank sends to and receives from OTHER ranks, and the largest bucket it holds."""
@@ -222,14 +230,23 @@ class _SourceChooser:
         self.train, self.host = train, list(train_ranks)
         self.load = [0] * world
 
-    def choose(self, spec: ShardSpec, k: int, dst: int, nbytes: int) -> int:
+    def _candidates(self, spec: ShardSpec, k: int) -> list[int]:
+        """The training ranks holding chunk k of `spec`."""
         tr = self.train
+        if spec.ep is not None:  # a routed expert: its EP index, every expert-DP copy, ETP index k
+            ts = range(tr.etp_size) if spec.dim is None else [k]
+            return [tr.expert_rank_of(t, spec.ep, d, spec.stage) for t in ts for d in range(tr.edp_size)]
         if spec.dim is None:
             candidates = [tr.rank_of(t, d, spec.stage) for t in range(tr.tp_size) for d in range(tr.dp_size)]
         elif spec.axis == "tp":
             candidates = [tr.rank_of(k, d, spec.stage) for d in range(tr.dp_size)]
         else:
             candidates = [tr.rank_of(t, k, spec.stage) for t in range(tr.tp_size)]
+        return candidates
+
+    def choose(self, spec: ShardSpec, k: int, dst: int, nbytes: int) -> int:
+        tr = self.train
+        candidates = self._candidates(spec, k)
         hosts = [self.host[c] for c in candidates]
         if dst in hosts:
             return dst
@@ -302,7 +319,7 @@ def _check(layout: ModelLayout, train: Placement, tp_g: int, fmt: str, bucket_by
     if layout.unknown and (tp_g > 1 or fmt != "hf"):
         raise VerlConfigError(
             f"architecture {layout.architecture!r}: the hybrid engine knows how to cut and fuse the weights of "
-            f"Llama / Qwen2 / Mistral-family models only ({layout.unknown}); for other models use "
+            f"the families verl.models.config supports only ({layout.unknown}); for other models use "
             f"weight_format='hf' with generation_tp=1 (got weight_format={fmt!r}, generation_tp={tp_g})")
     names = [s.name for s in layout.params]
     if len(set(names)) != len(names):
@@ -311,7 +328,10 @@ def _check(layout: ModelLayout, train: Placement, tp_g: int, fmt: str, bucket_by
     for s in layout.params:
         if not 0 <= s.stage < train.pp_size:
             raise VerlConfigError(f"{s.name} is on pipeline stage {s.stage} but the training layout has PP={train.pp_size}")
-        size = train.tp_size if s.axis == "tp" else train.dp_size
+        size = {"tp": train.tp_size, "dp": train.dp_size, "etp": train.etp_size}[s.axis]
+        if s.ep is not None and not 0 <= s.ep < train.ep_size:
+            raise VerlConfigError(f"{s.name} is held by expert-parallel rank {s.ep} but the training layout has "
+                                  f"EP={train.ep_size}; describe the parameters for this layout")
         if s.dim is not None and s.parts != size:
             raise VerlConfigError(f"{s.name} is cut into {s.parts} chunks along the training {s.axis.upper()} axis but "
                                   f"the training layout has {s.axis.upper()}={size}; describe the parameters for "

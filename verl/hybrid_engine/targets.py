@@ -110,6 +110,12 @@ def generation_targets(group: TensorGroup, tp_g: int, rank: int, fmt: str = "hf"
     """The tensors generation TP rank `rank` of `tp_g` receives for `group`, in the engine format `fmt`."""
     if fmt not in FORMATS:
         raise VerlConfigError(f"unknown generation weight format {fmt!r}; choose one of {FORMATS}")
+    if fmt == "vllm" and group.expert is not None:
+        raise VerlConfigError(f"{group.names[0]}: vLLM's fused-MoE layers hold each rank's experts as one "
+                              f"[experts, rows, hidden] tensor (w13 / w2), a layout the hybrid engine does not "
+                              f"produce; "
+                              f"generate mixture-of-experts models at rollout.tp=1 (the 'hf' format, which vLLM's own "
+                              f"loader fuses)")
     segs = [s for s in _segments(group, tp_g, rank) if s.length > 0]
     if fmt == "vllm" and group.kind in ("qkv", "gate_up"):
         return [Target(_vllm_fused_name(group), _shape_with(group, 0, sum(s.length for s in segs)), group.dim,

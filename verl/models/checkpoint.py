@@ -3,10 +3,10 @@
 Loading: every rank opens the checkpoint lazily (`safe_open`) and reads, through `get_slice`, only the rows
 or columns its own shards need — no rank materialises the whole model.
 
-Export: each parameter is all-gathered over TP (along its partition dim), pipeline stages send their
-tensors to global rank 0 of the PP group (first DP replica, TP rank 0), which cuts them back into HF
-tensors along the ShardSpec segments and writes safetensors + config (+ tokenizer). Bit-exact: only
-concatenation and slicing, no arithmetic.
+Export: each parameter is all-gathered over TP (a routed expert's over expert TP), the experts of the other
+expert-parallel ranks are gathered to the first one, pipeline stages send their tensors to global rank 0 of the
+PP group (first DP replica, TP rank 0), which cuts them back into HF tensors along the ShardSpec segments and
+writes safetensors + config (+ tokenizer). Bit-exact: only concatenation and slicing, no arithmetic.
 """
 
 from __future__ import annotations
@@ -98,6 +98,15 @@ def load_hf_checkpoint(model: MegatronGPT, path: str | os.PathLike, *, strict: b
                               f"{shown}. Loading would drop them and compute something else than the checkpoint; "
                               f"check that config.json matches the weights (e.g. attention_bias, "
                               f"num_hidden_layers), or pass strict=False to ignore them")
+    optional = {"lm_head.weight"} if model.arch.tie_word_embeddings or model.options.value_head else set()
+    absent = sorted(set(hf_tensor_shapes(model.arch)) - set(reader.files) - optional)
+    if absent and strict:
+        # checked on every rank against the whole model (not only this rank's shards), so every rank refuses:
+        # an expert only one expert-parallel rank holds would otherwise stop that rank alone
+        reader.close()
+        shown = ", ".join(absent[:8]) + (f", ... ({len(absent)} in all)" if len(absent) > 8 else "")
+        raise VerlConfigError(f"checkpoint {path} lacks {shown}, which the {model.arch.model_type} model needs; is it "
+                              f"a checkpoint of this architecture and size (num_experts, num_hidden_layers)?")
     params = dict(model.gpt.named_parameters())
     loaded, missing = [], []
     try:
@@ -130,8 +139,10 @@ def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Pat
                                           f"{spec.name}; is it a {model.arch.model_type} checkpoint of the same size?")
                 missing.append(spec.name)
                 continue
+            pg = model.pg
             try:
-                shard = _read_shard(reader, spec, model.pg.tp_rank, param)
+                k = spec.chunk_index(tp=pg.tp_rank, dp=pg.dp_rank, etp=pg.etp_rank)
+                shard = _read_shard(reader, spec, k, param)
             except Exception as e:
                 raise VerlRuntimeError(f"reading {spec.hf_names} for {spec.name} from {path} failed: {e}",
                                        rank=dist.get_rank() if dist.is_initialized() else None, cause=e) from e
@@ -144,7 +155,9 @@ def _load_specs(model: MegatronGPT, reader: _LazyReader, params: dict, path: Pat
 
 # ------------------------------------------------------------------------------------------------ export
 
-def _gather_tp(t: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
+def _gather_tp(t: torch.Tensor, spec: ShardSpec, pg) -> torch.Tensor:
+    """The whole parameter from its TP (or, for an expert, expert-TP) chunks."""
+    group = pg.etp if spec.axis == "etp" else pg.tp
     if spec.dim is None or spec.parts == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(spec.parts)]
@@ -171,20 +184,25 @@ def gather_hf_state_dict(model: MegatronGPT,
     """HF-named full tensors on global rank 0 of the PP group's first stage (None elsewhere).
 
     `tensors` maps local parameter names to what to gather (default: the parameters themselves; pass the
-    grads to map gradients back to HF names). Collective over TP and PP.
+    grads to map gradients back to HF names). Collective over TP, EP and PP.
     """
     pg = model.pg
     params = dict(model.gpt.named_parameters())
     shapes = hf_tensor_shapes(model.arch, value_head=model.options.value_head)
     stage_out: dict[str, torch.Tensor] = {}
-    gathering = pg.tp_rank == 0
+    experts: dict[str, torch.Tensor] = {}
+    gathering = pg.tp_rank == 0 and (pg.ep_size == 1 or pg.expert_coords(pg.rank)[1:3] == (0, 0))
     for spec in model.shard_specs():
         if not spec.exported:
             continue
         local = (tensors[spec.local_name] if tensors is not None else params[spec.local_name]).detach()
-        full = _gather_tp(local, spec, pg.tp)
-        if gathering:
+        full = _gather_tp(local, spec, pg)
+        if spec.ep is not None:
+            if pg.etp_rank == 0:
+                _split_to_hf(full, spec, experts, shapes)
+        elif gathering:
             _split_to_hf(full, spec, stage_out, shapes)
+    stage_out.update(_gather_experts(experts, pg))
     if pg.pp_size == 1:
         return stage_out if gathering else None
     # Stages' TP-rank-0 ranks send their HF tensors to stage 0 (object lists keep it simple; the checkpoint
@@ -195,6 +213,25 @@ def gather_hf_state_dict(model: MegatronGPT,
     dist.gather_object(stage_out, objs if pg.is_first_stage else None, dst=pg.pp_global_ranks[0], group=pg.pp)
     if not pg.is_first_stage:
         return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in objs:
+        merged.update(part)
+    return merged
+
+
+def _gather_experts(experts: dict[str, torch.Tensor], pg) -> dict[str, torch.Tensor]:
+    """Every EP rank's expert tensors, on the stage's writer (TP rank 0 of the first DP replica, which is EP rank
+    0 of its expert group); {} elsewhere. Collective over the EP groups of expert-TP rank 0 and expert-DP rank 0."""
+    if pg.ep_size == 1:
+        return experts
+    etp_i, ep_i, edp_i, _ = pg.expert_coords(pg.rank)
+    if etp_i != 0 or edp_i != 0:
+        return {}
+    ranks = dist.get_process_group_ranks(pg.ep)
+    objs: list = [None] * pg.ep_size if ep_i == 0 else None
+    dist.gather_object(experts, objs, dst=ranks[0], group=pg.ep)
+    if ep_i != 0 or pg.tp_rank != 0:
+        return {}
     merged: dict[str, torch.Tensor] = {}
     for part in objs:
         merged.update(part)

@@ -121,6 +121,11 @@ def _forward_step(model: MegatronGPT, loss_fn: LossFn):
                                   f"{arch.sliding_window}; the megatron local attention is full attention, so use "
                                   f"sequences <= the window")
         ids, pos, mask_4d = _pad_inputs(mb, sp_padded_length(model, s))
+        if arch.moe is not None:  # routes to compare with or replay, and which tokens are real (verl.models.moe)
+            from verl.models.moe import set_route_contexts
+            pg = model.pg
+            set_route_contexts(model.gpt, arch, mb, ids.shape[1], sequence_parallel=pg.sequence_parallel,
+                               tp_rank=pg.tp_rank, tp=pg.tp_size)
         out = module(ids, pos, attention_mask=mask_4d)
         return out, partial(_loss_adapter, loss_fn, model, mb)
     return step

@@ -1,4 +1,5 @@
-"""Build a megatron-core GPTModel (Llama / Qwen2 / Mistral) from a Hugging Face config, TP/SP/PP-sharded."""
+"""Build a megatron-core GPTModel (Llama / Qwen2 / Mistral / Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE,
+Mixtral, OLMoE) from a Hugging Face config, TP/SP/PP-sharded, its experts EP × ETP-sharded."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class BuildOptions:
     """Std of the random init (weights loaded from a checkpoint overwrite it)."""
     recompute: bool = False
     """Full activation recomputation of every layer (memory for compute)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the MoE load-balancing auxiliary loss (Switch-Transformer form, per layer); 0 disables it."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the MoE router z-loss (mean squared log-sum-exp of the router logits); 0 disables it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,9 +79,9 @@ class MegatronGPT:
 
     def shard_specs(self) -> list[ShardSpec]:
         """Per local parameter: megatron name, HF segments, global shape, TP dim, stage, dtype (this rank holds
-        chunk `pg.tp_rank` of each)."""
+        chunk `spec.chunk_index(tp=pg.tp_rank, dp=pg.dp_rank, etp=pg.etp_rank)` of each)."""
         return [shard_spec(name, arch=self.arch, layout=self.layout, layer_offset=self.layer_offset,
-                           stage=self.pg.pp_rank, dtype=p.dtype)
+                           stage=self.pg.pp_rank, dtype=p.dtype, ep_rank=self.pg.ep_rank)
                 for name, p in self.gpt.named_parameters()]
 
 
@@ -130,25 +135,72 @@ def transformer_config(arch: ArchSpec, layout: ParallelLayout, pg: Placement, op
         # Fusions need CUDA/apex/TE; the unfused paths are what we compare against transformers.
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        **extra)
+        # per-head q/k norms are replicated over TP (megatron sums their grads over TP when this is set); OLMoE's
+        # projection norms are TP-sharded (verl.models.moe.ProjectionRMSNorm), so they must not be
+        qk_layernorm=arch.qk_norm == "head", **_moe_config(arch, pg, options), **extra)
     # Micro-batches may differ in padded length; set after __post_init__, whose check of this flag only
     # concerns MoE token dispatchers (there are none here).
     config.variable_seq_lengths = True
     return config
 
 
+def _moe_config(arch: ArchSpec, pg: Placement, options: BuildOptions) -> dict:
+    """TransformerConfig fields of the MoE layers (none for a dense model). Routing is the checkpoint's: top-k of
+    a float32 softmax router, renormalised or not (`moe_router_pre_softmax`), dropless, all-to-all dispatch."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    return dict(num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.ffn_hidden_size,
+                moe_router_pre_softmax=not moe.normalize_top_k, moe_router_score_function="softmax",
+                moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                moe_layer_freq=[int(arch.is_moe_layer(i)) for i in range(arch.num_layers)],
+                moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
+                moe_shared_expert_gate=moe.shared_gate, moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=options.moe_aux_loss_coeff, moe_z_loss_coeff=options.moe_z_loss_coeff or None,
+                expert_model_parallel_size=pg.ep_size, expert_tensor_parallel_size=pg.etp_size)
+
+
+def _layer_spec(arch: ArchSpec, pg: Placement, use_te: bool):
+    """megatron's layer spec for a dense model; for MoE models (and OLMoE's q/k norm) this stage's layers, each
+    with verl's MoE classes where it has experts (verl.models.moe)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    qk = arch.qk_norm != "none"
+
+    def base(experts: int | None):
+        if use_te:
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                              qk_layernorm=qk)
+        return get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
+                                        normalization="RMSNorm")
+    if arch.moe is None and arch.qk_norm != "projection":
+        return base(None)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from verl.models.moe import moe_layer_spec
+    per_stage = arch.num_layers // pg.pp_size
+    first = pg.pp_rank * per_stage
+    specs = [moe_layer_spec(base(arch.moe.num_experts if arch.is_moe_layer(i) else None), arch, tp_group=pg.tp)
+             for i in range(first, first + per_stage)]
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import LNImpl as norm
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
+
+
 def build_gpt(hf_config, pg: Placement, options: BuildOptions | None = None) -> MegatronGPT:
     """This rank's stage of a megatron GPTModel equivalent to `hf_config` (random init; load weights after)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
     options = options or BuildOptions()
     arch = arch_from_hf(hf_config)
-    layout = parallel_layout(arch, pg.tp_size, options.vocab_multiple)
+    layout = parallel_layout(arch, pg.tp_size, options.vocab_multiple, ep=pg.ep_size, etp=pg.etp_size)
+    if arch.moe is not None and pg.tp_size > 1 and not pg.sequence_parallel:
+        raise VerlConfigError(f"tp={pg.tp_size} with the mixture-of-experts model {arch.model_type} needs "
+                              f"sequence_parallel=true (megatron-core's MoE layer refuses TP without it)")
     config = transformer_config(arch, layout, pg, options)
     use_te = _use_te(options.spec)
-    spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec = _layer_spec(arch, pg, use_te)
     tie = arch.tie_word_embeddings and not options.value_head
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=layout.padded_vocab_size,
@@ -160,6 +212,12 @@ def build_gpt(hf_config, pg: Placement, options: BuildOptions | None = None) -> 
     if options.value_head and pg.is_last_stage:
         model.output_layer = ValueHead(arch.hidden_size, sequence_parallel=pg.sequence_parallel,
                                        dtype=config.params_dtype, std=options.init_method_std)
+    if config.params_dtype != torch.float32:
+        # the local spec's torch norms (and the MoE router) are created in float32 whatever params_dtype says;
+        # megatron's Float16Module casts the whole model, so do the same: one dtype, as the checkpoint's
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(config.params_dtype)
     built_options = dataclasses.replace(options)
     return MegatronGPT(module=model, arch=arch, layout=layout, pg=pg, hf_config=hf_config, options=built_options,
                        spec="te" if use_te else "local")

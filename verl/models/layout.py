@@ -23,6 +23,14 @@ The two delicate megatron layouts, both megatron-core's own:
   global matrix is ``[gate_0; up_0; gate_1; up_1; ...]`` — NOT ``[gate; up]``.
 
 The vocabulary (embedding and untied output layer) is padded with zero rows up to a multiple of TP.
+
+Mixture-of-experts layers: the router (`mlp.router`) is replicated; each routed expert is a SwiGLU MLP whose
+`linear_fc1` / `linear_fc2` are cut over the expert tensor-parallel group (ETP) exactly like a dense MLP over TP,
+and each expert lives on one expert-parallel rank: EP rank r holds experts [r·E/EP, (r+1)·E/EP) as its
+`local_experts.0 …`. Their ShardSpecs name the GLOBAL expert (`local_experts.<e>` in the canonical name), cut
+along the `etp` axis and held by EP rank `ep` only; every other parameter is held by every EP rank of its stage.
+On the Hugging Face side each expert is its own tensors (the checkpoint's per-expert names; transformers' fused
+in-memory `experts.gate_up_proj` is the rollout engine's business, `expert_module_slots`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from verl.errors import VerlConfigError
 from verl.models.config import ArchSpec, ParallelLayout, arch_from_hf
 
 KINDS = ("qkv-fused", "gate-up-fused", "column", "row", "vocab", "replicated", "value-head")
-AXES = ("tp", "dp")
+AXES = ("tp", "dp", "etp")
 GROUP_KINDS = ("qkv", "gate_up", "row", "vocab", "replicated", "whole")
 
 
@@ -90,6 +98,8 @@ class ShardSpec:
     """Element type of the live parameter (decides bucket bytes)."""
     exported: bool = True
     """False for a copy that is not written on export (the tied output layer on the last pipeline stage)."""
+    ep: int | None = None
+    """The expert-parallel rank that holds it (a routed expert's weights); None: every EP rank of its stage."""
 
     def __post_init__(self):
         if self.axis not in AXES:
@@ -108,6 +118,10 @@ class ShardSpec:
     def hf_names(self) -> tuple[str, ...]:
         """HF tensors this parameter is built from (in layout order, padding excluded)."""
         return tuple(dict.fromkeys(s.hf_name for s in self.segments if s.hf_name is not None))
+
+    def chunk_index(self, *, tp: int, dp: int, etp: int = 0) -> int:
+        """Which chunk a holder at training (tp, dp, expert-tp) indices holds."""
+        return {"tp": tp, "dp": dp, "etp": etp}[self.axis]
 
     def chunk(self, k: int) -> tuple[int, int]:
         """(start, length) along `cut_dim` of the global tensor that chunk k holds."""
@@ -150,6 +164,9 @@ class TensorGroup:
     """qkv: key/value heads."""
     head_dim: int = 0
     """qkv: rows per head."""
+    expert: int | None = None
+    """The routed expert these tensors belong to (None for everything else): engines that fuse experts into
+    their own layout (vLLM's fused MoE) need to know."""
 
     def __post_init__(self):
         if self.kind not in GROUP_KINDS or len(self.names) != len(self.shapes):
@@ -183,9 +200,52 @@ def _seg(name: str | None, start: int, length: int) -> Segment:
 
 # ------------------------------------------------------------------------------------------- HF tensors
 
+def _hf_mlp_names(arch: ArchSpec, p: str) -> dict[str, str]:
+    """HF names of layer prefix `p`'s MoE tensors: router, shared expert, and the per-expert name patterns."""
+    if arch.moe.naming == "mixtral":
+        b = f"{p}.block_sparse_moe"
+        return {"router": f"{b}.gate.weight", "gate": f"{b}.experts.{{e}}.w1.weight",
+                "up": f"{b}.experts.{{e}}.w3.weight", "down": f"{b}.experts.{{e}}.w2.weight"}
+    m = f"{p}.mlp"
+    return {"router": f"{m}.gate.weight", "gate": f"{m}.experts.{{e}}.gate_proj.weight",
+            "up": f"{m}.experts.{{e}}.up_proj.weight", "down": f"{m}.experts.{{e}}.down_proj.weight",
+            "shared_gate": f"{m}.shared_expert.gate_proj.weight", "shared_up": f"{m}.shared_expert.up_proj.weight",
+            "shared_down": f"{m}.shared_expert.down_proj.weight", "shared_scale": f"{m}.shared_expert_gate.weight"}
+
+
+def _swiglu_groups(gate: str, up: str, down: str, h: int, f: int, expert: int | None = None) -> list[TensorGroup]:
+    return [TensorGroup(kind="gate_up", names=(gate, up), shapes=((f, h), (f, h)), expert=expert),
+            TensorGroup(kind="row", names=(down,), shapes=((h, f),), expert=expert)]
+
+
+def _hf_mlp_groups(arch: ArchSpec, layer: int) -> list[TensorGroup]:
+    p, h = f"model.layers.{layer}", arch.hidden_size
+    if not arch.is_moe_layer(layer):
+        return _swiglu_groups(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight", f"{p}.mlp.down_proj.weight", h,
+                              arch.ffn_hidden_size)
+    moe, names = arch.moe, _hf_mlp_names(arch, p)
+    groups = [TensorGroup(kind="replicated", names=(names["router"],), shapes=((moe.num_experts, h),))]
+    for e in range(moe.num_experts):
+        groups += _swiglu_groups(names["gate"].format(e=e), names["up"].format(e=e), names["down"].format(e=e), h,
+                                 moe.ffn_hidden_size, expert=e)
+    if moe.shared_ffn_hidden_size:
+        groups += _swiglu_groups(names["shared_gate"], names["shared_up"], names["shared_down"], h,
+                                 moe.shared_ffn_hidden_size)
+    if moe.shared_gate:
+        groups.append(TensorGroup(kind="replicated", names=(names["shared_scale"],), shapes=((1, h),)))
+    return groups
+
+
+def _qk_norm_shapes(arch: ArchSpec) -> tuple[tuple[int], tuple[int]]:
+    hd = arch.head_dim
+    if arch.qk_norm == "head":
+        return (hd,), (hd,)
+    return (arch.num_heads * hd,), (arch.num_kv_heads * hd,)
+
+
 def hf_tensor_groups(arch: ArchSpec, *, value_head: bool = False) -> tuple[TensorGroup, ...]:
     """Every tensor of the HF checkpoint, in model order (embeddings, layers, final norm, output)."""
-    h, hd, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    h, hd = arch.hidden_size, arch.head_dim
     vocab = dict(kind="vocab", shapes=((arch.vocab_size, h),))
     heads = dict(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=hd)
     q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
@@ -198,12 +258,16 @@ def hf_tensor_groups(arch: ArchSpec, *, value_head: bool = False) -> tuple[Tenso
         if arch.qkv_bias:
             groups.append(TensorGroup(kind="qkv", names=tuple(f"{p}.self_attn.{x}_proj.bias" for x in "qkv"),
                                       shapes=((q,), (kv,), (kv,)), **heads))
+        if arch.qk_norm != "none":
+            # per head: the same few numbers for every head; over the projection: vLLM gathers q / k across TP
+            # before the norm, so both are whole on every generation rank
+            for x, shape in zip("qk", _qk_norm_shapes(arch)):
+                groups.append(TensorGroup(kind="replicated", names=(f"{p}.self_attn.{x}_norm.weight",),
+                                          shapes=(shape,)))
         groups += [
             TensorGroup(kind="row", names=(f"{p}.self_attn.o_proj.weight",), shapes=((h, q),)),
             TensorGroup(kind="replicated", names=(f"{p}.post_attention_layernorm.weight",), shapes=((h,),)),
-            TensorGroup(kind="gate_up", names=(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
-                        shapes=((f, h), (f, h))),
-            TensorGroup(kind="row", names=(f"{p}.mlp.down_proj.weight",), shapes=((h, f),)),
+            *_hf_mlp_groups(arch, i),
         ]
     groups.append(TensorGroup(kind="replicated", names=("model.norm.weight",), shapes=((h,),)))
     if value_head:
@@ -231,11 +295,11 @@ def _qkv_segments(arch: ArchSpec, hf_prefix: str, suffix: str) -> tuple[Segment,
     return tuple(segs)
 
 
-def _gate_up_segments(arch: ArchSpec, hf_prefix: str, tp: int) -> tuple[Segment, ...]:
-    n = arch.ffn_hidden_size // tp
+def _gate_up_segments(gate: str, up: str, width: int, tp: int) -> tuple[Segment, ...]:
+    n = width // tp
     segs = []
     for r in range(tp):
-        segs += [_seg(f"{hf_prefix}.gate_proj.weight", r * n, n), _seg(f"{hf_prefix}.up_proj.weight", r * n, n)]
+        segs += [_seg(gate, r * n, n), _seg(up, r * n, n)]
     return tuple(segs)
 
 
@@ -249,8 +313,43 @@ def _vocab_segments(hf_name: str, arch: ArchSpec, layout: ParallelLayout) -> tup
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-def _layer_table(arch: ArchSpec, tp: int, hp: str) -> dict[str, tuple]:
-    """megatron layer parameter (local and TE spec names) → (kind, global shape, dim, segments)."""
+def _swiglu_table(prefix: str, gate: str, up: str, down: str, h: int, width: int, tp: int) -> dict[str, tuple]:
+    """megatron's fused SwiGLU pair under `prefix` (linear_fc1 = per-rank [gate_r; up_r], linear_fc2 by columns)."""
+    return {f"{prefix}linear_fc1.weight": ("gate-up-fused", (2 * width, h), 0, _gate_up_segments(gate, up, width, tp)),
+            f"{prefix}linear_fc2.weight": ("row", (h, width), 1, (_seg(down, 0, width),))}
+
+
+def _qk_norm_table(arch: ArchSpec, hp: str) -> dict[str, tuple]:
+    if arch.qk_norm == "none":
+        return {}
+    out = {}
+    for x, (rows,) in zip("qk", _qk_norm_shapes(arch)):
+        # per head: one [head_dim] weight on every rank; over the projection: rank r's heads' rows
+        kind, dim = ("replicated", None) if arch.qk_norm == "head" else ("column", 0)
+        out[f"self_attention.{x}_layernorm.weight"] = (kind, (rows,), dim, (_seg(f"{hp}.self_attn.{x}_norm.weight", 0,
+                                                                                 rows),))
+    return out
+
+
+def _mlp_table(arch: ArchSpec, tp: int, hp: str, layer: int) -> dict[str, tuple]:
+    h = arch.hidden_size
+    if not arch.is_moe_layer(layer):
+        return _swiglu_table("mlp.", f"{hp}.mlp.gate_proj.weight", f"{hp}.mlp.up_proj.weight",
+                             f"{hp}.mlp.down_proj.weight", h, arch.ffn_hidden_size, tp)
+    moe, names = arch.moe, _hf_mlp_names(arch, hp)
+    router = (_seg(names["router"], 0, moe.num_experts),)
+    table = {"mlp.router.weight": ("replicated", (moe.num_experts, h), None, router)}
+    if moe.shared_ffn_hidden_size:
+        shared = (names["shared_gate"], names["shared_up"], names["shared_down"])
+        table.update(_swiglu_table("mlp.shared_experts.", *shared, h, moe.shared_ffn_hidden_size, tp))
+    if moe.shared_gate:
+        table["mlp.shared_experts.gate_weight"] = ("replicated", (1, h), None, (_seg(names["shared_scale"], 0, 1),))
+    return table
+
+
+def _layer_table(arch: ArchSpec, tp: int, hp: str, layer: int) -> dict[str, tuple]:
+    """megatron layer parameter (local and TE spec names) → (kind, global shape, dim, segments); routed experts
+    are `_expert_spec`'s."""
     h = arch.hidden_size
     q_rows = arch.num_kv_heads * (arch.q_per_group + 2) * arch.head_dim
     attn = arch.num_heads * arch.head_dim
@@ -263,13 +362,30 @@ def _layer_table(arch: ArchSpec, tp: int, hp: str) -> dict[str, tuple]:
                                              _qkv_segments(arch, f"{hp}.self_attn", "weight")),
         "self_attention.linear_qkv.bias": ("qkv-fused", (q_rows,), 0, _qkv_segments(arch, f"{hp}.self_attn", "bias")),
         "self_attention.linear_proj.weight": ("row", (h, attn), 1, (_seg(f"{hp}.self_attn.o_proj.weight", 0, attn),)),
+        **_qk_norm_table(arch, hp),
         "pre_mlp_layernorm.weight": ln2,
         "mlp.linear_fc1.layer_norm_weight": ln2,
-        "mlp.linear_fc1.weight": ("gate-up-fused", (2 * arch.ffn_hidden_size, h), 0,
-                                  _gate_up_segments(arch, f"{hp}.mlp", tp)),
-        "mlp.linear_fc2.weight": ("row", (h, arch.ffn_hidden_size), 1,
-                                  (_seg(f"{hp}.mlp.down_proj.weight", 0, arch.ffn_hidden_size),)),
+        **_mlp_table(arch, tp, hp, layer),
     }
+
+
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def _expert_spec(rest: str, *, arch: ArchSpec, layout: ParallelLayout, layer: int, common: dict,
+                 ep_rank: int) -> ShardSpec | None:
+    """The ShardSpec of a routed expert's weight (`rest`: the name after the layer prefix), or None."""
+    m = _EXPERT_RE.match(rest)
+    if m is None or not arch.is_moe_layer(layer):
+        return None
+    e = ep_rank * layout.local_experts(arch) + int(m.group(1))
+    names = _hf_mlp_names(arch, f"model.layers.{layer}")
+    gate, up, down = (names[k].format(e=e) for k in ("gate", "up", "down"))
+    table = _swiglu_table("", gate, up, down, arch.hidden_size, arch.moe.ffn_hidden_size, layout.etp_size)
+    kind, shape, dim, segs = table[f"{m.group(2)}.weight"]
+    return ShardSpec(name=f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{m.group(2)}.weight", kind=kind,
+                     global_shape=shape, dim=dim, segments=segs, layer=layer, ep=ep_rank,
+                     **{**common, "parts": layout.etp_size, "axis": "etp"})
 
 
 def _top_level(local_name: str, arch: ArchSpec, layout: ParallelLayout) -> tuple | None:
@@ -292,13 +408,17 @@ def _top_level(local_name: str, arch: ArchSpec, layout: ParallelLayout) -> tuple
 
 
 def shard_spec(local_name: str, *, arch: ArchSpec, layout: ParallelLayout, layer_offset: int, stage: int = 0,
-               dtype: torch.dtype = torch.float32) -> ShardSpec:
-    """The ShardSpec of one megatron parameter (local spec and TE spec names both understood)."""
+               dtype: torch.dtype = torch.float32, ep_rank: int = 0) -> ShardSpec:
+    """The ShardSpec of one megatron parameter (local spec and TE spec names both understood); `ep_rank`: the
+    holder's expert-parallel rank (which experts its `local_experts.<i>` are)."""
     common = dict(local_name=local_name, parts=layout.tp_size, stage=stage, dtype=dtype)
     m = _LAYER_RE.match(local_name)
     if m:
         layer = int(m.group(1)) + layer_offset
-        table = _layer_table(arch, layout.tp_size, f"model.layers.{layer}")
+        expert = _expert_spec(m.group(2), arch=arch, layout=layout, layer=layer, common=common, ep_rank=ep_rank)
+        if expert is not None:
+            return expert
+        table = _layer_table(arch, layout.tp_size, f"model.layers.{layer}", layer)
         if m.group(2) not in table:
             raise VerlConfigError(f"no Hugging Face mapping for megatron parameter {local_name!r}")
         kind, shape, dim, segs = table[m.group(2)]
@@ -312,29 +432,46 @@ def shard_spec(local_name: str, *, arch: ArchSpec, layout: ParallelLayout, layer
                      **common)
 
 
-_LAYER_PARAMS = ("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                 "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight",
-                 "mlp.linear_fc2.weight")
+def _layer_params(arch: ArchSpec, layout: ParallelLayout, layer: int) -> list[tuple[str, int]]:
+    """(local-spec parameter name after the layer prefix, holder's EP rank) of one layer, named_parameters order."""
+    attn = ["input_layernorm.weight", "self_attention.linear_qkv.weight"]
+    attn += ["self_attention.linear_qkv.bias"] if arch.qkv_bias else []
+    attn += ["self_attention.linear_proj.weight"]
+    attn += [f"self_attention.{x}_layernorm.weight" for x in "qk"] if arch.qk_norm != "none" else []
+    out = [(n, 0) for n in attn + ["pre_mlp_layernorm.weight"]]
+    if not arch.is_moe_layer(layer):
+        return out + [("mlp.linear_fc1.weight", 0), ("mlp.linear_fc2.weight", 0)]
+    out.append(("mlp.router.weight", 0))
+    for r in range(layout.ep_size):
+        out += [(f"mlp.experts.local_experts.{i}.linear_fc{j}.weight", r) for i in range(layout.local_experts(arch))
+                for j in (1, 2)]
+    if arch.moe.shared_ffn_hidden_size:
+        out += [("mlp.shared_experts.linear_fc1.weight", 0), ("mlp.shared_experts.linear_fc2.weight", 0)]
+    if arch.moe.shared_gate:
+        out.append(("mlp.shared_experts.gate_weight", 0))
+    return out
 
 
 def megatron_shard_specs(arch: ArchSpec, layout: ParallelLayout, *, pp: int = 1, dtype: torch.dtype = torch.float32,
                          value_head: bool = False) -> list[ShardSpec]:
-    """The exported parameters of every stage of the megatron GPTModel verl builds (megatron-core's local layer
-    spec names, named_parameters order), without building it: metadata for planning on one process."""
+    """The exported parameters of every stage (and every EP rank's experts) of the megatron GPTModel verl builds
+    (megatron-core's local layer spec names, named_parameters order), without building it: metadata for planning
+    on one process."""
     if arch.num_layers % pp:
         raise VerlConfigError(f"num_hidden_layers={arch.num_layers} is not divisible by pp={pp}; choose PP dividing it")
     per_stage, last = arch.num_layers // pp, pp - 1
-    names = [(0, 0, "embedding.word_embeddings.weight")]
+    names = [(0, 0, "embedding.word_embeddings.weight", 0)]
     for i in range(arch.num_layers):
         stage = i // per_stage
-        names += [(stage, stage * per_stage, f"decoder.layers.{i - stage * per_stage}.{rest}") for rest in _LAYER_PARAMS
-                  if arch.qkv_bias or not rest.endswith("bias")]
-    names.append((last, 0, "decoder.final_layernorm.weight"))
+        names += [(stage, stage * per_stage, f"decoder.layers.{i - stage * per_stage}.{rest}", ep)
+                  for rest, ep in _layer_params(arch, layout, i)]
+    names.append((last, 0, "decoder.final_layernorm.weight", 0))
     if value_head:
-        names += [(last, 0, "output_layer.value_head.weight"), (last, 0, "output_layer.value_head.bias")]
+        names += [(last, 0, "output_layer.value_head.weight", 0), (last, 0, "output_layer.value_head.bias", 0)]
     elif not arch.tie_word_embeddings:
-        names.append((last, 0, "output_layer.weight"))
-    return [shard_spec(n, arch=arch, layout=layout, layer_offset=off, stage=st, dtype=dtype) for st, off, n in names]
+        names.append((last, 0, "output_layer.weight", 0))
+    return [shard_spec(n, arch=arch, layout=layout, layer_offset=off, stage=st, dtype=dtype, ep_rank=ep)
+            for st, off, n, ep in names]
 
 
 def megatron_model_layout(arch: ArchSpec, layout: ParallelLayout, *, params: list[ShardSpec] | None = None,
@@ -393,3 +530,51 @@ def hf_model_layout(tensors: Mapping[str, torch.Tensor], hf_config, *, shards: i
     if groups is None:
         groups = tuple(TensorGroup(kind="whole", names=(n,), shapes=(tuple(t.shape),)) for n, t in tensors.items())
     return ModelLayout(architecture=architecture, groups=groups, params=params, unknown=unknown)
+
+
+# ---------------------------------------------------------------------- transformers' in-memory MoE modules
+
+@dataclass(frozen=True, slots=True)
+class ModuleSlot:
+    """Where a checkpoint tensor lives inside a transformers module: rows [start, start + length) of
+    `param[expert]` (of `param` itself when expert is None)."""
+
+    param: str
+    expert: int | None
+    start: int
+    length: int
+
+    def view(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        t = params[self.param]
+        t = t if self.expert is None else t[self.expert]
+        return t.narrow(0, self.start, self.length)
+
+
+def hf_module_slots(arch: ArchSpec) -> dict[str, ModuleSlot]:
+    """Checkpoint name -> `ModuleSlot` for every tensor a transformers (>= 5) module of `arch` keeps under another
+    name: each MoE layer's experts fused into `mlp.experts.gate_up_proj` [E, 2I, H] ([gate_e; up_e] per expert)
+    and `mlp.experts.down_proj` [E, H, I], and Mixtral's router as `mlp.gate`. Empty for dense models, whose
+    module names are the checkpoint's."""
+    out: dict[str, ModuleSlot] = {}
+    if arch.moe is None:
+        return out
+    f = arch.moe.ffn_hidden_size
+    for layer in arch.moe.layers:
+        p = f"model.layers.{layer}"
+        names = _hf_mlp_names(arch, p)
+        if arch.moe.naming == "mixtral":
+            out[names["router"]] = ModuleSlot(f"{p}.mlp.gate.weight", None, 0, arch.moe.num_experts)
+        for e in range(arch.moe.num_experts):
+            out[names["gate"].format(e=e)] = ModuleSlot(f"{p}.mlp.experts.gate_up_proj", e, 0, f)
+            out[names["up"].format(e=e)] = ModuleSlot(f"{p}.mlp.experts.gate_up_proj", e, f, f)
+            out[names["down"].format(e=e)] = ModuleSlot(f"{p}.mlp.experts.down_proj", e, 0, arch.hidden_size)
+    return out
+
+
+def hf_checkpoint_view(params: Mapping[str, torch.Tensor], arch: ArchSpec) -> dict[str, torch.Tensor]:
+    """A transformers module's tensors (parameters, or their gradients) by checkpoint name: views, no copies."""
+    slots = hf_module_slots(arch)
+    fused = {s.param for s in slots.values()}
+    out = {n: t for n, t in params.items() if n not in fused}
+    out.update({name: slot.view(params) for name, slot in slots.items()})
+    return out

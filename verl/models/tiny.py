@@ -4,6 +4,7 @@ default job's policy, and every test's and benchmark's model, come from here.
     tok = tiny_tokenizer(task_corpus("arithmetic"), vocab_size=96)             # the default job's tokenizer
     policy = tiny_model(TinyModelConfig(), tokenizer=tok, tie_word_embeddings=True, seed=1)   # and policy
     qwen = tiny_model(family="qwen2", num_kv_heads=1, noise=0.1, seed=3)        # a test's (TEST_SHAPE + overrides)
+    moe = tiny_model(family="qwen3_moe", num_experts=4, seed=2)                 # mixture of experts, top-2
     save_tiny(policy, tok, "outputs/tiny")                                      # a Hugging Face directory
 
 A shape is a `TinyModelConfig` (the trainer's typed config) with keyword overrides of its fields; the other
@@ -27,10 +28,15 @@ from transformers import (
     AutoModelForSequenceClassification,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from verl.config.ppo import TinyModelConfig
@@ -39,7 +45,9 @@ from verl.errors import VerlConfigError, nearest
 __all__ = ["CHAT_EXAMPLE", "FAMILIES", "SAMPLE_TEXT", "TEST_SHAPE", "save_tiny", "tiny_config", "tiny_model",
            "tiny_tokenizer"]
 
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config,
+            "qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig, "olmoe": OlmoeConfig}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 # Small enough for a multi-rank CPU test, big enough for TP=2 x GQA; 101 is prime, so padding the vocabulary
 # to a tensor-parallel multiple is always exercised.
@@ -91,13 +99,15 @@ def tiny_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 96) ->
     return hf
 
 
-def tiny_config(shape: TinyModelConfig | None = None, *, family: str = "llama",
+def tiny_config(shape: TinyModelConfig | None = None, *, family: str | None = None,
                 tokenizer: PreTrainedTokenizerFast | None = None, tie_word_embeddings: bool = False,
                 qkv_bias: bool | None = None, **overrides: Any) -> PretrainedConfig:
     """The Hugging Face config of a tiny model of ``family``: ``shape`` (default `TEST_SHAPE`) with
     ``overrides`` of its fields, then the family's own config fields. With a ``tokenizer`` the vocabulary is
     the tokenizer's and so are the pad/bos/eos ids. ``qkv_bias`` None is the family's default (only Qwen2 has
-    q/k/v biases); True on Llama sets ``attention_bias`` (which also biases o_proj)."""
+    q/k/v biases); True on Llama sets ``attention_bias`` (which also biases o_proj). ``family`` None is the
+    shape's; mixture-of-experts families take the shape's num_experts / num_experts_per_tok / expert width."""
+    family = family or (shape.family if shape is not None else None) or "llama"
     if family not in FAMILIES:
         raise VerlConfigError(f"tiny_config: unknown family {family!r}{nearest(family, FAMILIES, 'families')}")
     cls = FAMILIES[family]
@@ -111,6 +121,7 @@ def tiny_config(shape: TinyModelConfig | None = None, *, family: str = "llama",
                               f"the shape's fields are TinyModelConfig's, the rest {cls.__name__}'s")
     shape = dataclasses.replace(shape or TEST_SHAPE, **shape_kw)
     kw: dict[str, Any] = {hf: getattr(shape, ours) for ours, hf in _SHAPE_TO_HF.items()}
+    kw.update(_family_fields(family, shape))
     if tokenizer is not None:
         if "vocab_size" in shape_kw and shape_kw["vocab_size"] != len(tokenizer):
             raise VerlConfigError(f"tiny_config: vocab_size={shape_kw['vocab_size']} but the tokenizer has "
@@ -123,6 +134,26 @@ def tiny_config(shape: TinyModelConfig | None = None, *, family: str = "llama",
         kw.update(head_dim=shape.hidden_size // shape.num_heads, sliding_window=shape.max_position_embeddings)
     kw.update(overrides)
     return cls(**kw)
+
+
+def _family_fields(family: str, shape: TinyModelConfig) -> dict[str, Any]:
+    """What a family's config needs beyond the shape: an explicit head_dim (Qwen3's default is 128), and the
+    experts of a mixture-of-experts family (every layer sparse; Mixtral and OLMoE call the expert width
+    intermediate_size)."""
+    out: dict[str, Any] = {}
+    if family.startswith("qwen3"):
+        out["head_dim"] = shape.hidden_size // shape.num_heads
+    if family not in MOE_FAMILIES:
+        return out
+    out["num_local_experts" if family == "mixtral" else "num_experts"] = shape.num_experts
+    out["num_experts_per_tok"] = shape.num_experts_per_tok
+    if family in ("mixtral", "olmoe"):
+        out["intermediate_size"] = shape.expert_size
+    else:
+        out.update(moe_intermediate_size=shape.expert_size, norm_topk_prob=family == "qwen3_moe")
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = shape.expert_size
+    return out
 
 
 def _bias_fields(family: str, qkv_bias: bool | None) -> dict[str, Any]:

@@ -106,6 +106,10 @@ class GenerationOutput:
     token_versions: list[int] | None = field(default=None)
     """The weight version that produced each generated token (what the engine's `pause_hook` returned before
     sampling it; same length as token_ids), or None when no hook was set (partial rollouts)."""
+    routes: torch.Tensor | None = field(default=None)
+    """[prompt + generated tokens fed to the model, L, K] int16: the K experts each token went to in each of the
+    model's L mixture-of-experts layers (the prompt's tokens, then every generated token but the last, which is
+    never fed back), or None when the engine records no routes (`EngineSpec.router_replay`)."""
 
 
 def length_limit(configured: int | None, positions: int | None) -> int | None:
@@ -265,7 +269,7 @@ class RolloutEngine(abc.ABC):
 
     def _finish(self, prompt_index: int, sample_index: int, prompt: list[int], tokens: list[int], reason: str,
                 logprobs: list[float] | None, stop: Sequence[str],
-                token_versions: list[int] | None = None) -> GenerationOutput:
+                token_versions: list[int] | None = None, routes: torch.Tensor | None = None) -> GenerationOutput:
         """Builds an output; cuts the text before the first stop string."""
         text = self.tokenizer.decode(tokens)
         for s in stop:
@@ -274,4 +278,4 @@ class RolloutEngine(abc.ABC):
                 text, reason = text[:at], "stop"
         return GenerationOutput(prompt_index=prompt_index, sample_index=sample_index, prompt_token_ids=list(prompt),
                                 token_ids=list(tokens), text=text, finish_reason=reason, logprobs=logprobs,
-                                token_versions=token_versions)
+                                token_versions=token_versions, routes=routes)

@@ -7,6 +7,10 @@ token sits in the last column; positions come from the attention mask, so paddin
 Models without a KV cache (`use_cache` unsupported) are run with `kv_cache=False`: the full sequence is
 recomputed each step (slow, but exact).
 
+Mixture-of-experts models run their experts on verl's fused token dispatch (verl.models.hf_moe) and the engine
+records the experts every token went to in every MoE layer (`GenerationOutput.routes`: the prompt's tokens and the
+generated ones fed back), which router replay trains with (actor.router_replay=rollout).
+
 Partial rollouts: with a `pause_hook` set (see RolloutEngine.pause_hook) the engine asks it for the weight
 version before sampling every token. When the version moved (or weights were loaded through update_weights
 meanwhile) it rebuilds the KV cache of every computed row by prefilling the ids fed so far with the current
@@ -113,6 +117,10 @@ class TorchRollout(RolloutEngine):
         self.config = config
         self._offloaded: dict[str, torch.device] | None = None
         self._fast = None
+        from verl.models.hf_moe import RouteRecorder, install_experts
+        install_experts(model)
+        # the train decoder re-runs the whole buffer at every step: its routes are the actor's own, not recorded
+        self._routes = RouteRecorder.attach(model) if config.decoder != "train" else None
         # token positions computed, the non-padding ones, and KV rebuilds after a weight update mid-generation
         self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}
         if self.config.decoder == "fast" and self.config.kv_cache:
@@ -172,14 +180,16 @@ class TorchRollout(RolloutEngine):
         budgets = [self.budget(len(p), params) for p in prompts]
         rows = list(range(B))  # the batch row of each row the decoder computes (finished rows leave it)
         versions: list[list[int]] | None = None if self.pause_hook is None else [[] for _ in range(B)]
+        routes = _Routes(self._routes, B)
         try:
             forward, logits, mask, seq = self._prefill(prompts, params, width)
+            routes.prefill(mask.shape[1])
             # only a pausable generation keeps the ids fed so far ([rows, L], aligned with mask) to rebuild from
             pause = None if versions is None else _Pause(loads=self._loads, cap=mask.shape[1] + params.max_new_tokens)
             seq = None if pause is None else seq
             for _ in range(max(budgets)):
                 if pause is not None:
-                    forward, logits = self._pause(pause, forward, logits, seq, mask, params)
+                    forward, logits = self._pause(pause, forward, logits, seq, mask, params, routes)
                 processed = process_logits(logits.to("cpu") if logits.device.type != "cpu" else logits, params)
                 nxt = sample_tokens(processed, params, [gens[r] for r in rows])
                 if params.logprobs:
@@ -208,15 +218,17 @@ class TorchRollout(RolloutEngine):
                 if seq is not None:
                     seq = torch.cat([seq, nxt[:, None].to(seq.device)], 1)
                 logits = forward(nxt[:, None].to(mask.device), mask)
+                routes.step()
         finally:
             if self._fast is not None:
                 self._fast.finish()  # the KV buffers go back before anything else (training) runs
         return [self._finish(i, j, prompt_ids[i], tokens[r], reasons[r], lps[r] if params.logprobs else None,
-                             params.stop, None if versions is None else versions[r])
+                             params.stop, None if versions is None else versions[r],
+                             routes=routes.of_row(r, len(prompt_ids[i]), len(tokens[r])))
                 for r, (i, j) in enumerate(batch)]
 
     def _pause(self, pause: "_Pause", forward, logits: torch.Tensor, seq: torch.Tensor, mask: torch.Tensor,
-               params: SamplingParams):
+               params: SamplingParams, routes: "_Routes"):
         """Asks the pause hook for the weight version before a token is sampled; when the weights changed since
         the cache was computed, returns the rebuilt forward and fresh logits, else (forward, logits) as given."""
         returned = self.pause_hook()
@@ -227,7 +239,11 @@ class TorchRollout(RolloutEngine):
                                    f"version (an int) the engine holds after the call") from None
         stale = (pause.version is not None and version != pause.version) or self._loads != pause.loads
         pause.version, pause.loads = version, self._loads
-        return self._rebuild(forward, seq, mask, params, pause.cap) if stale else (forward, logits)
+        if not stale:
+            return forward, logits
+        out = self._rebuild(forward, seq, mask, params, pause.cap)
+        routes.rebuilt()  # every token so far was computed again, with the new weights' routes
+        return out
 
     def _rebuild(self, forward, seq: torch.Tensor, mask: torch.Tensor, params: SamplingParams, cap: int):
         """(forward, last logits [rows, V]) from the current weights over the ids fed so far: the fast decoder
@@ -341,27 +357,51 @@ class TorchRollout(RolloutEngine):
 
     # -- weights and memory ----------------------------------------------------------------------------------
 
+    def _module_weights(self) -> dict[str, torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        return params
+
+    def _expert_slots(self) -> dict:
+        """Checkpoint name -> where it lives in the module, for the experts a transformers MoE module keeps fused
+        (verl.models.layout.hf_module_slots): a megatron actor sends them by those names. {} otherwise."""
+        from verl.models.config import arch_from_hf
+        from verl.models.layout import hf_module_slots
+        try:
+            return hf_module_slots(arch_from_hf(self.model.config))
+        except (VerlConfigError, AttributeError):
+            return {}
+
     def weight_names(self) -> set[str]:
-        return {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
+        return set(self._module_weights()) | set(self._expert_slots())
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
-        tensors = dict(self.model.named_parameters())
-        tensors.update(dict(self.model.named_buffers()))
-        return {n: t.data for n, t in tensors.items()}
+        tensors = {n: t.data for n, t in self._module_weights().items()}
+        tensors.update({n: slot.view(tensors) for n, slot in self._expert_slots().items()})  # views: written in place
+        return tensors
 
     @torch.no_grad()
     def _update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Atomic: every tensor is checked (name, shape, dtype) and staged in a copy of its own while the stream
         is consumed, then all of them replace the engine's at once (`last_swap_s`: that swap alone; it is the
         only moment the weights change, so no token is ever computed from a mix of two versions). A failure
-        while staging leaves the engine's weights untouched."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        while staging leaves the engine's weights untouched. An MoE expert's tensor (checkpoint name) is staged
+        into a copy of the fused parameter that holds it."""
+        params, slots = self._module_weights(), self._expert_slots()
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fused: dict[str, torch.Tensor] = {}
         for name, tensor in named_tensors:
-            dst = self._checked_destination(params, name, tensor)
-            # stays on the device hf_device_map chose; a copy, since the stream's tensors are views it reuses
-            staged.append((dst, tensor.to(dst.device, copy=True)))
+            slot = slots.get(name)
+            if slot is None:
+                dst = self._checked_destination(params, name, tensor)
+                # stays on the device hf_device_map chose; a copy, since the stream's tensors are views it reuses
+                staged.append((dst, tensor.to(dst.device, copy=True)))
+                continue
+            self._checked_destination({name: slot.view(params)}, name, tensor)
+            if slot.param not in fused:
+                fused[slot.param] = params[slot.param].detach().clone()
+            slot.view(fused).copy_(tensor)
+        staged += [(params[n], t) for n, t in fused.items()]
         t0 = time.perf_counter()
         for dst, new in staged:
             dst.data = new
@@ -399,6 +439,46 @@ class TorchRollout(RolloutEngine):
             for n, p in self.model.named_parameters():
                 p.data = p.data.to(self._offloaded[n])
             self._offloaded = None
+
+
+class _Routes:
+    """The experts each row's tokens went to, one column per token fed to the model (None: nothing recorded):
+    the prefill's [B, P, L, K], then one column per decode step (a recomputing forward's last)."""
+
+    def __init__(self, recorder, batch: int):
+        self.recorder, self.batch = recorder, batch
+        self.cols: list[torch.Tensor] = []
+        self.width = 0
+        self.ok = recorder is not None
+
+    def _take(self) -> torch.Tensor | None:
+        ids = self.recorder.take(self.batch) if self.ok else None
+        self.ok = ids is not None
+        return ids
+
+    def prefill(self, width: int) -> None:
+        ids = self._take()
+        if ids is not None:
+            self.cols, self.width = [ids[:, -width:]], width
+
+    def step(self) -> None:
+        ids = self._take()
+        if ids is not None:
+            self.cols.append(ids[:, -1:])
+
+    def rebuilt(self) -> None:
+        """A KV rebuild ran the prompt and every fed token again: its routes replace the recorded ones."""
+        ids = self._take()
+        if ids is not None:
+            self.cols = [ids]
+
+    def of_row(self, r: int, prompt_len: int, generated: int) -> torch.Tensor | None:
+        """[prompt_len + generated - 1, L, K]: the row's prompt tokens (left-padded to `width`), then each generated
+        token the model was fed (all but the last)."""
+        if not self.ok or not self.cols:
+            return None
+        row = torch.cat([c[r] for c in self.cols])
+        return row[self.width - prompt_len:self.width + max(generated - 1, 0)].clone()
 
 
 @dataclass(slots=True)

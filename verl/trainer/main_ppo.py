@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     m = cfg.actor.megatron
     specs = cfg.engine_specs()
     placement = init_placement(cfg.trainer.device, tp=m.tp, pp=m.pp, sequence_parallel=m.sequence_parallel,
-                               seed=cfg.trainer.seed, megatron=specs["actor"].model_parallel,
+                               ep=m.ep, etp=m.expert_tp, seed=cfg.trainer.seed, megatron=specs["actor"].model_parallel,
                                process_group=any(s.needs_process_group for s in specs.values()),
                                timeout_s=cfg.trainer.collective_timeout_s)
     trainer = None

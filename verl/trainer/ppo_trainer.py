@@ -44,8 +44,9 @@ MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/pe
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
     """(model, tokenizer): a Hugging Face directory, a GGUF file or a shipped model (verl.models.pretrained), or
-    the tiny local Llama with a BPE trained on the data, in model.dtype. With a `placement`, a step that cannot
-    fit in memory with the tiny model's vocabulary is refused before the model is built (verl.trainer.memory)."""
+    the tiny local model (model.tiny: Llama by default, or another family, mixture-of-experts ones included) with
+    a BPE trained on the data, in model.dtype. With a `placement`, a step that cannot fit in memory with the tiny
+    model's vocabulary is refused before the model is built (verl.trainer.memory)."""
     from verl.models.tiny import tiny_model, tiny_tokenizer
     if cfg.model.path is not None:
         from verl.models.pretrained import load_pretrained, resolve_model_path
@@ -58,6 +59,25 @@ def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | N
                           placement.device.type)
     model = tiny_model(cfg.model.tiny, tokenizer=tokenizer, tie_word_embeddings=True, seed=cfg.trainer.seed)
     return model.to(getattr(torch, cfg.model.dtype)), tokenizer  # model.dtype, as a loaded model gets it
+
+
+def check_moe_layout(cfg: PPOConfig, hf_config) -> None:
+    """What a mixture-of-experts model decides about the megatron layout (EP, ETP, SP) and router replay, checked
+    before any model is built."""
+    from verl.models.config import MOE_MODEL_TYPES, arch_from_hf, parallel_layout
+    moe = getattr(hf_config, "model_type", None) in MOE_MODEL_TYPES
+    if cfg.actor.router_replay != "off" and not moe:
+        raise VerlConfigError(f"actor.router_replay={cfg.actor.router_replay} replays mixture-of-experts routes, but "
+                              f"the policy ({getattr(hf_config, 'model_type', '?')}) has no experts; set "
+                              f"actor.router_replay=off")
+    if not cfg.engine_specs()["actor"].model_parallel:
+        return
+    m = cfg.actor.megatron
+    parallel_layout(arch_from_hf(hf_config), m.tp, ep=m.ep, etp=m.expert_tp)
+    if moe and m.tp > 1 and not m.sequence_parallel:
+        raise VerlConfigError(f"actor.megatron.tp={m.tp} with a mixture-of-experts policy needs "
+                              f"actor.megatron.sequence_parallel=true (megatron-core's MoE layer refuses TP without "
+                              f"it)")
 
 
 def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
@@ -109,6 +129,7 @@ class PPOTrainer:
         else:
             self.policy, self.tokenizer = load_policy(cfg, self.dataset, placement)
         check_generation_layout(cfg, self.policy.config)
+        check_moe_layout(cfg, self.policy.config)
         self.dataset = fit_prompt_lengths(self.dataset, Tokenizer.wrap(self.tokenizer).encode_prompt,
                                           cfg.data.max_prompt_length, cfg.data.overlong_prompts,
                                           source=", ".join(cfg.data.train_files) or f"task {cfg.data.task}")

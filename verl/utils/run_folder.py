@@ -61,7 +61,9 @@ def check_output_dir(value: str, key: str = "trainer.output_dir") -> Path:
     if str(value).startswith("~"):
         raise VerlConfigError(f"{key}={value!r}: '~' is not expanded here (it would create a folder named '~' in "
                               f"the current directory); write the path out, e.g. {os.path.expanduser(value)}")
+    _check_name_lengths(str(value), key)
     resolved = Path(os.path.realpath(os.path.abspath(value)))
+    _check_name_lengths(str(resolved), key)
     shown = f"{key}={value!r}" + (f" (resolves to {resolved})" if str(resolved) != str(value) else "")
     if resolved.exists() and not resolved.is_dir():
         raise VerlConfigError(f"{shown} is a file, not a folder; pick a folder for the run's outputs")
@@ -78,6 +80,22 @@ def check_output_dir(value: str, key: str = "trainer.output_dir") -> Path:
                                       f"verl writes, replaces and deletes files there, so it refuses to follow it. "
                                       f"Replace the link by a folder, or point {key} at the folder you mean")
     return resolved
+
+
+def _check_name_lengths(path: str, key: str) -> None:
+    """The filesystem's limits on a path (every file the run writes goes below it), checked before any stat."""
+    name_max, path_max = 255, 4096
+    try:
+        name_max, path_max = os.pathconf("/", "PC_NAME_MAX"), os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        pass
+    longest = max(path.split(os.sep), key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > name_max:
+        raise VerlConfigError(f"config key {key!r}: a folder name of {len(os.fsencode(longest))} bytes ({longest[:40]}...) is "
+                              f"longer than the filesystem allows ({name_max}); pick a shorter name")
+    if len(os.fsencode(path)) > path_max - 256:  # room for the run's own files below it
+        raise VerlConfigError(f"config key {key!r}: a path of {len(os.fsencode(path))} bytes leaves no room under the "
+                              f"filesystem's limit of {path_max} bytes for the run's files; pick a shorter path")
 
 
 def _danger(path: Path) -> str | None:

@@ -183,6 +183,7 @@ class ActorWorker:
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["actor/nonfinite_steps"] = float(self.guard.skipped - skipped)
         out["actor/lr"] = self.engine.lr
+        out.update(getattr(self.engine, "take_metrics", dict)())  # moe/*: routing since the last update
         out.update(corr_metrics)
         if seen is not None:
             out.update(rollout_mismatch(self.engine.from_last_stage(seen), batch.rollout_log_probs,

@@ -43,6 +43,10 @@ class RolloutBatch:
     token_version: torch.Tensor | None = None
     """[B, R] long: the policy version that produced each response token, -1 on padding (partial rollouts;
     None when the engine recorded no per-token versions)."""
+    routes: torch.Tensor | None = None
+    """[B, P + R, L, K] int16: the K experts the rollout engine sent each token to in each of the model's L
+    mixture-of-experts layers, aligned with input_ids; -1 where it computed nothing (padding, the last
+    generated token). None when the engine recorded no routes (router replay, verl/models/moe.py)."""
     prompts: list = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     response_texts: list[str] = field(default_factory=list)
@@ -84,6 +88,7 @@ class RolloutBatch:
                        rollout_log_probs=None if self.rollout_log_probs is None else self.rollout_log_probs[idx],
                        weight_version=None if self.weight_version is None else self.weight_version[idx],
                        token_version=None if self.token_version is None else self.token_version[idx],
+                       routes=None if self.routes is None else self.routes[idx],
                        prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts),
                        data_sources=pick(self.data_sources), extra_infos=pick(self.extra_infos))
 
@@ -101,20 +106,21 @@ class RolloutBatch:
 
         def left(t: torch.Tensor, b: RolloutBatch, fill: int) -> torch.Tensor:
             pad = P - b.prompt_length
-            return t if pad == 0 else torch.cat([t.new_full((len(b), pad), fill), t], dim=1)
+            return t if pad == 0 else torch.cat([t.new_full((len(b), pad, *t.shape[2:]), fill), t], dim=1)
         groups, offset = [], 0
         for b in pieces:
             groups.append(b.group - (b.group.min() if len(b) else 0) + offset)
             offset = int(groups[-1].max()) + 1 if len(b) else offset
         lps, wvs, tvs = ([b.rollout_log_probs for b in pieces], [b.weight_version for b in pieces],
                          [b.token_version for b in pieces])
+        routes = None if any(b.routes is None for b in pieces) else torch.cat([left(b.routes, b, -1) for b in pieces])
         return cls(input_ids=torch.cat([left(b.input_ids, b, 0) for b in pieces]),
                    attention_mask=torch.cat([left(b.attention_mask, b, 0) for b in pieces]),
                    position_ids=torch.cat([left(b.position_ids, b, 0) for b in pieces]),
                    response_mask=torch.cat([b.response_mask for b in pieces]), group=torch.cat(groups),
                    rollout_log_probs=None if any(x is None for x in lps) else torch.cat(lps),
                    weight_version=None if any(x is None for x in wvs) else torch.cat(wvs),
-                   token_version=None if any(x is None for x in tvs) else torch.cat(tvs),
+                   token_version=None if any(x is None for x in tvs) else torch.cat(tvs), routes=routes,
                    prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
                    response_texts=[x for b in pieces for x in b.response_texts],
                    data_sources=[x for b in pieces for x in b.data_sources],
@@ -144,6 +150,7 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
     attn = torch.zeros((B, P + R), dtype=torch.long)
     logps = torch.zeros((B, R), dtype=torch.float32) if all(o.logprobs is not None for o in outputs) else None
     tver = torch.full((B, R), -1, dtype=torch.long) if all(o.token_versions is not None for o in outputs) else None
+    routes = _routes(outputs, P, R)
     for b, o in enumerate(outputs):
         p, r = o.prompt_token_ids, o.token_ids[:R]
         ids[b, P - len(p):P] = torch.as_tensor(p, dtype=torch.long)
@@ -153,15 +160,26 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
             logps[b, :len(r)] = torch.as_tensor(o.logprobs[:R], dtype=torch.float32)
         if tver is not None:
             tver[b, :len(r)] = torch.as_tensor(o.token_versions[:R], dtype=torch.long)
+        if routes is not None:  # prompt tokens, then the generated ones the engine fed back
+            fed = o.routes[:len(p) + len(r)]
+            routes[b, P - len(p):P - len(p) + len(fed)] = fed
     response_mask = attn[:, P:].float()
     return RolloutBatch(
         input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
         response_mask=response_mask, group=torch.arange(len(rows)).repeat_interleave(n), rollout_log_probs=logps,
-        token_version=tver, weight_version=None if tver is None else _oldest_versions(tver),
+        token_version=tver, weight_version=None if tver is None else _oldest_versions(tver), routes=routes,
         prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
         response_texts=[o.text for o in outputs],
         data_sources=[r.get("data_source", "default") for r in rows for _ in range(n)],
         extra_infos=[r.get("extra_info") for r in rows for _ in range(n)])
+
+
+def _routes(outputs: Sequence, P: int, R: int) -> torch.Tensor | None:
+    """[B, P + R, L, K] int16 filled with -1, when every output carries routes (else None)."""
+    if not outputs or any(getattr(o, "routes", None) is None for o in outputs):
+        return None
+    _, L, K = outputs[0].routes.shape
+    return torch.full((len(outputs), P + R, L, K), -1, dtype=torch.int16)
 
 
 def _oldest_versions(token_version: torch.Tensor) -> torch.Tensor:

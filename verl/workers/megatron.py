@@ -63,12 +63,16 @@ class MegatronEngine:
 
     @classmethod
     def from_role(cls, req) -> "MegatronEngine":
-        """The role's GPT model built from the warm-started policy's Hugging Face directory."""
+        """The role's GPT model built from the warm-started policy's Hugging Face directory; the actor of an MoE
+        policy replays the rollout's routes when actor.router_replay=rollout."""
+        actor = req.role == "actor"
         return cls(req.init_dir, req.placement, req.cfg.actor.megatron, value_head=req.role == "critic",
-                   optim=req.optim, total_steps=req.total_steps)
+                   optim=req.optim, total_steps=req.total_steps,
+                   replay_routes=actor and req.cfg.actor.router_replay == "rollout", compare_routes=actor)
 
     def __init__(self, hf_dir: str | Path, placement: Placement, mcfg: MegatronConfig, *, value_head: bool = False,
-                 optim: OptimConfig | None = None, total_steps: int = 1):
+                 optim: OptimConfig | None = None, total_steps: int = 1, replay_routes: bool = False,
+                 compare_routes: bool = False):
         from transformers import AutoConfig
 
         from verl.models import BuildOptions, build_gpt, load_hf_checkpoint
@@ -79,8 +83,14 @@ class MegatronEngine:
         tp = placement.tp_size
         self.model = build_gpt(AutoConfig.from_pretrained(hf_dir), placement,
                                BuildOptions(params_dtype=mcfg.params_dtype, value_head=value_head,
-                                            vocab_multiple=64 // tp if 64 % tp == 0 else 1))
+                                            vocab_multiple=64 // tp if 64 % tp == 0 else 1,
+                                            moe_aux_loss_coeff=mcfg.moe_aux_loss_coeff,
+                                            moe_z_loss_coeff=mcfg.moe_z_loss_coeff))
         load_hf_checkpoint(self.model, hf_dir)
+        # mixture-of-experts policies: the rollout's routes are compared with the training forward's
+        # (moe/router_mismatch_frac) and, with router replay, used instead of routing again
+        moe = self.model.arch.moe is not None
+        self.replay_routes, self.compare_routes = moe and replay_routes, moe and (compare_routes or replay_routes)
         self.opt = None
         if optim is not None:
             self.opt = build_optimizer(self.model, optim, total_steps=total_steps,
@@ -136,18 +146,42 @@ class MegatronEngine:
         """The micro-batch dicts of `batch` (with its response mask and `extra` rows) for megatron's schedule:
         padded rows of equal count (the original path), or cut by a token budget, or packed."""
         from verl.models import make_micro_batches
+        routes = self._checked_routes(batch)
         if not padding_free and max_tokens <= 0:
-            return make_micro_batches(batch.input_ids, batch.attention_mask,
-                                      _micro_size(len(batch), micro_batch_size), response_mask=batch.response_mask,
-                                      **extra)
+            mbs = make_micro_batches(batch.input_ids, batch.attention_mask, _micro_size(len(batch), micro_batch_size),
+                                     response_mask=batch.response_mask, **extra,
+                                     **({} if routes is None else {"routes": routes}))
+            return [{**mb, "replay_routes": self.replay_routes} for mb in mbs]
         out = []
         for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, self.placement.dp):
             mb = batch.select(sl)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
             base = (self._packed_micro_batch(mb) if padding_free
                     else make_micro_batches(mb.input_ids, mb.attention_mask, len(mb))[0])
+            if routes is not None:
+                base["routes"] = self._packed_routes(routes[sl], mb, base) if padding_free else routes[sl]
+                base["replay_routes"] = self.replay_routes
             out.append({**base, **fields})
         return out
+
+    def _checked_routes(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """The batch's routes when this engine compares or replays them (checked against the model), else None."""
+        if not self.compare_routes or batch.routes is None:
+            return None
+        from verl.models.moe import check_routes
+        moe = self.model.arch.moe
+        check_routes(batch.routes, len(moe.layers), moe.num_experts, moe.layers)
+        return batch.routes
+
+    def _packed_routes(self, routes: torch.Tensor, mb: RolloutBatch, packed_mb: dict) -> torch.Tensor:
+        """[1, T, L, K]: the routes of the packed row's tokens (-1 for the padding sequence sequence parallelism
+        appends)."""
+        keep = mb.attention_mask.bool().to(routes.device)
+        flat = routes[keep]
+        extra = packed_mb["input_ids"].shape[1] - flat.shape[0]
+        if extra:
+            flat = torch.cat([flat, flat.new_full((extra, *flat.shape[1:]), -1)])
+        return flat[None]
 
     def _response_outputs(self, output: torch.Tensor, mb: dict, prompt_length: int,
                           temperature: float) -> dict[str, torch.Tensor]:
@@ -199,7 +233,7 @@ class MegatronEngine:
         """Response-token outputs [B, R] on every rank (0 on padding): log-probs and entropy, or values."""
         from verl.models import compute_log_probs, compute_values
         batch.check_token_ids(self.model.arch.vocab_size, "MegatronEngine.forward")
-        if padding_free or max_tokens > 0:
+        if padding_free or max_tokens > 0 or self._checked_routes(batch) is not None:
             return self._forward_micro_batches(batch, micro_batch_size, temperature, padding_free, max_tokens)
         micro = _micro_size(len(batch), micro_batch_size)
         P, mask = batch.prompt_length, batch.response_mask
@@ -252,6 +286,15 @@ class MegatronEngine:
         box = [obj if p.is_last_stage else None]
         dist.broadcast_object_list(box, src=p.pp_global_ranks[-1], group=p.pp)
         return box[0]
+
+    def take_metrics(self) -> dict[str, float]:
+        """moe/router_mismatch_frac, moe/expert_load_max_over_mean, moe/aux_loss since the last call (an MoE policy;
+        {} otherwise). Collective over the data-parallel group (and TP under sequence parallelism)."""
+        if self.model.arch.moe is None:
+            return {}
+        from verl.models.moe import route_stats
+        p = self.placement
+        return route_stats(self.model.gpt, [p.dp, p.tp if p.sequence_parallel else None])
 
     def from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor a loss function filled on the last pipeline stage, on every stage."""
@@ -319,13 +362,14 @@ class MegatronEngine:
         from verl.models.layout import hf_tensor_shapes
         p = self.placement
         full = gather_hf_state_dict(self.model)
-        src = p.rank_of(0, p.dp_rank, 0)
+        # experts are spread over the data-parallel ranks (EP): only rank 0 then holds the whole model
+        src, group = (0, None) if p.ep_size > 1 else (p.rank_of(0, p.dp_rank, 0), p.mp)
         out = {}
         for name, shape in sorted(hf_tensor_shapes(self.model.arch).items()):
             dtype = self.model.gpt.config.params_dtype
             t = full[name].contiguous() if full is not None else torch.empty(shape, dtype=dtype)
-            if p.tp_size * p.pp_size > 1:
-                dist.broadcast(t, src=src, group=p.mp)
+            if p.ep_size > 1 or p.tp_size * p.pp_size > 1:
+                dist.broadcast(t, src=src, group=group)
             out[name] = t
         return out
 
