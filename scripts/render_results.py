@@ -1,12 +1,13 @@
-"""Turns benchmarks/results/*.json into docs/benchmarks.md and into the figures README.md quotes, so that no
-benchmark figure in the docs is typed by hand (tests/test_docs_rendered.py fails when a doc differs from what
-this renders).
+"""Turns benchmarks/results/*.json into docs/benchmarks.md and into the figures README.md and the docs pages
+quote, so that no benchmark figure in the docs is typed by hand (tests/test_docs_rendered.py fails when a doc
+differs from what this renders).
 
-    python scripts/render_results.py            # rewrite docs/benchmarks.md and README.md's figure spans
+    python scripts/render_results.py            # rewrite docs/benchmarks.md and every page's figure spans
     python scripts/render_results.py --check    # exit 1, naming each doc that differs from what it renders
 
-docs/benchmarks.md is written whole. In README.md a figure is a span `<!-- fig:NAME -->...<!-- /fig -->` whose
-text FIGURES[NAME] renders from the results; only those spans are rewritten. Every results file is rendered with
+docs/benchmarks.md is written whole. In README.md and every other docs/*.md (figure_pages()) a figure is a span
+`<!-- fig:NAME -->...<!-- /fig -->` whose text FIGURES[NAME] renders from the results; only those spans are
+rewritten, and every name in FIGURES is quoted somewhere. Every results file is rendered with
 its provenance (meta.command, commit, machine load; verl.utils.results); files written before the benchmarks
 recorded it are listed in LEGACY with what is missing, so a reader knows which figures cannot be reproduced
 from their file alone. Traces (Chrome trace-event JSON) are listed, not tabulated.
@@ -25,7 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
-README = ROOT / "README.md"
+
+
+def figure_pages(root: Path = ROOT) -> list[Path]:
+    """The pages whose figure spans are rendered: README.md and docs/*.md but the generated docs/benchmarks.md."""
+    return [root / "README.md", *sorted(p for p in (root / "docs").glob("*.md") if p.name != "benchmarks.md")]
+
 
 LEGACY = {
     "bench_logprob.json": "rows of two runs merged by the removed --append option",
@@ -285,6 +291,16 @@ def render_doc(results: dict[str, dict]) -> str:
              "(`tests/test_docs_rendered.py` fails when this page differs from what the script renders). Each "
              "table gives the command that reproduces it, the commit it ran at and the machine's load: the "
              "machines these ran on are shared, so times compare within one run (side by side), not across runs.",
+             "",
+             "`verl bench kernels|dataflow|reshard|engines|e2e|scaling|async|compat` runs a suite (each script also "
+             "runs alone, `--quick` by default, `--full` for the whole matrix); results are JSON and PNG under "
+             "`benchmarks/results/`, always side by side with the baseline in one run (eager and `torch.compile` "
+             "references, naive all-gather, the old full-gather weight transfer in `reshard/bench_transition.py`, "
+             "the weight sync to a rollout on the actor's ranks against one on its own ranks in "
+             "`reshard/bench_across.py`, TRL's GRPOTrainer). `verl bench engines` is the seed article's engine "
+             "experiment: the same prompts through torch, vLLM and SGLang (+ transformers' generate), changing only "
+             "`rollout.engine`: time, tokens/s, peak memory and token agreement with torch, or a row saying why an "
+             "engine cannot run.",
              ""]
     titles: dict[str, list[str]] = {}
     traces = []
@@ -307,7 +323,7 @@ def render_doc(results: dict[str, dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-# ---------------------------------------------------------------------------------------------- README figures
+# ---------------------------------------------------------------------------------------------- page figures
 
 def _r(results, name):
     return results[name]
@@ -410,13 +426,18 @@ FIGURES: dict[str, Callable[[dict], str]] = {
 SPAN = re.compile(r"<!-- fig:(\w+) -->(.*?)<!-- /fig -->", re.S)
 
 
-def render_readme(text: str, results: dict[str, dict]) -> str:
+def render_spans(text: str, results: dict[str, dict], page: str = "README.md") -> str:
+    """`text` with each figure span's text rendered from `results`; `page` names the file in the error."""
     def sub(m):
         name = m.group(1)
         if name not in FIGURES:
-            raise KeyError(f"README.md quotes figure {name!r}, which scripts/render_results.py does not render")
+            raise KeyError(f"{page} quotes figure {name!r}, which scripts/render_results.py does not render")
         return f"<!-- fig:{name} -->{FIGURES[name](results)}<!-- /fig -->"
     return SPAN.sub(sub, text)
+
+
+def quoted_figures(pages: list[Path]) -> set[str]:
+    return {name for p in pages for name, _ in SPAN.findall(p.read_text())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,7 +445,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
     args = ap.parse_args(argv)
     results = load()
-    wanted = {DOC: render_doc(results), README: render_readme(README.read_text(), results)}
+    pages = figure_pages()
+    unquoted = set(FIGURES) - quoted_figures(pages)
+    if unquoted:
+        print(f"no page quotes the figures {sorted(unquoted)}: add a span or remove them from FIGURES",
+              file=sys.stderr)
+        return 1
+    wanted = {DOC: render_doc(results)}
+    wanted.update({p: render_spans(p.read_text(), results, str(p.relative_to(ROOT))) for p in pages})
     stale = [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
     if args.check:
         for p in stale:
