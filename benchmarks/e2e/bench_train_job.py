@@ -1,4 +1,4 @@
-"""A whole `verl train` job, timed from the outside: the figures the README quotes about running a job (the
+"""A whole `verl train` job, timed from the outside: the figures the docs quote about running a job (the
 default job's reward and wall time, a real model's step time) come from here, not from a hand-read log.
 
     python benchmarks/e2e/bench_train_job.py                        # the default job (verl train, no arguments)
