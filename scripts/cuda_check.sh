@@ -30,7 +30,7 @@ PY
 "$venv/bin/python" -m verl.cli.main doctor || true
 t1=$SECONDS
 set +e
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/ops tests/test_setup.py
+VERL_TEST_ENV=cuda "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/ops tests/test_setup.py
 rc=$?
 set -e
 echo "[cuda-check] ops CPU tests against the CUDA build: $((SECONDS - t1))s (pytest exit $rc)"

@@ -46,6 +46,7 @@ def test_bad_flag_value_is_explained():
     assert proc.returncode != 0 and "VERL_BUILD_CUDA='maybe' is not understood" in proc.stderr + proc.stdout
 
 
+@pytest.mark.cpu_torch
 @pytest.mark.skipif(__import__("torch").version.cuda is not None, reason="checks the CPU-torch message")
 def test_forcing_cuda_with_cpu_torch_is_explained():
     proc = _setup({"VERL_BUILD_CUDA": "1"})
@@ -53,6 +54,7 @@ def test_forcing_cuda_with_cpu_torch_is_explained():
     assert "torch is a CPU build" in proc.stderr + proc.stdout and "torch==2.14.1" in proc.stderr + proc.stdout
 
 
+@pytest.mark.cuda_torch
 @pytest.mark.skipif(__import__("torch").version.cuda is None, reason="needs a CUDA build of torch (CI's CUDA env)")
 def test_unknown_arch_is_explained():
     proc = _setup({"VERL_BUILD_CUDA": "1", "TORCH_CUDA_ARCH_LIST": "8.0;7.7"})
@@ -60,6 +62,7 @@ def test_unknown_arch_is_explained():
     assert "TORCH_CUDA_ARCH_LIST entry '7.7'" in proc.stderr + proc.stdout
 
 
+@pytest.mark.cuda_torch
 @pytest.mark.skipif(__import__("torch").version.cuda is None, reason="needs a CUDA build of torch (CI's CUDA env)")
 def test_cuda_major_mismatch_is_explained(tmp_path):
     home = tmp_path / "cuda"

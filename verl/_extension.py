@@ -1,12 +1,21 @@
 """Loads the compiled extension `verl._C` (csrc/) once and says what it was built with.
 
 When the extension is missing, broken, or lacks a backend for the tensors at hand, verl.ops falls back
-to its pure-PyTorch references and warns once, naming the command that builds the extension.
+to its pure-PyTorch references and warns once, naming the command that builds the extension (and the test
+suite's strict mode, tests/environments.py, fails naming the import error instead of skipping).
+
+`VERL_EXTENSION_PATH=<file>` loads `verl._C` from that shared library instead of the package's own: a build kept
+elsewhere (scripts/setup_env.sh checks the CUDA build in build/cuda/lib this way), or a missing / broken file to
+see what a failed import does.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.machinery
+import importlib.util
+import os
+import sys
 import warnings
 
 import torch
@@ -19,11 +28,26 @@ BUILD_HINT = ("build it with `pip install --no-build-isolation -e .` in the repo
 def load() -> object | None:
     """The imported `verl._C` module, or None (the import error is kept in `load_error()`)."""
     try:
+        path = os.environ.get("VERL_EXTENSION_PATH")
+        if path:
+            return _load_file(path)
         from verl import _C  # noqa: F401  (importing registers torch.ops.verl.*)
     except Exception as e:  # noqa: BLE001 - any failure means "no extension", reported by doctor
         _errors.append(e)
         return None
     return _C
+
+
+def _load_file(path: str) -> object:
+    """`verl._C` from the shared library at `path` (VERL_EXTENSION_PATH)."""
+    if not os.path.isfile(path):
+        raise ImportError(f"VERL_EXTENSION_PATH={path!r}: no such file")
+    loader = importlib.machinery.ExtensionFileLoader("verl._C", path)
+    spec = importlib.util.spec_from_file_location("verl._C", path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    sys.modules["verl._C"] = mod
+    return mod
 
 
 _errors: list[BaseException] = []

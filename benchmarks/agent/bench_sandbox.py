@@ -79,18 +79,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--nice", type=int, default=0, help="SandboxLimits.nice (0: the plain side's priority)")
     args = parser.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start()
     NICE[0] = args.nice
     ok, how = sandbox_available()
     if not ok:
         raise SystemExit(f"bench_sandbox: {how}")
     sandboxed(), plain()  # warm the page cache and the sandbox's layout cache
     rows = {"latency": latency(args.repeats), "throughput": throughput(args.concurrency, 2 * args.concurrency, 5)}
-    meta = {"command": " ".join(["python benchmarks/agent/bench_sandbox.py", *sys.argv[1:]]), "isolation": how,
-            "nice": args.nice, "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-            "python": platform.python_version(), "kernel": platform.release()}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "bench_sandbox.json"), "w") as f:
-        json.dump({"meta": meta, **rows}, f, indent=2)
+    write_result(os.path.join(RESULTS, "bench_sandbox.json"), rows, run, isolation=how, nice=args.nice,
+                 kernel=platform.release())
     print(json.dumps(rows, indent=2))
 
 

@@ -10,7 +10,14 @@ Reported per mode, over the steps after the first (which pays for start-up and t
 trained tokens of those steps over the wall-clock time they took, so runs that overlap differently are
 compared on equal work) and its ratio to sync, step time, the idle share of each rank set (time outside its
 own nodes: waiting for data, for weights, or for room in the queue), the mean staleness of the trained samples,
-and the reward of the first and last steps, so that a speedup is not bought with learning.
+and the reward of the first and last steps, so that a speedup is not bought with learning. With
+rollout.partial, also how often a new weight version reached the rollout mid-generation: `switches` (the torch
+engine's KV-cache rebuilds for a new version, rollout/partial_rebuilds, summed over the measured steps) and
+`mixed_share` (the share of trained responses whose tokens came from two versions). On a job whose generation is
+much quicker than an update (the default job: short EOS-ended answers) there are none: the rollout, bounded by
+max_staleness, waits for each new version before its next batch and the version arrives while it waits, never
+during a generation; partial rollouts switch on generation-bound jobs (long responses, e.g. --set
+rollout.ignore_eos=true with --max-new-tokens 96, or a real model).
 
     verl bench async                          # 12 steps, 1 round, 4 modes
     verl bench async --steps 20 --rounds 2 --warmup 100
@@ -26,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -73,7 +79,10 @@ def run(mode: str, work: str, args: argparse.Namespace, port: int) -> dict:
             "step_time_s": mean("perf/step_time_s"), "idle_share_rollout": mean("perf/idle_share_rollout"),
             "idle_share_actor": mean("perf/idle_share_actor"), "staleness_mean": mean("rollout/staleness_mean"),
             "sync_s": mean("perf/sync_s"), "weight_wait_s": mean("rollout/weight_wait_s"),
-            "token_staleness_mean": mean("rollout/token_staleness_mean"), "reward_last": sum(r["reward/mean"] for r in last) / len(last),
+            "token_staleness_mean": mean("rollout/token_staleness_mean"),
+            "switches": sum(r.get("rollout/partial_rebuilds", 0.0) for r in measured),
+            "mixed_share": mean("rollout/mixed_version_share"),
+            "reward_last": sum(r["reward/mean"] for r in last) / len(last),
             "reward_first": rows[0]["reward/mean"], "load_avg_1min": os.getloadavg()[0],
             "reward_curve": [r["reward/mean"] for r in rows]}
 
@@ -109,17 +118,20 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# verl bench async{' ' + meta['config'] if meta.get('config') else ''} ({meta['cpus']} CPU cores, {meta['procs']} processes: actor ranks "
              f"{list(range(half))}, rollout ranks {list(range(half, meta['procs']))}; {meta['steps']} steps, "
              f"{meta['rounds']} round(s), max_new_tokens {meta['max_new_tokens'] or 'as the default job'})", "",
-             "| mode | tokens/s | vs sync | step s | idle rollout | idle actor | staleness | reward, first -> last "
-             "quarter of the steps |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| mode | tokens/s | vs sync | step s | idle rollout | idle actor | staleness | token staleness | "
+             "switches | mixed responses | reward, first -> last quarter of the steps |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['mode']} | failed: {r['error'][-200:]!r} | | | | | | |")
+            lines.append(f"| {r['mode']} | failed: {r['error'][-200:]!r} | | | | | | | | | |")
             continue
+        partial = "rollout.partial=true" in MODES.get(r["mode"], [])
         lines.append(f"| {r['mode']} | {r['tokens_per_s']:.0f} | {r.get('speedup_vs_sync', float('nan')):.2f}x | "
                      f"{r['step_time_s']:.2f} | {100 * r['idle_share_rollout']:.0f}% | "
                      f"{100 * r['idle_share_actor']:.0f}% | {r['staleness_mean']:.2f} | "
-                     f"{_quarter(r['reward_curve'], 0):.3f} -> {_quarter(r['reward_curve'], -1):.3f} |")
+                     + (f"{r.get('token_staleness_mean', float('nan')):.2f} | {r.get('switches', 0):.0f} | "
+                        f"{100 * r.get('mixed_share', 0.0):.0f}% | " if partial else "- | - | - | ")
+                     + f"{_quarter(r['reward_curve'], 0):.3f} -> {_quarter(r['reward_curve'], -1):.3f} |")
     loads = ", ".join(f"{r['mode']} {r['load_avg_1min']:.1f}" for r in rows if "load_avg_1min" in r)
     if loads:
         lines += ["", f"Machine load (1-minute load average after each mode, mean over rounds): {loads}, on "
@@ -142,6 +154,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the default settings (kept for the suite runner)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     rounds = []
     with tempfile.TemporaryDirectory() as work:
         for i in range(args.rounds):
@@ -151,19 +165,18 @@ def main() -> int:
                 print(json.dumps(rows[-1]), flush=True)
             rounds.append(rows)
     table = combine(rounds, args.modes)
-    meta = {"cpus": os.cpu_count(), "machine": platform.machine(), "steps": args.steps, "rounds": args.rounds,
-            "warmup": args.warmup, "procs": args.procs, "max_new_tokens": args.max_new_tokens, "config": args.config, "command": "verl bench async " + " ".join(sys.argv[1:]),
+    meta = {"steps": args.steps, "rounds": args.rounds, "warmup": args.warmup, "procs": args.procs,
+            "max_new_tokens": args.max_new_tokens, "config": args.config,
             "note": "tokens/s: trained tokens of the steps after the first over the wall-clock time they took. "
                     "Idle share: the share of a step a rank set spends outside its own nodes (sync_weights "
                     "excluded, since a side waits there for the other; in async the rollout's is per batch it "
                     "generates). Staleness: weight versions between a sample's generation and its training. "
                     "With fewer cores than processes the overlapped modes compete for cores that sync uses "
                     "one side at a time."}
-    os.makedirs(args.out, exist_ok=True)
     name = "bench_async" + (f"_{args.tag}" if args.tag else "")
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": table, "rounds": rounds}, f, indent=2)
-    md = markdown(table, meta)
+    written = write_result(os.path.join(args.out, f"{name}.json"), {"rows": table, "rounds": rounds}, run_info,
+                           **meta)
+    md = markdown(table, written["meta"])
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(md)
     print(md)

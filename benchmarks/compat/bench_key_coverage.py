@@ -28,6 +28,8 @@ YAMLS = {"_generated_ppo_trainer": False, "_generated_ppo_megatron_trainer": Tru
 
 def main() -> int:
     from verl.config.verl_dialect import TABLE, _flatten, rule_for, translate
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start()
     keys: dict[str, object] = {}
     refused_at_defaults = {}
     for name in YAMLS:
@@ -43,12 +45,12 @@ def main() -> int:
               "map_or_refuse_share_of_settings": (kinds["map"] + kinds["refuse"]) / settings,
               "with_a_rule_share": (len(keys) - kinds["dropped"]) / len(keys), "dropped": kinds["dropped"],
               "refused_at_verl_defaults": refused_at_defaults, "table_patterns": len(TABLE)}
-    meta = {"command": "python benchmarks/compat/bench_key_coverage.py", "source": source.lstrip("# "),
+    meta = {"source": source.lstrip("# "),
             "note": "map: onto our keys (unit conversions included); refuse: stops the job with the reason unless "
                     "the value has no effect here (e.g. verl's default); ignore: no effect here at any value (memory "
                     "and speed knobs of verl's engines, Ray), listed with the reason by `verl compat --keys`."}
     path = ROOT / "benchmarks" / "results" / "verl_key_coverage.json"
-    path.write_text(json.dumps({"meta": meta, "result": result}, indent=2) + "\n")
+    write_result(path, {"result": result}, run, **meta)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0 if kinds["dropped"] == 0 else 1

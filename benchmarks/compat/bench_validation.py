@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -64,20 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
+    from verl.utils.results import RunInfo, write_result
+    given = sys.argv[1:] if argv is None else argv
+    run_info = RunInfo.start(command=" ".join(["python benchmarks/compat/bench_validation.py", *given]))
     overrides = [f"trainer.seed={args.seed}"] + ([f"trainer.total_steps={args.steps}"] if args.steps else [])
     rows, wall = run(overrides)
     result = summarise(rows, wall)
-    given = sys.argv[1:] if argv is None else argv
-    meta = {"command": " ".join(["python benchmarks/compat/bench_validation.py", *given]),
-            "config": "verl/trainer/config/default.yaml", "overrides": overrides, "cpus": os.cpu_count(),
-            "machine": platform.machine(),
+    meta = {"config": "verl/trainer/config/default.yaml", "overrides": overrides,
             "note": "validation_over_rl_steps: the time of every validation (greedy, 32 held-out prompts, before "
                     "the first step, every 20 steps and after the last) over the time of the RL steps, in the same "
                     "run; the warm start is in wall_s only. Held-out accuracy: val/pass@1, the share of held-out "
                     "problems answered exactly (greedy)."}
     name = "validation_default_job" + (f"_{args.tag}" if args.tag else "")
     path = Path(args.out) / f"{name}.json"
-    path.write_text(json.dumps({"meta": meta, "result": result}, indent=2) + "\n")
+    write_result(path, {"result": result}, run_info, **meta)
     print(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return 0

@@ -17,7 +17,6 @@ Writes benchmarks/results/dataflow_overhead.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -214,6 +213,8 @@ def main() -> None:
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--no-distributed", action="store_true", help="skip the 4-rank gloo measurement")
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     torch.set_num_threads(1 if not args.full else max(1, min(4, os.cpu_count() or 1)))
     repeats = 40 if args.full else 15
     os.makedirs(args.out, exist_ok=True)
@@ -230,8 +231,7 @@ def main() -> None:
               "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "chains": chains, "injection": inj, "distributed": dist_row, "target_us_per_node": 20.0,
               "target_injected_pct": 0.01}
-    with open(os.path.join(args.out, "dataflow_overhead.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(os.path.join(args.out, "dataflow_overhead.json"), result, run_info)
     plot(chains, inj, os.path.join(args.out, "dataflow_overhead.png"))
     for r in chains:
         print(f"chain of {r['nodes']:>3}: run {r['run_us_per_node']:.2f} µs/node, "

@@ -2,7 +2,7 @@
 4 samples, one process and one thread each, both running at the same time), plus verl's scaling over 1, 2, 4
 processes.
 
-    bash benchmarks/e2e/setup_trl_env.sh                                        # once: TRL 1.16 venv
+    bash scripts/setup_env.sh trl                                               # once: the TRL environment
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny --quick          # ~5 steps each side
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny --full           # + the 1/2/4-process scaling
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload smollm2-gsm8k         # 3 TRL steps (~30-60 min here)
@@ -187,8 +187,8 @@ def _wait_trl(tp: subprocess.Popen, out: Path, limit_s: float | None, python: st
         print(f"TRL stopped at the time limit after {len(json.loads(out.read_text())['step_s'])} step(s)", flush=True)
         return
     if code != 0:
-        raise RuntimeError(f"TRL run failed with exit code {code} (is {python} the TRL venv? "
-                           f"bash benchmarks/e2e/setup_trl_env.sh)")
+        raise RuntimeError(f"TRL run failed with exit code {code} (is {python} the TRL environment's python? "
+                           f"bash scripts/setup_env.sh trl)")
 
 
 def side_by_side(wl: Workload, assets, steps, work: Path, tag: str, python: str,
@@ -227,15 +227,6 @@ def _time_window(wl: Workload, verl: dict, trl: dict) -> None:
         print("no step lies wholly inside the window both sides trained in: timing every step", flush=True)
         for side in (verl, trl):
             side["overlap"], side["all_steps_timed"] = list(range(first, len(side["step_s"]))), True
-
-
-def collect(wl: Workload, work: Path, tag: str = "0") -> tuple[dict, dict]:
-    """A round whose two processes outlived the benchmark (stopped on a loaded machine to leave them running):
-    what they recorded so far in `work` (verl's metrics.jsonl, the TRL worker's per-step result)."""
-    verl = _read_verl(work / f"verl{tag}")
-    trl = json.loads((work / f"trl{tag}.json").read_text())
-    _time_window(wl, verl, trl)
-    return verl, trl
 
 
 def summarise(wl: Workload, runs: list[dict], nproc: int = 1, key: str = "overlap") -> dict:
@@ -384,7 +375,7 @@ def report(wl: Workload, args, assets, runs: list[tuple[dict, dict]], steps: int
     verl_runs, trl_runs = [v for v, _ in runs], [t for _, t in runs]
     result = {"config": {"workload": wl.name, "prompts": PROMPTS, "samples": SAMPLES, "new_tokens": wl.new_tokens,
                          "ignore_eos": wl.ignore_eos, "trl_steps": steps, "rounds": len(runs), "threads": 1,
-                         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])},
+                         "command": args.run_info.command},
               "verl": {**summarise(wl, verl_runs), "raw": verl_runs,
                        "split": step_split(verl_runs, "verl", "actor.padding_free=false" not in wl.verl_args)},
               "trl": {**summarise(wl, trl_runs), "split": step_split(trl_runs, "trl"), "raw": trl_runs}}
@@ -412,40 +403,35 @@ def main() -> None:
                     help="stop a round after this long and time the steps both sides finished (a loaded machine)")
     ap.add_argument("--verl", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra overrides of verl's job (e.g. actor.padding_free=false)")
-    ap.add_argument("--collect", metavar="WORKDIR", default=None,
-                    help="report on a round from its work directory (the benchmark stopped, its processes left "
-                         "running: on a loaded machine) instead of running one")
-    ap.add_argument("--trl-python", default="/root/.cache/verl-trl/bin/python")
+    ap.add_argument("--trl-python", default=None,
+                    help="the TRL environment's python (default: bash scripts/setup_env.sh trl, which builds it)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    args.run_info = RunInfo.start()
+    if args.trl_python is None:
+        venv = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), "trl"], capture_output=True, text=True,
+                              check=True).stdout.strip().splitlines()[-1]
+        args.trl_python = str(Path(venv) / "bin" / "python")
     wl = WORKLOADS[args.workload]
     wl.verl_args = [*wl.verl_args, *args.verl]
     steps, rounds = ((8, 3) if args.full else (5, 2)) if wl.name == "tiny" else (3, 1)
     steps, rounds = args.steps or steps, args.rounds or rounds
     suffix = "" if wl.name == "tiny" else "_" + wl.name.split("-")[0]
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"e2e_grpo_vs_trl{suffix}")
-    if args.collect:  # the processes of a stopped run, still running or done: time what they recorded
-        work = Path(args.collect)
-        from verl.rollout.tokenizer import Tokenizer
-        tok = Tokenizer.from_pretrained(str(work / "model"))
-        rows = [json.loads(line) for line in (work / "prompts.jsonl").read_text().splitlines()]
-        assets = (work / "model", work / "prompts.jsonl", [tok.encode_prompt(r["prompt"]) for r in rows])
-        result = report(wl, args, assets, [collect(wl, work)], steps)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            work = Path(tmp)
-            assets = build_assets(work, wl)
-            limit = None if args.max_minutes is None else 60 * args.max_minutes
-            runs = [side_by_side(wl, assets, steps, work, str(r), args.trl_python, limit) for r in range(rounds)]
-            result = report(wl, args, assets, runs, steps)
-            if args.full and wl.name == "tiny":
-                result["scaling"] = []
-                for nproc in (1, 2, 4):
-                    r = run_verl(wl, assets[0], assets[1], steps, work / f"scale{nproc}", nproc=nproc)
-                    r["all"] = list(range(1, len(r["step_s"])))
-                    result["scaling"].append({"nproc": nproc, **summarise(wl, [r], nproc, key="all")})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        assets = build_assets(work, wl)
+        limit = None if args.max_minutes is None else 60 * args.max_minutes
+        runs = [side_by_side(wl, assets, steps, work, str(r), args.trl_python, limit) for r in range(rounds)]
+        result = report(wl, args, assets, runs, steps)
+        if args.full and wl.name == "tiny":
+            result["scaling"] = []
+            for nproc in (1, 2, 4):
+                r = run_verl(wl, assets[0], assets[1], steps, work / f"scale{nproc}", nproc=nproc)
+                r["all"] = list(range(1, len(r["step_s"])))
+                result["scaling"].append({"nproc": nproc, **summarise(wl, [r], nproc, key="all")})
+    result = write_result(out.with_suffix(".json"), result, args.run_info)
     out.with_suffix(".md").write_text(markdown(result))
     plot(result, out.with_suffix(".png"))
     print(markdown(result))

@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_lora_vs_full.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     work = Path(tempfile.mkdtemp(prefix="verl-lora-vs-full-"))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = {}
@@ -97,15 +99,12 @@ def main() -> None:
                    reward_last={n: rows[-1]["reward/mean"] for n, rows in curves.items()},
                    reward_mean_last_half={n: statistics.mean(r["reward/mean"] for r in rows[len(rows) // 2:])
                                           for n, rows in curves.items()})
-    meta = {"command": "python " + " ".join(["benchmarks/e2e/bench_lora_vs_full.py", *sys.argv[1:]]), "jobs": JOBS,
-            "overrides": _overrides(args, Path("<out>")), "wall_s": wall, "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    meta = {"jobs": JOBS, "overrides": _overrides(args, Path("<out>")), "jobs_wall_s": wall,
+            "host": platform.node(),
             "note": "both jobs at once, one torch thread each, on a shared machine; tokens/s = the step's prompt + "
                     "response tokens over its wall time"}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "curves": curves}, indent=1))
+    write_result(out, {"summary": summary, "curves": curves}, run_info, **meta)
     _plot(curves, out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -60,6 +60,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps per run (after the 300-step warm start)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_router_replay.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start()
     tmp = tempfile.mkdtemp(prefix="verl-bench-replay-")
     rows = {}
     for name, run_args in RUNS.items():
@@ -69,10 +71,8 @@ def main() -> int:
               f"{r['rollout/mismatch_mean']:.2e} (kl {r['rollout/mismatch_kl']:.2e})  "
               f"reward {r['reward_first']:.3f} -> "
               f"{r['reward_last']:.3f}", flush=True)
-    meta = {"command": "python " + " ".join(["benchmarks/e2e/bench_router_replay.py", *sys.argv[1:]]),
-            "dtype": "bfloat16", "steps": args.steps}
-    with open(args.out, "w") as fh:
-        json.dump({"meta": meta, "runs": rows}, fh, indent=2)
+    meta = {"dtype": "bfloat16", "steps": args.steps}
+    write_result(args.out, {"meta": meta, "runs": rows}, run)
     return 0
 
 

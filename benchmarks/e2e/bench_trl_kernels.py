@@ -13,10 +13,13 @@ run, with its one-off allocations, is left out) of:
   update_peak_mib  peak resident memory during the loss forward + backward, above the resident set before it
   peak_rss_mib   the process's peak resident set over the whole run
 CPU time, not wall time, is compared: the machine is shared, and a descheduled process's wall time measures its
-neighbours (wall times are recorded beside). Ratios are verl / trl. Run with the TRL venv's python:
+neighbours (wall times are recorded beside). Ratios are verl / trl. Run with the TRL environment's python:
 
-    PYTHONPATH=. /root/.cache/verl-trl/bin/python benchmarks/e2e/bench_trl_kernels.py --rounds 2 --steps 4
-Writes benchmarks/results/bench_trl_kernels.json.
+    venv=$(bash scripts/setup_env.sh trl | tail -n1)
+    PYTHONPATH=. $venv/bin/python benchmarks/e2e/bench_trl_kernels.py --rounds 2 --steps 4
+    PYTHONPATH=. $venv/bin/python benchmarks/e2e/bench_trl_kernels.py --quick --out /tmp/q.json   # CI: a small
+        # model (vocab 4096), 8 completions of 16 tokens, 1 round of 3 steps per side: runs, not a measurement
+Writes benchmarks/results/bench_trl_kernels.json (meta: the command, commit and machine load; verl.utils.results).
 """
 
 from __future__ import annotations
@@ -157,8 +160,14 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens per completion (all of them generated)")
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--quick", action="store_true", help="CI size: --rounds 1 --steps 3 --vocab 4096 --hidden 64 "
+                                                         "--batch 8 --new-tokens 16")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_trl_kernels.json"))
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.vocab, args.hidden, args.batch, args.new_tokens = 1, 3, 4096, 64, 8, 16
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start()
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from kernels_in_trl import demo_setup
 
@@ -175,17 +184,12 @@ def main() -> None:
     v, t = summ["verl"], summ["trl"]
     ratios = {k: v[k] / t[k] for k in ("step_cpu_s", "update_cpu_s", "update_peak_mib", "peak_rss_mib",
                                        "step_wall_s")}
-    meta = {"command": "python " + " ".join(["benchmarks/e2e/bench_trl_kernels.py", *sys.argv[1:]]),
-            "model": f"2-layer Llama, hidden {args.hidden}, vocab {args.vocab} (random weights, float32)",
+    meta = {"model": f"2-layer Llama, hidden {args.hidden}, vocab {args.vocab} (random weights, float32)",
             "batch": f"{args.batch} completions ({args.batch // args.group} prompts x {args.group}), "
                      f"{args.new_tokens} tokens each; beta=0.04, loss_type dapo (TRL's default), lr 1e-5",
-            "threads": 1, "machine": platform.processor() or platform.machine(),
-            "load_avg_1m_at_end": os.getloadavg()[0], "wall_s": time.time() - t0,
+            "threads": 1, "processor": platform.processor() or platform.machine(),
             "note": "medians over the steps of every run but each run's first; ratios are verl / trl"}
-    result = {"meta": meta, "summary": summ, "ratios_verl_vs_trl": ratios, "runs": runs}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.out, {"summary": summ, "ratios_verl_vs_trl": ratios, "runs": runs}, run, **meta)
     print(json.dumps({"summary": summ, "ratios_verl_vs_trl": ratios}, indent=2))
     print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
 

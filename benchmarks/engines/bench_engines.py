@@ -197,6 +197,8 @@ def main() -> int:
         else:
             run_worker(args.worker, args.model, size, args.repeats, args.result)
         return 0
+    from verl.utils.results import RunInfo
+    args.run_info = RunInfo.start()
     if args.workload == "smollm2-gsm8k":
         return job_main(args)
     size_name = "full" if args.full else "quick"
@@ -230,11 +232,9 @@ def main() -> int:
     import torch
     summary = [{k: v for k, v in r.items() if k not in ("greedy", "sampled", "greedy_logprobs")} for r in rows]
     res = {"benchmark": "engines", "size": size_name, "model": size, "rows": summary, "torch": torch.__version__,
-           "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 torch thread per engine",
-           "command": " ".join(sys.argv)}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_engines.json"), "w") as f:
-        json.dump(res, f, indent=2)
+           "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 torch thread per engine"}
+    from verl.utils.results import write_result
+    write_result(os.path.join(args.out, "bench_engines.json"), res, args.run_info)
     _plot(rows, os.path.join(args.out, "bench_engines.png"),
           f"{size['prompts']} prompts x {size['new']} tokens, fp32, 1 thread")
     return 0
@@ -266,10 +266,9 @@ def job_main(args) -> int:
     res = {"benchmark": "engines", "workload": "smollm2-gsm8k", "model": "smollm2-135m-instruct (float32)",
            "job": size, "rows": [{k: v for k, v in r.items() if k != "sampled"} for r in rows],
            "torch": torch.__version__, "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 torch thread "
-           "per engine, engines run one after another", "command": " ".join(sys.argv)}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_engines_smollm2.json"), "w") as f:
-        json.dump(res, f, indent=2)
+           "per engine, engines run one after another"}
+    from verl.utils.results import write_result
+    write_result(os.path.join(args.out, "bench_engines_smollm2.json"), res, args.run_info)
     return 0
 
 

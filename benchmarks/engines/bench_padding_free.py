@@ -18,7 +18,6 @@ Writes benchmarks/results/bench_padding_free.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -115,15 +114,15 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_padding_free.json"))
     args = ap.parse_args(argv)
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     res = run(args)
     print(f"{'row':<15}{'log-prob s':>11}{'x':>6}{'update s':>10}{'x':>6}{'micro':>7}{'padded':>8}")
     for name, r in res.items():
         print(f"{name:<15}{r['log_prob_s']:>11.3f}{r['log_prob_speedup']:>6.2f}{r['update_s']:>10.3f}"
               f"{r['update_speedup']:>6.2f}{r['micro_batches']:>7}{r['padded_share']:>8.1%}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "machine": platform.processor() or platform.machine(), "rows": res}, f,
-                  indent=2)
+    write_result(args.out, {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": res}, run_info,
+                 processor=platform.processor() or platform.machine())
 
 
 if __name__ == "__main__":

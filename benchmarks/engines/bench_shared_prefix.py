@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_shared_prefix.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     torch.set_num_threads(1)
     from verl.config import ActorConfig, OptimConfig
     from verl.data import make_task
@@ -73,10 +75,8 @@ def main() -> None:
     prompt_tokens = 4 * sum(map(len, prompts))
     res = {"prompt_tokens_mean": prompt_tokens / len(batch), "response_tokens_mean": sum(lens) / len(lens),
            "prompt_share_of_update_tokens": prompt_tokens / (prompt_tokens + sum(lens)), **times,
-           "speedup_cpu": sum(t["cpu_s"] for t in times["packed"]) / sum(t["cpu_s"] for t in times["shared"]),
-           "command": " ".join(sys.argv)}
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
+           "speedup_cpu": sum(t["cpu_s"] for t in times["packed"]) / sum(t["cpu_s"] for t in times["shared"])}
+    write_result(args.out, res, run_info)
     print(json.dumps(res))
 
 

@@ -416,9 +416,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="interleaved timing rounds (min is reported)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per subprocess")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "benchmarks", "results"))
-    ap.add_argument("--append", action="store_true",
-                    help="keep the rows of an existing bench_logprob.json (a size measured again is replaced)")
     args = ap.parse_args()
+    from verl.utils.results import RunInfo
+    args.run_info = RunInfo.start()  # one run, one results file: sizes are measured together, never merged
     if args.sizes:
         asked = [tuple(int(d) for d in s.split("x")) for s in args.sizes]
     else:
@@ -433,37 +433,21 @@ def main() -> None:
         sizes.append((fit, h, v))
     note = "; ".join(notes) or "no size scaled down"
     print(f"[bench_logprob] sizes {sizes}; {note}", flush=True)
-    t0 = time.time()
-    rows, prior = [], _prior_rows(args) if args.append else []
+    rows = []
     for i, (n, h, v) in enumerate(sizes):
         rows.append(_measure_loss_size(n, h, v, args) if args.loss else _measure_size(n, h, v, args))
-        prior = [r for r in prior if (r["N"], r["H"], r["V"]) != (n, h, v)]
-        # Written after every size, so a run cut short by its time limit still leaves the finished rows.
-        _write(prior + rows, args, note, avail, t0, complete=i == len(sizes) - 1)
+        # Written after every size (meta.complete says whether all were), so a run cut short by its time
+        # limit still leaves the finished rows.
+        _write(rows, args, note, avail, complete=i == len(sizes) - 1)
 
 
-def _prior_rows(args) -> list:
-    """Rows of an earlier run (--append), each tagged with the command and note that produced it."""
-    path = os.path.join(args.out_dir, "bench_loss_head.json" if args.loss else "bench_logprob.json")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        old = json.load(fh)
-    for r in old["rows"]:
-        r.setdefault("run", {k: old["meta"].get(k) for k in ("command", "note", "threads", "timing")})
-    return old["rows"]
-
-
-def _write(rows, args, note, avail, t0, complete):
-    """JSON + PNG of all rows; meta describes this run, rows from an --append'ed run carry their own "run"."""
-    import torch
-
+def _write(rows, args, note, avail, complete):
+    """JSON + PNG of this run's rows."""
     import verl.ops as O
-    meta = {"command": "python " + " ".join(["benchmarks/kernels/bench_logprob.py", *sys.argv[1:]]),
-            "note": note, "complete": complete, "mem_available_gib_at_start": avail, "dtype": "float32",
-            "device": "cpu", "threads": args.threads,
-            "temperature": args.temperature, "torch": torch.__version__, "machine": platform.processor() or
-            platform.machine(), "load_avg_1m_at_end": os.getloadavg()[0], "wall_s": time.time() - t0,
+    from verl.utils.results import write_result
+    meta = {"note": note, "complete": complete, "mem_available_gib_at_start": avail, "dtype": "float32",
+            "device": "cpu", "threads": args.threads, "temperature": args.temperature,
+            "processor": platform.processor() or platform.machine(),
             "memory": "peak extra resident set per variant in its own process (MALLOC_MMAP_THRESHOLD_=65536)",
             "timing": (f"min over {args.reps} interleaved rounds in one process; *_s = "
                        + ("thread CPU time" if args.threads == 1 else "wall time") + ", *_wall_s = wall time"),
@@ -476,10 +460,9 @@ def _write(rows, args, note, avail, t0, complete):
         meta["fused_linear_chunks"] = ("linear_rl_loss chunk_n=0: on CPU max(192, 6 * 2^20 / V) rows per chunk "
                                        "(24 MiB of float32 logits at V=32k, 111 MiB at V=152k)")
     out = os.path.join(args.out_dir, stem + ".json")
-    with open(out, "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=2)
+    written = write_result(out, {"rows": rows}, args.run_info, **meta)
     (_plot_loss if args.loss else _plot)(rows, os.path.join(args.out_dir, stem + ".png"))
-    print(f"[bench_logprob] wrote {out} and {stem}.png ({time.time() - t0:.0f}s)", flush=True)
+    print(f"[bench_logprob] wrote {out} and {stem}.png ({written['meta']['wall_s']:.0f}s)", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -167,14 +167,14 @@ def main() -> None:
                     help="tokens x hidden x experts, comma-separated")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_moe_dispatch.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     rows = [_measure(T, H, E, args.reps, a) for a in ALLOCATORS for T, H, E in sizes]
-    meta = {"command": "python " + " ".join(["benchmarks/kernels/bench_moe_dispatch.py", *sys.argv[1:]]),
-            "threads": 1, "timing": "thread CPU time, min over reps, variants interleaved",
+    meta = {"threads": 1, "timing": "thread CPU time, min over reps, variants interleaved",
             "memory": "peak extra resident memory of one fwd+bwd (VmHWM), a process per variant",
             "work": f"permute with weights + unpermute-and-combine, forward and backward, top-{TOP_K}"}
-    with open(args.out, "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=2)
+    write_result(args.out, {"meta": meta, "rows": rows}, run)
     print(f"wrote {args.out}")
 
 

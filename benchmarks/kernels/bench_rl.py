@@ -16,7 +16,6 @@ Writes benchmarks/results/bench_rl.json and bench_rl.png (speed-up ratios, highe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -166,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
     ap.add_argument("--out", default=RESULTS, help="folder for bench_rl.json / bench_rl.png")
     args = ap.parse_args(argv)
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     if not _extension.available():
         print(f"verl._C is not built: {_extension.load_error()}; {_extension.BUILD_HINT}", file=sys.stderr)
         return 1
@@ -180,8 +181,7 @@ def main(argv=None) -> int:
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), machine=platform.machine(),
                 processor=platform.processor(), matrix="full" if args.full else "quick",
                 compile_backend=None if args.no_compile else "inductor")
-    with open(os.path.join(args.out, "bench_rl.json"), "w") as f:
-        json.dump(dict(meta=meta, results=rows), f, indent=1)
+    write_result(os.path.join(args.out, "bench_rl.json"), dict(meta=meta, results=rows), run_info)
     plot(rows, os.path.join(args.out, "bench_rl.png"))
     print(f"wrote {os.path.join(args.out, 'bench_rl.json')} and bench_rl.png")
     return 0

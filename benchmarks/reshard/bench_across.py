@@ -18,7 +18,6 @@ Writes benchmarks/results/bench_across.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -127,6 +126,8 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="a ~134M-parameter model")
     parser.add_argument("--repeats", type=int, default=5)
     args, _ = parser.parse_known_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     size = "full" if args.full else "quick"
     per_rank = run_distributed(worker, 4, args=(size, args.repeats), timeout=1800)
     rows = []
@@ -145,10 +146,8 @@ def main() -> None:
               f"{r['sent_per_rank']}  received {r['received_per_rank']}  peak {r['peak_per_rank']}  "
               f"bit-exact {r['bit_exact']}")
     out = os.path.join(ROOT, "benchmarks", "results", "bench_across.json")
-    with open(out, "w") as f:
-        # the machine's load average: on a shared CPU the seconds are only comparable within one run
-        json.dump({"model": MODELS[size], "repeats": args.repeats, "load_average": os.getloadavg(), "rows": rows},
-                  f, indent=1)
+    # meta carries the machine's load: on a shared CPU the seconds are only comparable within one run
+    write_result(out, {"model": MODELS[size], "repeats": args.repeats, "rows": rows}, run_info)
     print(f"wrote {out}")
 
 

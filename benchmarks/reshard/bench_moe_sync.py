@@ -77,6 +77,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_moe_sync.json"))
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start()
     if args.worker:
         model_dir, ep, out = args.worker
         worker(model_dir, int(ep), args.repeats, out)
@@ -100,10 +102,9 @@ def main() -> int:
           f"hybrid {r['hybrid_s'] * 1e3:.1f} ms ({r['hybrid_over_full_gather']:.1%} of it); received per rank "
           f"{[round(b / 2**20, 2) for b in r['hybrid_received_bytes_per_rank']]} MiB of "
           f"{r['engine_bytes'] / 2**20:.1f} MiB; same generation: {r['same_generation']}")
-    meta = {"command": "python " + " ".join(["benchmarks/reshard/bench_moe_sync.py", *sys.argv[1:]]),
-            "model": MODEL, "repeats": args.repeats,
+    meta = {"model": MODEL, "repeats": args.repeats,
             "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 thread per rank"}
-    json.dump({"meta": meta, "rows": [r]}, open(args.out, "w"), indent=2)
+    write_result(args.out, {"meta": meta, "rows": [r]}, run)
     return 0
 
 

@@ -20,7 +20,6 @@ Writes benchmarks/results/bench_reshard.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -196,14 +195,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     model = "full" if args.full else "quick"
     rows = run(model, args.bucket_mb, args.repeats)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(benchmark="reshard", model=model, model_config=MODELS[model], dtype="float32",
                 machine=f"{platform.machine()} {os.cpu_count()} cores, shared; gloo over loopback",
-                torch=torch.__version__, command=" ".join(sys.argv))
-    with open(os.path.join(args.out, "bench_reshard.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=2)
+                torch=torch.__version__)
+    write_result(os.path.join(args.out, "bench_reshard.json"), dict(meta=meta, rows=rows), run_info)
     plot(rows, os.path.join(args.out, "bench_reshard.png"))
 
 

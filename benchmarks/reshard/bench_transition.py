@@ -105,6 +105,8 @@ def main() -> int:
         model_dir, tp, tp_g, engine, out = args.worker
         worker(model_dir, int(tp), int(tp_g), engine, args.repeats, out)
         return 0
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     size = "quick" if args.quick else "full"
     from verl.models.tiny import save_tiny, tiny_model, tiny_tokenizer
     tmp = tempfile.mkdtemp(prefix="verl-bench-transition-")
@@ -141,8 +143,8 @@ def main() -> int:
               f"{str(r['same_generation']):>8}")
     os.makedirs(args.out, exist_ok=True)
     res = {"benchmark": "transition", "size": size, "model": MODELS[size], "rows": rows, "repeats": args.repeats,
-           "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 thread per rank", "command": " ".join(sys.argv)}
-    json.dump(res, open(os.path.join(args.out, "bench_transition.json"), "w"), indent=2)
+           "machine": f"{platform.machine()} {os.cpu_count()} cores; 1 thread per rank"}
+    write_result(os.path.join(args.out, "bench_transition.json"), res, run_info)
     _plot(rows, os.path.join(args.out, "bench_transition.png"))
     return 0
 

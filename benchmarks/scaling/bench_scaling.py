@@ -162,6 +162,8 @@ def main() -> int:
                     help="ppo: the article's PPO dataflow (default); grpo: bench_grpo_vs_trl's tiny GRPO job")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     rows = []
     with tempfile.TemporaryDirectory() as work:
         rm = os.path.join(work, "reward_model")
@@ -195,10 +197,9 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "machine": platform.machine(), "prompts_per_process": PROMPTS_PER_PROCESS,
             "steps": args.steps, "note": "weak scaling; communication = batch redistribution + weight sync",
-            "job": args.job, "command": " ".join(sys.argv)}
+            "job": args.job}
     name = "bench_scaling" if args.job == "ppo" else "bench_scaling_grpo"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    write_result(os.path.join(args.out, f"{name}.json"), {"meta": meta, "rows": rows}, run_info)
     _plot(rows, os.path.join(args.out, f"{name}.png"), args.job)
     return 0 if all("error" not in r for r in rows) else 1
 

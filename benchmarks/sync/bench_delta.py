@@ -19,7 +19,6 @@ Writes benchmarks/results/bench_delta_sync.json (per source: per-sync changed sh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -186,6 +185,8 @@ def main() -> None:
                          "2; the scaled model's over 2")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_delta_sync.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     path = _model_dir(args.model)
     results = {}
     for kind in args.sources:
@@ -203,14 +204,11 @@ def main() -> None:
         print(f"{kind}: {s['syncs']} syncs, bit-exact {s['bit_exact_after_all']}, "
               f"changed {s['changed_frac_median']:.4f}, "
               f"bytes {s['bytes_ratio']:.4f} of full, time {s.get('time_ratio', float('nan')):.3f} of full", flush=True)
-    meta = {"command": "python " + " ".join(["benchmarks/sync/bench_delta.py", *sys.argv[1:]]),
-            "model": args.model, "threads_per_process": 1, "engine_dtype": "bfloat16",
+    meta = {"model": args.model, "threads_per_process": 1, "engine_dtype": "bfloat16",
             "training_dtype": "float32", "lr": args.lr, "host": platform.node(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             "note": "times are the slowest rank's; bytes: what the engine of rank 0 is handed (payloads + headers; "
                     "full: its targets in bfloat16); comm: bytes over the wire, both ranks"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_result(args.out, {"results": results}, run_info, **meta)
     print(f"wrote {args.out}")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
 import statistics
 import sys
@@ -71,6 +70,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_lora_sync.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run_info = RunInfo.start()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
@@ -130,14 +131,11 @@ def main() -> None:
                              lora_bytes_over_full=summary["lora"]["bytes"] / summary["full"]["bytes"],
                              lora_time_over_full=med(lr["sync_s"] / fr["sync_s"]
                                                      for lr, fr in zip(rows["lora"], rows["full"])))
-    meta = {"command": "python " + " ".join(["benchmarks/sync/bench_lora.py", *sys.argv[1:]]), "model": args.model,
+    meta = {"model": args.model,
             "lora_rank": args.rank, "target_modules": "all-linear", "adapter_bytes": adapter, "model_bytes": one_model,
-            "threads": 1, "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"), "adapters_arrived_bit_exact": arrived,
+            "threads": 1, "host": platform.node(), "adapters_arrived_bit_exact": arrived,
             "note": "times are medians of alternating repeats in one process; bytes are what the engine is handed"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "memory": memory, "per_sync": rows},
-                                         indent=1))
+    write_result(args.out, {"summary": summary, "memory": memory, "per_sync": rows}, run_info, **meta)
     print(json.dumps({"summary": summary, "memory": memory}, indent=1))
     print(f"wrote {args.out}")
 

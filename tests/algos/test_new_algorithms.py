@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 
 import verl.algos as A
 import verl.ops as O
-from verl import _extension
 from verl.algos import pg_losses as P
 from verl.algos.rollout_correction import is_weights, rejection_keep, rollout_correction
 from verl.config import PPOConfig, load_config
 from verl.config.ppo import RolloutCorrectionConfig
 from verl.errors import VerlConfigError
+from tests.conftest import needs_ext
 from tests.trainer.conftest import tiny_args  # noqa: F401  (the tiny trainer job's overrides)
 
 FAST = settings(max_examples=20, deadline=None, derandomize=True)
@@ -515,7 +515,7 @@ QUIET = ["trainer.total_steps=1", "trainer.save_final=false", "trainer.export_hf
          "warmup.steps=0"]
 
 
-@pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
+@needs_ext
 @pytest.mark.parametrize("overrides", [
     ["actor.policy_loss=cispo", "actor.clip_ratio_high=4.0", "algorithm.adv_estimator=opo",
      "actor.clip_ratio_low=10"],
@@ -535,7 +535,7 @@ def test_trainer_runs_each_new_algorithm_by_config(tmp_path, tiny_args, override
     assert math.isfinite(step["actor/pg_loss"]) and math.isfinite(step["actor/grad_norm"])
 
 
-@pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
+@needs_ext
 def test_train_decoder_makes_rollout_correction_a_no_op(tmp_path, tiny_args):
     """torch engine + rollout.decoder=train: rollout and training log-probs agree bit for bit, so the weights are
     all 1, nothing is rejected, and the update is the uncorrected one."""
@@ -554,7 +554,7 @@ def test_train_decoder_makes_rollout_correction_a_no_op(tmp_path, tiny_args):
         assert corr[k] == plain[k], k
 
 
-@pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
+@needs_ext
 def test_bypass_uses_rollout_log_probs_as_old(tmp_path, tiny_args):
     from verl.trainer.main_ppo import main
     main(tiny_args("algorithm.rollout_correction.bypass=true", "actor.ppo_epochs=2", *QUIET))

@@ -69,8 +69,8 @@ def test_plain_loop_loss_matches_reference(loop, policy_loss):
 
 def _trl():
     if importlib.util.find_spec("trl") is None:
-        pytest.skip("TRL is not installed in this environment (the dev venv has none); the TRL example runs in "
-                    "the venv of benchmarks/e2e/setup_trl_env.sh")
+        pytest.skip("TRL is not installed in this environment (the dev venv has none); these tests run in the "
+                    "TRL environment: bash scripts/trl_check.sh")
     return _load("kernels_in_trl")
 
 
@@ -114,6 +114,7 @@ CASES = [("grpo", 0.0, False, {}), ("grpo", 0.04, False, {}), ("bnpo", 0.04, Tru
          ("luspo", 0.0, True, {}), ("bnpo", 0.0, False, {"entropy_coef": 0.02})]
 
 
+@pytest.mark.trl
 @pytest.mark.parametrize("loss_type,beta,off_policy,extra", CASES)
 def test_trl_subclass_loss_equals_trl(tmp_path, loss_type, beta, off_policy, extra):
     mod = _trl()
@@ -135,6 +136,7 @@ def test_trl_subclass_loss_equals_trl(tmp_path, loss_type, beta, off_policy, ext
     assert trainer._metrics["train"]["entropy"], "the fused path logs TRL's metrics"
 
 
+@pytest.mark.trl
 def test_trl_subclass_falls_back_with_a_named_reason(tmp_path):
     mod = _trl()
     from trl import GRPOTrainer

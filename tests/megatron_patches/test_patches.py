@@ -18,10 +18,12 @@ import megatron_patches
 from megatron_patches import _mechanisms as mech
 from verl.distributed.placement import free_port
 from verl.models.tiny import tiny_config
+from tests.conftest import HARDWARE
 
 SHAPE = dict(num_layers=1, hidden_size=32, intermediate_size=64, vocab_size=50)
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches are a no-op with CUDA")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason=HARDWARE + "a CUDA GPU is here, where the patches "
+                                "are a no-op")
 
 
 @pytest.fixture(scope="module")

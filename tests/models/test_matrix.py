@@ -16,7 +16,6 @@ RoPE scaling, Mistral, and vocab sizes not divisible by TP.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -103,9 +102,10 @@ def matrix(tmp_path_factory):
                "step_losses": r["step_losses"], "hf_step_losses": refs[c]["step_losses"],
                "distributed_optimizer": r["dist_opt"]} for (c, lay), r in merged.items() if c != "critic"]
     if os.environ.get("VERL_WRITE_RESULTS"):   # the layout table for docs/reports, only when asked
-        out = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "megatron_layout_matrix.json").write_text(json.dumps({"seconds": elapsed, "cases": report}, indent=1))
+        from verl.utils.results import RunInfo, write_result
+        run = RunInfo.start(command="VERL_WRITE_RESULTS=1 python -m pytest -q tests/models/test_matrix.py")
+        out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "megatron_layout_matrix.json"
+        write_result(out, {"seconds": elapsed, "cases": report}, run)
     for row in report:
         print(f"{row['case']:<45} tp={row['tp']} pp={row['pp']} sp={int(row['sp'])} "
               f"max|dlogit|={row['max_logit_diff']:.1e} max|dgrad|={row['max_grad_diff']:.1e}")

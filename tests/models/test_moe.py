@@ -53,7 +53,8 @@ def matrix(tmp_path_factory):
         mask[0, :2], mask[1, -2:] = 0, 0   # left and right padding
         jobs.append(dict(name=family, path=path, out_dir=str(root / f"out_{family}"), layouts=layouts,
                          batch=(ids, mask), ref=hf_reference(path, ids, mask, steps=1, lr=1e-2)))
-    t0 = time.monotonic()
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start(command="VERL_WRITE_RESULTS=1 python -m pytest tests/models/test_moe.py -k matrix")
     merged: dict = {}
     for rank_results in run_distributed(moe_matrix_body, 2, args=(jobs,), timeout=1500):
         for r in rank_results:
@@ -66,9 +67,7 @@ def matrix(tmp_path_factory):
               for (c, lay), r in merged.items()]
     if os.environ.get("VERL_WRITE_RESULTS"):   # the table for docs/MODELS.md, only when asked
         out = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "moe_layout_matrix.json"
-        meta = {"command": "VERL_WRITE_RESULTS=1 python -m pytest tests/models/test_moe.py -k matrix",
-                "ranks": 2, "seconds": time.monotonic() - t0}
-        out.write_text(json.dumps({"meta": meta, "cases": report}, indent=1))
+        write_result(out, {"meta": {"ranks": 2}, "cases": report}, run)
     for row in report:
         print(f"{row['architecture']:<10} tp={row['tp']} pp={row['pp']} sp={int(row['sp'])} ep={row['ep']} "
               f"etp={row['etp']} max|dlogit|={row['max_logit_diff']:.1e} max|dgrad|={row['max_grad_diff']:.1e}")

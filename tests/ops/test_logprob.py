@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import verl.ops as O
-from tests.conftest import devices
+from tests.conftest import devices, needs_ext
 from verl import _extension
 
-needs_ext = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
 OPS = torch.ops.verl if _extension.available() else None
 
 

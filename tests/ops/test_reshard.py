@@ -7,10 +7,8 @@ import pytest
 import torch
 
 import verl.ops as O
-from tests.conftest import devices
-from verl import _extension
+from tests.conftest import devices, needs_ext
 
-needs_ext = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int64]
 
 

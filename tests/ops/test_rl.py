@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import verl.ops as O
-from tests.conftest import devices
+from tests.conftest import devices, needs_ext
 from verl import _extension
 from verl.errors import VerlConfigError, VerlRuntimeError
 
-needs_ext = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
 FLOATS = [torch.float32, torch.float64, torch.bfloat16]
 
 

@@ -21,8 +21,9 @@ from tests.conftest import devices
 from verl import _extension
 from verl.ops.losses import Aggregation
 from verl.testing import run_distributed
+from tests.conftest import needs_ext
 
-pytestmark = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
+pytestmark = needs_ext
 OPS = torch.ops.verl if _extension.available() else None
 FAST = settings(max_examples=12, deadline=None, derandomize=True)
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")

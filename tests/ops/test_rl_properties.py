@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import verl.ops as O
-from verl import _extension
 from verl.testing import run_distributed
+from tests.conftest import needs_ext
 
-pytestmark = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
+pytestmark = needs_ext
 FAST = settings(max_examples=15, deadline=None, derandomize=True)
 
 

@@ -15,8 +15,8 @@ import torch
 
 import verl.ops as O
 from verl import _extension
+from tests.conftest import needs_ext
 
-needs_ext = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
 NAN, INF = float("nan"), float("inf")
 AGG = ("token-mean", None, None, 1, None)
 

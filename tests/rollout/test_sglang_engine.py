@@ -13,8 +13,13 @@ from verl.rollout.base import SamplingParams
 from verl.rollout.config import RolloutConfig
 from verl.rollout.sglang_engine import SGLangRollout, sglang_available
 
+from tests.conftest import HARDWARE
+
 _ok, _why = sglang_available()
-needs_sglang = pytest.mark.skipif(not _ok, reason=_why or "sglang unavailable")
+_gpu = torch.cuda.is_available()
+# Without a CUDA GPU SGLang cannot run at all: a hardware skip. With one, a missing sglang is a dependency problem.
+needs_sglang = pytest.mark.skipif(not _ok, reason=(HARDWARE + "SGLang needs a CUDA GPU; this machine has none")
+                                  if not _gpu else _why)
 
 PROMPTS = ["the quick brown", "one two three four five six", [1, 86, 74, 71]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
@@ -22,7 +27,7 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 def test_refuses_to_start_where_it_cannot_run_and_says_why(tmp_path):
     if _ok:
-        pytest.skip("SGLang can run here; the tests below cover it")
+        pytest.skip(HARDWARE + "a CUDA GPU with SGLang is here, so nothing refuses; the tests below cover it")
     assert "sglang" in _why.lower() and ("gpu" in _why.lower() or "install" in _why.lower())
     with pytest.raises(VerlConfigError, match="sglang rollout engine cannot run here"):
         SGLangRollout(RolloutConfig(engine="sglang"), str(tmp_path))

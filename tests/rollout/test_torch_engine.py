@@ -12,6 +12,7 @@ import torch
 from verl.errors import VerlConfigError, VerlRuntimeError
 from verl.rollout import RolloutConfig, SamplingParams, Tokenizer, TorchRollout, build_rollout
 from verl.models.tiny import tiny_model, tiny_tokenizer
+from tests.conftest import HARDWARE
 
 PROMPTS = ["the quick brown", "one two three four five six", "what", [1, 86, 74]]
 # A wide initialisation gives peaked, varied next-token distributions (the sampling tests need both).
@@ -245,7 +246,7 @@ def test_sglang_adapter_explains_why_it_cannot_run():
     from verl.rollout.sglang_engine import sglang_available
     ok, why = sglang_available()
     if ok:
-        pytest.skip("SGLang can run here; covered by the GPU suite")
+        pytest.skip(HARDWARE + "a CUDA GPU with SGLang is here, so nothing refuses (tests/rollout/test_sglang_engine.py)")
     assert "sglang" in why.lower()
     with pytest.raises(VerlConfigError, match="rollout.engine=sglang cannot run here"):
         build_rollout(RolloutConfig(engine="sglang"), model_path="/nonexistent")

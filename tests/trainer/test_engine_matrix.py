@@ -3,7 +3,8 @@
 docs say the combination trains, and the refusal they promise where they rule it out, raised before any model
 is built (the checks PPOTrainer runs first: whether the engine can run here, then the world's placement).
 
-What the docs rule out (README "Generation", "The rollout on its own ranks", "Asynchronous modes"):
+What the docs rule out (docs/training.md "Generation", docs/placement.md "The rollout on its own ranks",
+docs/async.md):
 - sglang is GPU only: refused here, naming what to install;
 - one_step_off and async need the rollout on ranks of its own, which a megatron actor cannot feed.
 sync runs on 1 process; one_step_off and async on 2 (actor rank 0, rollout rank 1). The vllm row runs where

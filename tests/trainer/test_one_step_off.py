@@ -125,12 +125,56 @@ def test_async_streams_within_the_staleness_bound_and_resumes_from_its_checkpoin
     assert "dropping the 2 batch(es) generated ahead" in capfd.readouterr().out
 
 
+def _hold_mid_generation(trainer) -> None:
+    """On the rollout's rank: at the 3rd token of batch b, if the engine still holds a version older than b,
+    wait for version b (the actor makes it from batch b - 1, already queued, so this never deadlocks) and take
+    it there. Generation on the tiny job is far quicker than an update, so without this hold every new version
+    lands between batches and no response would ever mix versions (see benchmarks/async/bench_async.py)."""
+    rollout = trainer.rollout
+    if rollout is None:
+        return
+    stream, engine = rollout.stream, rollout.engine
+    take, generate, state = engine.pause_hook, engine.generate, {"batch": -1, "tokens": 0}
+
+    def counted(*args, **kw):
+        state["batch"] += 1
+        state["tokens"] = 0
+        return generate(*args, **kw)
+
+    def hook() -> int:
+        version = take()
+        state["tokens"] += 1
+        if state["tokens"] == 3 and version < state["batch"]:
+            stream.wait_for(rollout, state["batch"], timeout_s=120)
+        return stream.version
+    engine.generate, engine.pause_hook = counted, hook
+
+
+def _run_partial(rank, world_size, overrides, out):
+    trainer = PPOTrainer(load_config(PPOConfig, None, [*BASE, *overrides, f"trainer.output_dir={out}"]),
+                         init_placement("cpu"))
+    start = trainer._start_stream
+
+    def start_then_hold():
+        start()
+        _hold_mid_generation(trainer)
+    trainer._start_stream = start_then_hold
+    return {"history": trainer.fit()}
+
+
 @pytest.mark.multiprocess
 def test_async_partial_rollouts_take_new_weights_between_tokens(tmp_path):
-    out = run_distributed(_run, 2, args=([*ASYNC, "algorithm.max_staleness=1", "rollout.partial=true",
-                                          "rollout.max_new_tokens=24"], str(tmp_path / "p")), timeout=400)
+    out = run_distributed(_run_partial, 2, args=([*ASYNC, "algorithm.max_staleness=1", "rollout.partial=true",
+                                                  "rollout.max_new_tokens=8", "rollout.ignore_eos=true"],
+                                                 str(tmp_path / "p")), timeout=400)
     hist = out[0]["history"]
     assert len(hist) == 4 and max(h["rollout/staleness_max"] for h in hist) <= 1.0
+    # some responses hold tokens of two weight versions: their first tokens older than the rest
+    mixed = [h for h in hist if h["rollout/mixed_version_share"] > 0]
+    assert mixed, [h["rollout/mixed_version_share"] for h in hist]
+    for h in mixed:
+        assert h["rollout/token_staleness_mean"] < h["rollout/staleness_mean"]
+        assert h["rollout/partial_rebuilds"] >= 1  # the engine rebuilt its KV cache for the new version
 
 
 @pytest.mark.multiprocess

@@ -11,11 +11,11 @@ import functools
 import pytest
 import torch
 
-from verl import _extension
 from verl.config import ActorConfig, FSDPConfig, OptimConfig
 from verl.testing import run_distributed
+from tests.conftest import needs_ext
 
-pytestmark = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
+pytestmark = needs_ext
 ROWS = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "12-5=", "answer": "7"},
         {"prompt": "2+2=", "answer": "4"}, {"prompt": "9-1=", "answer": "8"}]
 KW = dict(temperature=0.9, responses_per_mini=8, max_response_length=5)

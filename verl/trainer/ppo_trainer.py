@@ -605,6 +605,9 @@ class PPOTrainer:
                 real = batch.response_mask > 0
                 tokens = (self.step - batch.token_version)[real].float()
                 m["rollout/token_staleness_mean"] = float(tokens.mean()) if tokens.numel() else 0.0
+                # responses whose tokens came from more than one weight version (a switch mid-generation)
+                newest = torch.where(real, batch.token_version, -1).max(-1).values
+                m["rollout/mixed_version_share"] = float((newest > batch.weight_version).float().mean())
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
         m.update(self._idle_shares(elapsed))
         m["perf/peak_memory_mb"] = peak_memory_mb()  # the largest process's

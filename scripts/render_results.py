@@ -1,0 +1,469 @@
+"""Turns benchmarks/results/*.json into docs/benchmarks.md and into the figures README.md and the docs pages
+quote, so that no benchmark figure in the docs is typed by hand (tests/test_docs_rendered.py fails when a doc
+differs from what this renders).
+
+    python scripts/render_results.py            # rewrite docs/benchmarks.md and every page's figure spans
+    python scripts/render_results.py --check    # exit 1, naming each doc that differs from what it renders
+
+docs/benchmarks.md is written whole. In README.md and every other docs/*.md (figure_pages()) a figure is a span
+`<!-- fig:NAME -->...<!-- /fig -->` whose text FIGURES[NAME] renders from the results; only those spans are
+rewritten, and every name in FIGURES is quoted somewhere. Every results file is rendered with
+its provenance (meta.command, commit, machine load; verl.utils.results); files written before the benchmarks
+recorded it are listed in LEGACY with what is missing, so a reader knows which figures cannot be reproduced
+from their file alone. Traces (Chrome trace-event JSON) are listed, not tabulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def figure_pages(root: Path = ROOT) -> list[Path]:
+    """The pages whose figure spans are rendered: README.md and docs/*.md but the generated docs/benchmarks.md."""
+    return [root / "README.md", *sorted(p for p in (root / "docs").glob("*.md") if p.name != "benchmarks.md")]
+
+
+LEGACY = {
+    "bench_logprob.json": "rows of two runs merged by the removed --append option",
+    "bench_loss_head.json": "rows of several runs merged by hand (meta.command is a list, `rows` holds superseded "
+                            "rows); re-run `python benchmarks/kernels/bench_logprob.py --loss --full`",
+    "e2e_grpo_vs_trl_smollm2.json": "reported with the removed --collect option from a run stopped by hand; its "
+                                    "per-CPU-second figures came from a sampler that is not in the repository (its "
+                                    "hand-annotated .md, with ratios read from chosen time windows, is removed); "
+                                    "re-run `python benchmarks/e2e/bench_grpo_vs_trl.py --workload smollm2-gsm8k`",
+}
+"""Results files that do not reproduce from one command (kept until re-measured; see the section's note)."""
+
+_CMD_ONLY = "Its command is recorded; the commit and the machine's load are not."
+PRE_PROVENANCE: dict[str, str] = {
+    **{name: _CMD_ONLY for name in (
+        "bench_async.json", "bench_async_p2_curve_is_seed1.json", "bench_async_p2_curve_is_seed2.json",
+        "bench_async_p2_curve_seed1.json", "bench_async_p2_curve_seed2.json", "bench_async_p2_idle.json",
+        "bench_async_p2_len24.json", "bench_async_p2_len24_idle.json", "bench_async_p2_len96_idle.json",
+        "bench_async_p2_stream.json", "bench_async_p4_stream.json", "bench_async_smollm2_p2.json",
+        "bench_engines.json", "bench_engines_smollm2.json", "bench_reshard.json", "bench_scaling_grpo.json",
+        "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
+        "validation_default_job.json", "validation_default_job_seed2.json", "validation_default_job_seed3.json",
+        "verl_key_coverage.json", "bench_delta_sync.json", "bench_delta_sync_1000.json", "bench_lora_sync.json",
+        "bench_lora_vs_full.json",
+        "e2e_grpo_vs_trl_tiny_padded.json", "bench_moe_dispatch.json", "bench_moe_sync.json",
+        "moe_layout_matrix.json")},
+    "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
+                         "script's default run.",
+    "bench_padding_free.json": "No command recorded; `args` holds the arguments it ran with.",
+    "bench_rl.json": "No command recorded; meta.matrix says which matrix (`python benchmarks/kernels/bench_rl.py "
+                     "--quick` or `--full`).",
+    "bench_scaling.json": "No command recorded (the PPO job, `python benchmarks/scaling/bench_scaling.py`, steps "
+                          "unknown).",
+    "dataflow_overhead.json": "No command recorded; `mode` says which (`python benchmarks/dataflow/"
+                              "bench_overhead.py --quick` or `--full`).",
+    "megatron_layout_matrix.json": "No command recorded; `VERL_WRITE_RESULTS=1 python -m pytest -q "
+                                   "tests/models/test_matrix.py` writes it.",
+}
+"""Results files written by one run of their benchmark before benchmarks recorded the commit and the machine's
+load (verl.utils.results), with how they were made as far as the file says."""
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+
+def fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        a = abs(v)
+        if a >= 100:
+            return f"{v:.0f}"
+        if a >= 10:
+            return f"{v:.1f}"
+        if a >= 0.01 or a == 0:
+            return f"{v:.3g}" if a < 1 else f"{v:.2f}"
+        return f"{v:.2e}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def table(rows: list[dict], columns: list[tuple[str, Callable[[dict], object] | str]]) -> list[str]:
+    def cell(row, get):
+        try:
+            return fmt(row.get(get) if isinstance(get, str) else get(row))
+        except (KeyError, TypeError, ZeroDivisionError):
+            return ""
+    out = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(cell(r, g) for _, g in columns) + " |" for r in rows]
+    return out
+
+
+def flatten(row: dict, prefix: str = "") -> dict:
+    """Nested dicts one level into dotted keys; lists dropped (curves, samples)."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        elif not isinstance(v, list):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def generic_rows(data: dict) -> list[dict]:
+    for key in ("rows", "results", "cases", "chains"):
+        rows = data.get(key)
+        if isinstance(rows, dict):
+            return [{"name": k, **flatten(v)} for k, v in rows.items()]
+        if isinstance(rows, list) and rows and isinstance(rows[0], dict):
+            return [flatten(r) for r in rows]
+    return [flatten({k: v for k, v in data.items() if k != "meta"})]
+
+
+def generic(data: dict) -> list[str]:
+    rows = generic_rows(data)
+    keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("command", "run.command")))
+    return table(rows, [(k, k) for k in keys])
+
+
+def logprob(data: dict) -> list[str]:
+    """Per size and variant: forward + backward time (thread CPU s) and peak extra memory."""
+    rows = generic_rows(data)
+    variants = [v for v in ("eager", "compiled", "fused_logits", "fused_linear", "loss_eager", "loss_compiled",
+                            "loss_fused") if any(f"variants.{v}.fwd_bwd_peak_mib" in r for r in rows)]
+    cols = [("N", "N"), ("H", "H"), ("V", "V")]
+    for v in variants:
+        cols += [(f"{v} s", f"variants.{v}.fwd_bwd_s"), (f"{v} MiB", f"variants.{v}.fwd_bwd_peak_mib")]
+    ratio = "ratios" if any("ratios.time_fused_vs_eager" in r for r in rows) else "fused_linear_vs_eager"
+    if ratio == "ratios":
+        cols += [("time fused / eager", "ratios.time_fused_vs_eager"),
+                 ("time fused / compiled", "ratios.time_fused_vs_compiled"),
+                 ("memory fused / eager", "ratios.peak_mem_fused_vs_eager"), ("superseded", "superseded")]
+    else:
+        cols += [("time fused / eager", "fused_linear_vs_eager.fwd_bwd_s"),
+                 ("memory fused / eager", "fused_linear_vs_eager.fwd_bwd_peak_mib")]
+    return table(rows, cols)
+
+
+def provenance(name: str, data: dict) -> list[str]:
+    meta = data.get("meta") or data.get("config") or {}
+    command = meta.get("command") or data.get("command")
+    lines = []
+    if isinstance(command, str):
+        lines.append(f"Command: `{command}`")
+    if meta.get("commit"):
+        load = meta.get("load_avg_1m") or {}
+        lines.append(f"Commit {meta['commit'][:10]}{' (with local changes)' if meta.get('dirty') else ''}, "
+                     f"{meta.get('date_utc', '')}, {meta.get('cpus')} CPU cores, load average "
+                     f"{fmt(load.get('start'))} at the start and {fmt(load.get('end'))} at the end, "
+                     f"{fmt(meta.get('wall_s'))} s.")
+    else:
+        lines.append("Written before the benchmarks recorded their commit and the machine's load.")
+    if name in LEGACY:
+        lines.append(f"Not reproducible from one command: {LEGACY[name]}.")
+    if name in PRE_PROVENANCE:
+        lines.append(PRE_PROVENANCE[name])
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------- families
+
+def last_mean(curve: list[float], k: int = 25) -> float:
+    return statistics.mean(curve[-k:])
+
+
+def quarter(curve: list[float], which: int) -> float:
+    q = max(1, len(curve) // 4)
+    return statistics.mean(curve[:q] if which == 0 else curve[-q:])
+
+
+def async_table(data: dict) -> list[str]:
+    rows = [r for r in data["rows"] if "error" not in r]
+    note = []
+    if any(r["mode"].endswith("_partial") and "switches" not in r for r in rows):
+        note = ["", "Switches were not counted yet when this ran; its partial mode's token staleness equals its "
+                    "staleness, so no response mixed weight versions: generation was much quicker than an update, "
+                    "and each new version arrived while the rollout waited between batches (see "
+                    "bench_async_p2_partial.json for a generation-bound job where switches happen)."]
+    return note + [""] * bool(note) + table(rows, [("mode", "mode"), ("tokens/s", "tokens_per_s"), ("vs sync", "speedup_vs_sync"),
+                        ("step s", "step_time_s"), ("idle rollout", "idle_share_rollout"),
+                        ("idle actor", "idle_share_actor"), ("staleness", "staleness_mean"),
+                        ("token staleness", "token_staleness_mean"), ("switches", "switches"),
+                        ("mixed responses", "mixed_share"),
+                        ("reward first quarter", lambda r: quarter(r["reward_curve"], 0)),
+                        ("reward last quarter", lambda r: quarter(r["reward_curve"], -1)),
+                        ("load", "load_avg_1min")])
+
+
+def trl_kernels(data: dict) -> list[str]:
+    s, r = data["summary"], data["ratios_verl_vs_trl"]
+    keys = ("step_cpu_s", "update_cpu_s", "update_peak_mib", "peak_rss_mib", "step_wall_s")
+    rows = [{"quantity": k, "verl": s["verl"][k], "trl": s["trl"][k], "verl / trl": r[k]} for k in keys]
+    return table(rows, [(h, h) for h in ("quantity", "verl", "trl", "verl / trl")])
+
+
+def e2e(data: dict) -> list[str]:
+    rows = [{"side": side, **{k: v for k, v in data[side].items() if not isinstance(v, (list, dict))}}
+            for side in ("verl", "trl")]
+    lines = table(rows, [("side", "side"), ("s/step", "s_per_step"), ("tokens/s", "tokens_per_s"),
+                         ("tokens/CPU-s", "tokens_per_cpu_s"), ("mean response", "mean_response_length"),
+                         ("steps timed", "steps_timed")])
+    lines += ["", f"Ratio (tokens/s, median): {fmt(data['ratio_tokens_per_s'])}x; best step vs best step "
+                  f"{fmt(data['ratio_tokens_per_s_best'])}x"
+                  + (f"; per CPU second {fmt(data['ratio_tokens_per_cpu_s'])}x" if "ratio_tokens_per_cpu_s" in data
+                     else "") + "."]
+    return lines
+
+
+def train_job(data: dict) -> list[str]:
+    meta = data["meta"]
+    rows = [{"config": meta.get("config"), "overrides": " ".join(meta.get("overrides") or []) or "-",
+             "steps": data["steps"], "job wall s": data["job_wall_s"], "job CPU s": data.get("job_cpu_s"),
+             "step s (median)": data.get("step_time_s_median"), "step CPU s (median)": data.get("cpu_time_s_median"),
+             f"reward, first {data['window']} steps": data["reward_first"],
+             f"reward, last {data['window']} steps": data["reward_last"]}]
+    lines = table(rows, [(k, k) for k in rows[0]])
+    steps = [{"step": i + 1, "s": s, "CPU s": c, "generate s": g, "update s": u}
+             for i, (s, c, g, u) in enumerate(zip(data["step_time_s"], data["cpu_time_s"] or [None] * 99,
+                                                  data["generate_s"] or [None] * 99,
+                                                  data["update_actor_s"] or [None] * 99))]
+    if len(steps) <= 5:
+        lines += [""] + table(steps, [(k, k) for k in steps[0]])
+    return lines
+
+
+def curves(results: dict) -> list[str]:
+    """The learning comparison of the async modes: mean reward of the last 25 of 100 steps per run."""
+    rows = []
+    for name in sorted(results):
+        if not name.startswith("bench_async_p2_curve"):
+            continue
+        modes = {r["mode"]: last_mean(r["reward_curve"]) for r in results[name]["rows"] if "error" not in r}
+        rows.append({"run": name.removeprefix("bench_async_p2_curve_").removesuffix(".json"), **modes})
+    cols = [("run", "run")] + [(m, m) for m in ("sync", "one_step_off", "async_s1", "async_s2")]
+    trailed = sum(1 for r in rows if r["async_s2"] < r["sync"])
+    return table(rows, cols) + ["", f"max_staleness=2 (async_s2) ended below sync in {trailed} of {len(rows)} runs."]
+
+
+FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
+    ("Training jobs (`verl train`, timed whole)", "train_", train_job),
+    ("Asynchronous modes (`verl bench async`)", "bench_async", async_table),
+    ("verl's kernels inside TRL", "bench_trl_kernels", trl_kernels),
+    ("GRPO end to end: verl vs TRL", "e2e_grpo_vs_trl", e2e),
+    ("Kernels", "bench_rl", generic), ("Kernels", "bench_logprob", logprob), ("Kernels", "bench_loss_head", logprob),
+    ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
+    ("Generation engines", "bench_shared_prefix", generic),
+    ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
+    ("3D-HybridEngine", "bench_across", generic),
+    ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
+    ("Megatron layouts", "megatron_layout_matrix", generic), ("Sandbox", "bench_sandbox", generic),
+    ("Validation on held-out prompts", "validation_", generic),
+    ("Weight sync: deltas and LoRA adapters", "bench_delta_sync", generic),
+    ("Weight sync: deltas and LoRA adapters", "bench_lora_sync", generic),
+    ("LoRA vs full fine-tuning", "bench_lora_vs_full", generic),
+    ("Upstream verl's config keys", "verl_key_coverage", generic),
+]
+
+
+def load(results_dir: Path = RESULTS) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
+
+
+def family(name: str) -> tuple[str, Callable] | None:
+    for title, prefix, fn in FAMILIES:
+        if name.startswith(prefix):
+            return title, fn
+    return None
+
+
+def render_doc(results: dict[str, dict]) -> str:
+    lines = ["# Benchmark results", "",
+             "Rendered by `python scripts/render_results.py` from `benchmarks/results/*.json`; do not edit by hand "
+             "(`tests/test_docs_rendered.py` fails when this page differs from what the script renders). Each "
+             "table gives the command that reproduces it, the commit it ran at and the machine's load: the "
+             "machines these ran on are shared, so times compare within one run (side by side), not across runs.",
+             "",
+             "`verl bench kernels|dataflow|reshard|engines|e2e|scaling|async|compat` runs a suite (each script also "
+             "runs alone, `--quick` by default, `--full` for the whole matrix); results are JSON and PNG under "
+             "`benchmarks/results/`, always side by side with the baseline in one run (eager and `torch.compile` "
+             "references, naive all-gather, the old full-gather weight transfer in `reshard/bench_transition.py`, "
+             "the weight sync to a rollout on the actor's ranks against one on its own ranks in "
+             "`reshard/bench_across.py`, TRL's GRPOTrainer). `verl bench engines` is the seed article's engine "
+             "experiment: the same prompts through torch, vLLM and SGLang (+ transformers' generate), changing only "
+             "`rollout.engine`: time, tokens/s, peak memory and token agreement with torch, or a row saying why an "
+             "engine cannot run.",
+             ""]
+    titles: dict[str, list[str]] = {}
+    traces = []
+    for name, data in results.items():
+        if "traceEvents" in data:
+            traces.append(name)
+            continue
+        fam = family(name)
+        title, fn = fam if fam is not None else ("Other results", generic)
+        body = [f"### {name}", "", *provenance(name, data), "", *fn(data), ""]
+        titles.setdefault(title, []).extend(body)
+        if name == "bench_async_p2_curve_seed2.json":
+            titles[title] += ["### Learning with stale weights (mean reward of the last 25 of 100 steps)", "",
+                              *curves(results), ""]
+    order = list(dict.fromkeys([t for t, _, _ in FAMILIES] + ["Other results"]))
+    for title in sorted(titles, key=order.index):
+        lines += [f"## {title}", "", *titles[title]]
+    lines += ["## Traces", "", "Chrome trace-event files (open in Perfetto or chrome://tracing):", ""]
+    lines += [f"- `benchmarks/results/{t}`" for t in traces]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- page figures
+
+def _r(results, name):
+    return results[name]
+
+
+def fig_default_job(res) -> str:
+    d = _r(res, "train_default_job.json")
+    load = d["meta"]["load_avg_1m"]
+    cpu = f" ({d['job_cpu_s']:.0f} s of CPU time)" if "job_cpu_s" in d else ""
+    return (f"measured on {d['meta']['cpus']} CPU cores under a load average of {fmt(load['start'])}-"
+            f"{fmt(load['end'])} from other jobs: mean reward {d['reward_first']:.2f} over the first {d['window']} "
+            f"GRPO steps → {d['reward_last']:.2f} over the last {d['window']}, in {d['job_wall_s']:.0f} s{cpu}")
+
+
+def fig_smollm2_step(res) -> str:
+    d = _r(res, "train_smollm2_gsm8k.json")
+    load = d["meta"]["load_avg_1m"]
+    def both(xs):
+        return " and ".join(f"{x:.0f}" for x in xs)
+    return (f"the first {d['steps']} steps took {both(d['step_time_s'])} s (generation {both(d['generate_s'])} s of "
+            f"them; {both(d['cpu_time_s'])} CPU-s) under a load average of {fmt(load['start'])}-{fmt(load['end'])} "
+            f"from other jobs")
+
+
+def fig_stale_trailed(res) -> str:
+    return curves(res)[-1].removeprefix("max_staleness=2 (async_s2) ended below sync in ").removesuffix(" runs.")
+
+
+def fig_curves(res) -> str:
+    def pair(mode, kind):
+        vals = [last_mean(r["reward_curve"]) for s in ("seed1", "seed2")
+                for r in res[f"bench_async_p2_curve_{kind}{s}.json"]["rows"] if r["mode"] == mode]
+        return " / ".join(f"{v:.3f}" for v in vals)
+    return (f"sync reached {pair('sync', 'is_')}, async max_staleness=1 {pair('async_s1', 'is_')} and "
+            f"max_staleness=2 {pair('async_s2', 'is_')}; without the correction {pair('sync', '')}, "
+            f"{pair('async_s1', '')} and {pair('async_s2', '')}")
+
+
+def _modes(res, name):
+    return {r["mode"]: r for r in res[name]["rows"] if "error" not in r}
+
+
+def fig_async_p2(res) -> str:
+    m = _modes(res, "bench_async_p2_stream.json")
+    return (f"one_step_off {m['one_step_off']['speedup_vs_sync']:.2f}x sync, async with max_staleness=1 "
+            f"{m['async_s1']['speedup_vs_sync']:.2f}x (the same samples and rewards as one_step_off, the lockstep "
+            f"meeting gone), the actor's idle share falling from {100 * m['sync']['idle_share_actor']:.0f}% to "
+            f"{100 * m['async_s1']['idle_share_actor']:.0f}%. max_staleness=2 gave "
+            f"{m['async_s2']['speedup_vs_sync']:.2f}x: its staler updates made longer responses (the actor, "
+            f"{100 * (1 - m['async_s2']['idle_share_actor']):.0f}% busy, is the bottleneck)")
+
+
+def fig_async_smollm2(res) -> str:
+    m = _modes(res, "bench_async_smollm2_p2.json")
+    idle = max(m[k][s] for k in ("one_step_off", "async_s1") for s in ("idle_share_rollout", "idle_share_actor"))
+    return (f"one_step_off ran at {m['one_step_off']['speedup_vs_sync']:.2f}x sync and async (max_staleness=1) at "
+            f"{m['async_s1']['speedup_vs_sync']:.2f}x, each side idle at most {100 * idle:.1f}% of the time "
+            f"({100 * m['sync']['idle_share_rollout']:.0f}% and "
+            f"{100 * m['sync']['idle_share_actor']:.0f}% in sync); partial rollouts cost there "
+            f"({m['async_s2_partial']['speedup_vs_sync']:.2f}x with max_staleness=2")
+
+
+def fig_async_p4(res) -> str:
+    m = _modes(res, "bench_async_p4_stream.json")
+    ratios = [r["speedup_vs_sync"] for k, r in m.items() if k != "sync"]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def fig_trl_kernels(res) -> str:
+    d = res["bench_trl_kernels.json"]
+    s, r = d["summary"], d["ratios_verl_vs_trl"]
+    v, t = s["verl"], s["trl"]
+    return (f"medians of {v['steps_measured']} steps): the loss forward + backward takes {r['update_cpu_s']:.2f}x TRL's CPU time ({v['update_cpu_s']:.2f} s vs "
+            f"{t['update_cpu_s']:.2f} s) and {r['update_peak_mib']:.2f}x its peak memory ({v['update_peak_mib']:.0f} vs "
+            f"{t['update_peak_mib']:.0f} MiB above the resident set); a whole step (generation and reference log-probs "
+            f"included) {r['step_cpu_s']:.2f}x the CPU time, and the process peaks at {r['peak_rss_mib']:.2f}x "
+            f"({v['peak_rss_mib']:.0f} vs {t['peak_rss_mib']:.0f} MiB)")
+
+
+def fig_stream_trace(res) -> str:
+    """From the Chrome trace of one async step: when each rank set ran its nodes, and with which weights."""
+    nodes = [e for e in res["async_stream_trace.json"]["traceEvents"] if e.get("cat") == "node"]
+    t0 = min(e["ts"] for e in nodes)
+    gen = next(e for e in nodes if e["name"] == "generate")
+    train = [e for e in nodes if e["pid"] != gen["pid"]]
+    upd = next(e for e in train if e["name"] == "update_actor")
+    start, end = (min(e["ts"] for e in train) - t0) / 1e3, (max(e["ts"] + e["dur"] for e in train) - t0) / 1e3
+    return (f"rank {gen['pid']} generates batch 10 with weight version "
+            f"{gen['args']['outputs']['batch']['weight_version'][0]} from {(gen['ts'] - t0) / 1e3:.0f} to "
+            f"{(gen['ts'] + gen['dur'] - t0) / 1e3:.0f} ms while rank {upd['pid']} trains on batch 9 (version "
+            f"{upd['args']['inputs']['batch']['weight_version'][0]}) from {start:.0f} to {end:.0f} ms")
+
+
+FIGURES: dict[str, Callable[[dict], str]] = {
+    "stream_trace": fig_stream_trace,
+    "default_job": fig_default_job, "smollm2_step": fig_smollm2_step, "stale_trailed": fig_stale_trailed,
+    "async_curves": fig_curves, "async_p2": fig_async_p2, "async_smollm2": fig_async_smollm2,
+    "async_p4": fig_async_p4, "trl_kernels": fig_trl_kernels,
+}
+SPAN = re.compile(r"<!-- fig:(\w+) -->(.*?)<!-- /fig -->", re.S)
+
+
+def render_spans(text: str, results: dict[str, dict], page: str = "README.md") -> str:
+    """`text` with each figure span's text rendered from `results`; `page` names the file in the error."""
+    def sub(m):
+        name = m.group(1)
+        if name not in FIGURES:
+            raise KeyError(f"{page} quotes figure {name!r}, which scripts/render_results.py does not render")
+        return f"<!-- fig:{name} -->{FIGURES[name](results)}<!-- /fig -->"
+    return SPAN.sub(sub, text)
+
+
+def quoted_figures(pages: list[Path]) -> set[str]:
+    return {name for p in pages for name, _ in SPAN.findall(p.read_text())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
+    args = ap.parse_args(argv)
+    results = load()
+    pages = figure_pages()
+    unquoted = set(FIGURES) - quoted_figures(pages)
+    if unquoted:
+        print(f"no page quotes the figures {sorted(unquoted)}: add a span or remove them from FIGURES",
+              file=sys.stderr)
+        return 1
+    wanted = {DOC: render_doc(results)}
+    wanted.update({p: render_spans(p.read_text(), results, str(p.relative_to(ROOT))) for p in pages})
+    stale = [p for p, text in wanted.items() if not p.exists() or p.read_text() != text]
+    if args.check:
+        for p in stale:
+            print(f"{p.relative_to(ROOT)} differs from what scripts/render_results.py renders; run it",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(wanted[p])
+        print(f"wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
