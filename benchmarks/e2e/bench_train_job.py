@@ -5,13 +5,18 @@ default job's reward and wall time, a real model's step time) come from here, no
     python benchmarks/e2e/bench_train_job.py --quick                # the same (the suite runner's flag)
     python benchmarks/e2e/bench_train_job.py --config examples/smollm2_gsm8k.yaml --set trainer.total_steps=2 \
         --tag smollm2_gsm8k                                         # SmolLM2 on GSM8K-style problems, 2 steps
+    python benchmarks/e2e/bench_train_job.py --config examples/moe_tiny.yaml --nproc 2 --set actor.megatron.ep=2 \
+        --tag moe_tiny_ep2                                          # under torchrun, 2 processes
+    python benchmarks/e2e/bench_train_job.py --config examples/agent_arithmetic.yaml --tag agent_arithmetic \
+        --keys rollout/tool_use_rate --trace 20                     # an extra curve, and step 20's trace
 
 The job runs as `python -m verl.trainer.main_ppo [CONFIG] [overrides]` in a subprocess (its own output folder in
 a temporary directory, no checkpoints or exported model unless the config asks), at whatever niceness this
-process has. Recorded: the process's wall time and CPU time (its own cost on a shared machine), each step's time and CPU time (perf/step_time_s,
-perf/cpu_time_s) and the rollout / update split (timing/generate_s, timing/update_actor_s), the mean reward of the
-first and last `--window` steps, and the machine's load average before and after (in meta). Writes
-benchmarks/results/train_<tag>.json (tag default_job by default).
+process has. Recorded: the process's wall time and CPU time (its own cost on a shared machine), each step's time
+and CPU time (perf/step_time_s, perf/cpu_time_s) and the rollout / update split (timing/generate_s, timing/update_actor_s), the mean reward of the
+first and last `--window` steps (and of every `--keys` metric), and the machine's load average before and after
+(in meta). Writes benchmarks/results/train_<tag>.json (tag default_job by default) and, with `--trace STEP`, that
+step's Chrome trace as benchmarks/results/train_<tag>_trace.json.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,10 +37,13 @@ QUIET = ["trainer.save_final=false", "trainer.save_every=0", "trainer.export_hf=
          "trainer.progress_bar=false", "trainer.tensorboard=false"]
 
 
-def run_job(config: str | None, overrides: list[str], out_dir: str, timeout: float) -> tuple[float, float, list[dict]]:
-    """(wall seconds of the job's process, its CPU seconds (all threads, user + system), its metrics.jsonl rows of
-    training steps)."""
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *([config] if config else []), *QUIET, *overrides,
+def run_job(config: str | None, overrides: list[str], out_dir: str, timeout: float,
+            nproc: int = 1) -> tuple[float, float, list[dict]]:
+    """(wall seconds of the job's process, its CPU seconds (all threads, user + system, every rank's), its
+    metrics.jsonl rows of training steps). `nproc` > 1: under torchrun on this machine."""
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                  f"--nproc_per_node={nproc}", "--monitor-interval=0.5"]
+    cmd = [*launch, "-m", "verl.trainer.main_ppo", *([config] if config else []), *QUIET, *overrides,
            f"trainer.output_dir={out_dir}"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -47,7 +56,7 @@ def run_job(config: str | None, overrides: list[str], out_dir: str, timeout: flo
     return wall, cpu, [r for r in rows if "reward/mean" in r]
 
 
-def summarise(rows: list[dict], window: int) -> dict:
+def summarise(rows: list[dict], window: int, keys: list[str] = ()) -> dict:
     def col(key: str) -> list[float]:
         return [r[key] for r in rows if key in r]
     w = min(window, len(rows))
@@ -57,6 +66,10 @@ def summarise(rows: list[dict], window: int) -> dict:
            "step_time_s": col("perf/step_time_s"), "cpu_time_s": col("perf/cpu_time_s"),
            "generate_s": col("timing/generate_s"), "update_actor_s": col("timing/update_actor_s"),
            "response_length": col("response/length"), "reward_curve": rewards}
+    for key in keys:
+        values = col(key)
+        if values:
+            out[key] = {"first": statistics.mean(values[:w]), "last": statistics.mean(values[-w:]), "curve": values}
     for key in ("step_time_s", "cpu_time_s"):
         if out[key]:
             out[f"{key}_median"] = statistics.median(out[key])
@@ -73,12 +86,19 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=4 * 3600)
     ap.add_argument("--quick", action="store_true", help="the default job as it is (the suite runner's flag)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--nproc", type=int, default=1, help="processes (torchrun on this machine when > 1)")
+    ap.add_argument("--keys", nargs="*", default=[], help="other metrics summarised like the reward (first / last)")
+    ap.add_argument("--trace", type=int, default=0, help="keep this step's Chrome trace (trainer.trace_step)")
     args = ap.parse_args()
     from verl.utils.results import RunInfo, write_result
     run = RunInfo.start()
+    overrides = [*args.set, *([f"trainer.trace_step={args.trace}"] if args.trace else [])]
     with tempfile.TemporaryDirectory(prefix="bench-train-job-") as work:
-        wall, cpu, rows = run_job(args.config, args.set, os.path.join(work, "run"), args.timeout)
-    result = {"job_wall_s": wall, "job_cpu_s": cpu, **summarise(rows, args.window)}
+        wall, cpu, rows = run_job(args.config, overrides, os.path.join(work, "run"), args.timeout, args.nproc)
+        if args.trace:
+            shutil.copyfile(os.path.join(work, "run", f"trace_step_{args.trace}.json"),
+                            os.path.join(args.out, f"train_{args.tag}_trace.json"))
+    result = {"job_wall_s": wall, "job_cpu_s": cpu, "processes": args.nproc, **summarise(rows, args.window, args.keys)}
     path = os.path.join(args.out, f"train_{args.tag}.json")
     write_result(path, result, run, config=args.config or "verl/trainer/config/default.yaml", overrides=args.set,
                  nice=os.nice(0))
