@@ -417,7 +417,82 @@ def fig_stream_trace(res) -> str:
             f"{upd['args']['inputs']['batch']['weight_version'][0]}) from {start:.0f} to {end:.0f} ms")
 
 
+def fig_tito(res) -> str:
+    rows = res["bench_tito.json"]["rows"]
+    return "\n" + "\n".join(table(rows, [
+        ("template", "template"), ("append-only", "append_only"), ("conversations", "conversations"),
+        ("turns", "turns"), ("equal", "equal"), ("caught (planted non-canonical splits)", "noncanonical_caught"),
+        ("missed", "noncanonical_missed"), ("rewritten (non-append-only rule)", "rewritten"), ("silent", "silent"),
+        ("trained but not sampled", "untrained_sampled"), ("check ms/turn (mean)", "check_ms_per_turn_mean"),
+        ("check ms/turn (median)", "check_ms_per_turn_p50")])) + "\n"
+
+
+def fig_agent_bench(res) -> str:
+    d = res["bench_agent.json"]
+    rows = {(r["schedule"], r["latency_s"]): r for r in d["rows"]}
+    lat = sorted({k[1] for k in rows})
+    cells = [{"latency": f"{1e3 * x:.0f} ms", "loop": rows[("agent_loop", x)], "lock": rows[("lockstep", x)]}
+             for x in lat]
+    meta = d["meta"]
+    head = (f"\n{meta['trajectories']} trajectories x {meta['turns']} turns of {meta['turn_tokens']} tokens, "
+            f"median of {meta['rounds']} rounds, {meta['cpus']} CPU cores shared with other jobs:\n\n")
+    return head + "\n".join(table(cells, [
+        ("tool latency", "latency"), ("agent loop step s", lambda c: c["loop"]["step_s"]),
+        ("agent loop tokens/s", lambda c: c["loop"]["tokens_per_s"]),
+        ("vs its 0-latency step", lambda c: c["loop"]["step_vs_first_latency"]),
+        ("lockstep step s", lambda c: c["lock"]["step_s"]), ("lockstep tokens/s", lambda c: c["lock"]["tokens_per_s"]),
+        ("agent loop vs lockstep", lambda c: c["loop"]["speedup_vs_lockstep"])])) + "\n"
+
+
+def _first_last(d: dict, key: str) -> str:
+    v = d.get(key)
+    return "" if not v else f"{v['first']:.2f} → {v['last']:.2f}"
+
+
+def fig_agent_job(res) -> str:
+    d = res["train_agent_arithmetic.json"]
+    load = d["meta"]["load_avg_1m"]
+    return (f"over {d['steps']} GRPO steps the mean reward went {d['reward_first']:.2f} → {d['reward_last']:.2f} and "
+            f"the tool-use rate {_first_last(d, 'rollout/tool_use_rate')} (means of the first and last "
+            f"{d['window']} steps), turns per trajectory {_first_last(d, 'rollout/turns_mean')}; the whole job, warm "
+            f"start included, took {d['job_wall_s']:.0f} s on {d['meta']['cpus']} CPU cores (load average "
+            f"{fmt(load['start'])}-{fmt(load['end'])}); command `{d['meta']['command']}`")
+
+
+def fig_moe_dispatch(res) -> str:
+    rows = res["bench_moe_dispatch.json"]["rows"]
+    return "\n" + "\n".join(table(rows, [
+        ("allocator", "allocator"), ("tokens x hidden x experts (top-2)",
+                                     lambda r: f"{r['tokens']} x {r['hidden']} x {r['experts']}"),
+        ("verl s", lambda r: r["seconds"]["verl"]), ("megatron-core s", lambda r: r["seconds"]["megatron"]),
+        ("eager s", lambda r: r["seconds"]["eager"]), ("vs eager", "speedup_vs_eager"),
+        ("vs megatron-core", "speedup_vs_megatron"), ("memory vs eager", "memory_vs_eager"),
+        ("memory vs megatron-core", "memory_vs_megatron")])) + "\n"
+
+
+def fig_moe_sync(res) -> str:
+    r = res["bench_moe_sync.json"]["rows"][0]
+    got = max(r["hybrid_received_bytes_per_rank"])
+    return (f"EP={r['ep']} on {r['processes']} processes → generation TP={r['rollout_tp']} "
+            f"({r['params'] / 1e6:.1f}M parameters): the 3D-HybridEngine sync took {1e3 * r['hybrid_s']:.0f} ms, "
+            f"{100 * r['hybrid_over_full_gather']:.0f}% of a full gather ({1e3 * r['full_gather_s']:.0f} ms); each "
+            f"rank received {got / 2**20:.1f} MiB of the {r['engine_bytes'] / 2**20:.1f} MiB model (the experts it "
+            f"lacks), and generation was identical: {fmt(r['same_generation'])}")
+
+
+def fig_moe_layout(res) -> str:
+    cases = res["moe_layout_matrix.json"]["cases"]
+    fams = sorted({c["architecture"] for c in cases})
+    return (f"{len(cases)} cases ({', '.join(fams)}; EP=2, TP=2 with SP and ETP=2 or EP=2, PP=2, one rank): largest "
+            f"|Δ logit| {max(c['max_logit_diff'] for c in cases):.1e}, |Δ log-prob| "
+            f"{max(c['max_logprob_diff'] for c in cases):.1e}, |Δ gradient| "
+            f"{max(c['max_grad_diff'] for c in cases):.1e} against transformers in float32; export bit-exact in "
+            f"{sum(bool(c['export_bit_exact']) for c in cases)} of {len(cases)}")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
+    "tito": fig_tito, "agent_bench": fig_agent_bench, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
+    "moe_layout": fig_moe_layout,
     "stream_trace": fig_stream_trace,
     "default_job": fig_default_job, "smollm2_step": fig_smollm2_step, "stale_trailed": fig_stale_trailed,
     "async_curves": fig_curves, "async_p2": fig_async_p2, "async_smollm2": fig_async_smollm2,
