@@ -57,7 +57,7 @@ PRE_PROVENANCE: dict[str, str] = {
         "verl_key_coverage.json", "bench_delta_sync.json", "bench_delta_sync_1000.json", "bench_lora_sync.json",
         "bench_lora_vs_full.json",
         "e2e_grpo_vs_trl_tiny_padded.json", "bench_moe_dispatch.json", "bench_moe_sync.json",
-        "moe_layout_matrix.json")},
+        "moe_layout_matrix.json", "bench_agent.json", "bench_tito.json")},
     "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
                          "script's default run.",
     "bench_padding_free.json": "No command recorded; `args` holds the arguments it ran with.",

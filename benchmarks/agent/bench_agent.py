@@ -19,7 +19,6 @@ sampled tokens/s, the ratio to the 0-latency step of the same schedule and, for 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -100,6 +99,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_agent.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo
+    args.run = RunInfo.start()
     torch.set_num_threads(args.threads)
     tok = tiny_tokenizer(chat="chatml")
     model = tiny_model(TinyModelConfig(max_position_embeddings=512), tokenizer=tok, seed=0)
@@ -134,15 +135,13 @@ def main() -> int:
     for t in table:
         print(f"{t['latency_s']:>8g} {t['schedule']:>11} {t['step_s']:>8.2f} {t['tokens_per_s']:>8.0f} "
               f"{t['step_vs_first_latency']:>9.2f} {t.get('speedup_vs_lockstep', float('nan')):>12.2f}")
-    meta = {"command": "python benchmarks/agent/bench_agent.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
-            "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
-            "trajectories": args.trajectories, "turns": args.turns, "turn_tokens": args.turn_tokens,
+    meta = {"machine": platform.machine(), "torch": torch.__version__, "trajectories": args.trajectories,
+            "turns": args.turns, "turn_tokens": args.turn_tokens,
             "rounds": args.rounds, "threads": args.threads,
             "note": "one process; sampled tokens per wall-clock second of the whole rollout; both schedules run "
                     "the same seeded turns, alternately, on a machine shared with other jobs"}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": table, "runs": runs}, f, indent=2)
+    from verl.utils.results import write_result
+    write_result(args.out, {"meta": meta, "rows": table, "runs": runs}, args.run)
     print(f"wrote {os.path.relpath(args.out, ROOT)}")
     return 0
 

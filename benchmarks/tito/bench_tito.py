@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -41,6 +40,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_tito.json"))
     args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    run = RunInfo.start()
     rows = []
     for name in args.templates:
         t0 = time.perf_counter()
@@ -53,15 +54,12 @@ def main() -> int:
               f"{res.noncanonical_caught}/{res.noncanonical_conversations}  rewritten {res.rewritten}  "
               f"silent {res.silent}  check {res.check_ms_per_turn_mean:.3f} ms/turn (p50 "
               f"{res.check_ms_per_turn_p50:.3f})", flush=True)
-    meta = {"command": "verl bench tito " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
-            "machine": platform.machine(), "python": platform.python_version(), "seed": args.seed,
+    meta = {"machine": platform.machine(), "seed": args.seed,
             "conversations_per_template": args.conversations,
             "note": "check cost: the loop's check on each finished conversation (render the final messages, encode "
                     "them reusing the piece encodings the observations already made, compare), per assistant turn, "
                     "on a machine shared with other jobs"}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    write_result(args.out, {"meta": meta, "rows": rows}, run)
     print(f"wrote {os.path.relpath(args.out, ROOT)}")
     return 0 if all(r["silent"] == 0 for r in rows) else 1
 

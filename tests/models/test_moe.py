@@ -9,9 +9,7 @@ The single-process tests check the parsing, the refusals, and the layout metadat
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
