@@ -456,7 +456,23 @@ def fig_agent_job(res) -> str:
             f"the tool-use rate {_first_last(d, 'rollout/tool_use_rate')} (means of the first and last "
             f"{d['window']} steps), turns per trajectory {_first_last(d, 'rollout/turns_mean')}; the whole job, warm "
             f"start included, took {d['job_wall_s']:.0f} s on {d['meta']['cpus']} CPU cores (load average "
-            f"{fmt(load['start'])}-{fmt(load['end'])}); command `{d['meta']['command']}`")
+            f"{fmt(load['start'])}-{fmt(load['end'])}); the append-only check's rollout/tito_mismatch was at most "
+            f"{max(d['rollout/tito_mismatch']['curve']):g} in any step; command `{d['meta']['command']}`")
+
+
+def fig_agent_trace(res) -> str:
+    """From the Chrome trace of one agent step: the tool calls run while other trajectories generate."""
+    ev = [e for e in res["train_agent_arithmetic_trace.json"]["traceEvents"] if e.get("ph") == "X"]
+    node = next(e for e in ev if e.get("cat") == "node" and e["name"] == "generate")
+    gen = [e for e in ev if e.get("cat") == "agent" and e["name"] == "generate"]
+    tools = [e for e in ev if e.get("cat") == "agent" and e["name"].startswith("tools")]
+    overlapping = sum(any(g["tid"] != t["tid"] and g["ts"] < t["ts"] + t["dur"] and g["ts"] + g["dur"] > t["ts"]
+                          for g in gen) for t in tools)
+    t0 = node["ts"]
+    return (f"the step's generate node lasts {node['dur'] / 1e3:.0f} ms; its {len({e['tid'] for e in gen})} "
+            f"trajectories each have a track with their turns (`generate`), environment steps and "
+            f"{len(tools)} calculator calls, from {min(t['ts'] - t0 for t in tools) / 1e3:.0f} ms on; "
+            f"{overlapping} of the {len(tools)} tool calls run while another trajectory's turn is being generated")
 
 
 def fig_moe_dispatch(res) -> str:
@@ -491,7 +507,7 @@ def fig_moe_layout(res) -> str:
 
 
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "tito": fig_tito, "agent_bench": fig_agent_bench, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
+    "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "moe_layout": fig_moe_layout,
     "stream_trace": fig_stream_trace,
     "default_job": fig_default_job, "smollm2_step": fig_smollm2_step, "stale_trailed": fig_stale_trailed,
