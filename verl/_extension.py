@@ -103,3 +103,14 @@ def warn_fallback(what: str) -> None:
     detail = f" ({type(err).__name__}: {err})" if err is not None else ""
     warnings.warn(f"verl.ops: {what}{detail}; using the pure-PyTorch reference implementations. To get the fused "
                   f"kernels, {BUILD_HINT}.", RuntimeWarning, stacklevel=3)
+
+
+def register_python_parts(fakes: dict, autograd: dict) -> None:
+    """Registers the Python halves of `verl::` ops (the kernel pattern): `fakes` maps an op name to its fake
+    (meta) implementation, `autograd` maps it to (backward, setup_context). Called once per ops module, only when
+    the extension imported (the ops do not exist otherwise)."""
+    import torch
+    for op, fake in fakes.items():
+        torch.library.register_fake("verl::" + op, fake)
+    for op, (backward, setup) in autograd.items():
+        torch.library.register_autograd("verl::" + op, backward, setup_context=setup)

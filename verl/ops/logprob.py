@@ -466,15 +466,8 @@ _FAKES = {"logprob_entropy": _fake_logprob_entropy, "logprob_entropy_shard": _fa
 _AUTOGRAD = {"logprob_entropy": (_backward, _setup), "linear_logprob_entropy": (_backward_linear, _setup_linear)}
 
 
-def _register() -> None:
-    for op, fake in _FAKES.items():
-        torch.library.register_fake("verl::" + op, fake)
-    for op, (backward, setup) in _AUTOGRAD.items():
-        torch.library.register_autograd("verl::" + op, backward, setup_context=setup)
-
-
 if _extension.available():
-    _register()
+    _extension.register_python_parts(_FAKES, _AUTOGRAD)
 
 
 # ---- the LM head: one function the training engines and the torch engine's exact decoder share, so both

@@ -435,15 +435,10 @@ _FAKES = {"kl_penalty": _fake_kl_penalty, "kl_penalty_backward": _fake_kl_penalt
           "policy_loss": _fake_policy_loss, "value_loss": _fake_value_loss, "loss_grad_scale": _fake_loss_grad_scale}
 
 
-def _register() -> None:
-    for op, fake in _FAKES.items():
-        torch.library.register_fake("verl::" + op, fake)
-    torch.library.register_autograd("verl::kl_penalty", _kl_penalty_backward, setup_context=_setup_kl_penalty)
-    # The KL estimators depend on logprob - ref_logprob only: d / d ref = -d / d logprob.
-    for op, ref_sign in (("kl_loss", -1), ("policy_loss", None), ("value_loss", None)):
-        torch.library.register_autograd("verl::" + op, _saved_grad_backward(op, ref_sign),
-                                        setup_context=_setup_saved_grad)
-
+# The KL estimators depend on logprob - ref_logprob only: d / d ref = -d / d logprob.
+_AUTOGRAD = {"kl_penalty": (_kl_penalty_backward, _setup_kl_penalty),
+             **{op: (_saved_grad_backward(op, ref_sign), _setup_saved_grad)
+                for op, ref_sign in (("kl_loss", -1), ("policy_loss", None), ("value_loss", None))}}
 
 if _extension.available():
-    _register()
+    _extension.register_python_parts(_FAKES, _AUTOGRAD)

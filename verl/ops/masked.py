@@ -198,12 +198,5 @@ _AUTOGRAD = {"masked_sum": (_sum_backward, _setup_reduce), "masked_mean": (_mean
              "masked_var": (_var_backward, _setup_var), "masked_whiten": (_whiten_backward, _setup_whiten)}
 
 
-def _register() -> None:
-    for op, fake in _FAKES.items():
-        torch.library.register_fake("verl::" + op, fake)
-    for op, (backward, setup) in _AUTOGRAD.items():
-        torch.library.register_autograd("verl::" + op, backward, setup_context=setup)
-
-
 if _extension.available():
-    _register()
+    _extension.register_python_parts(_FAKES, _AUTOGRAD)

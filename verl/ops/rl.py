@@ -255,11 +255,5 @@ def _fake_outcome_advantage(rewards, mask, index, estimator, eps, norm_by_std, b
     return torch.empty_like(rewards, memory_format=torch.contiguous_format), rewards.new_empty((), dtype=torch.int64)
 
 
-def _register() -> None:
-    """Advantages take no gradient (their inputs are rewards and detached values): fake kernels only."""
-    torch.library.register_fake("verl::gae", _fake_gae)
-    torch.library.register_fake("verl::outcome_advantage", _fake_outcome_advantage)
-
-
-if _extension.available():
-    _register()
+if _extension.available():  # advantages take no gradient (rewards, detached values): fake kernels only
+    _extension.register_python_parts({"gae": _fake_gae, "outcome_advantage": _fake_outcome_advantage}, {})

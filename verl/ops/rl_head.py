@@ -367,10 +367,6 @@ def _scale_in_place(grad: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
     return saved.mul_(grad.reshape(()).to(saved.dtype))
 
 
-def _register() -> None:
-    torch.library.register_fake("verl::linear_rl_loss", _fake_linear_rl_loss)
-    torch.library.register_autograd("verl::linear_rl_loss", _backward, setup_context=_setup)
-
-
 if _extension.available() and "linear_rl_loss" in _extension.op_names():
-    _register()
+    _extension.register_python_parts({"linear_rl_loss": _fake_linear_rl_loss},
+                                     {"linear_rl_loss": (_backward, _setup)})

@@ -241,12 +241,7 @@ class VLLMRollout(RolloutEngine):
                             [self._vllm_params(params, s) for s in seeds])
         outs = []
         for (i, j), res in zip(jobs, results):
-            comp = res.outputs[0]
-            if comp.finish_reason not in ("stop", "length"):
-                raise VerlRuntimeError(f"vLLM ended sample {j} of prompt {i} with finish_reason="
-                                       f"{comp.finish_reason!r}")
-            tokens = list(comp.token_ids)
-            lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, tokens)] if params.logprobs else None
+            comp, tokens, lps = _completion(res, params, f"sample {j} of prompt {i}")
             outs.append(self._finish(i, j, prompt_ids[i], tokens, comp.finish_reason, lps, params.stop))
         return outs
 
@@ -302,12 +297,7 @@ class VLLMRollout(RolloutEngine):
         return seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
 
     def _turn_output(self, r: TurnRequest, out, params: SamplingParams) -> GenerationOutput:
-        comp = out.outputs[0]
-        if comp.finish_reason not in ("stop", "length"):
-            raise VerlRuntimeError(f"vLLM ended turn {r.turn} of trajectory {r.key} with finish_reason="
-                                   f"{comp.finish_reason!r}")
-        tokens = list(comp.token_ids)
-        lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, tokens)] if params.logprobs else None
+        comp, tokens, lps = _completion(out, params, f"turn {r.turn} of trajectory {r.key}")
         return self._finish(r.key, 0, r.prompt_ids, tokens, comp.finish_reason, lps, params.stop)
 
     def _run(self, prompts: list[dict], sps: list) -> list:
@@ -541,3 +531,14 @@ class _Push:
                 yield name, self._take(t)
         except Exception as e:  # noqa: BLE001 - re-raised by VLLMRollout._update_weights
             self.error = e
+
+
+def _completion(result, params: SamplingParams, what: str) -> tuple:
+    """(vLLM's completion, its token ids, their log-probs or None) of a one-sample request; an end that is not
+    "stop" or "length" (an abort) is an error naming `what`."""
+    comp = result.outputs[0]
+    if comp.finish_reason not in ("stop", "length"):
+        raise VerlRuntimeError(f"vLLM ended {what} with finish_reason={comp.finish_reason!r}")
+    tokens = list(comp.token_ids)
+    lps = [float(step[t].logprob) for step, t in zip(comp.logprobs, tokens)] if params.logprobs else None
+    return comp, tokens, lps
