@@ -475,6 +475,28 @@ def fig_agent_trace(res) -> str:
             f"{overlapping} of the {len(tools)} tool calls run while another trajectory's turn is being generated")
 
 
+def fig_moe_jobs(res) -> str:
+    parts = []
+    for name in ("train_moe_tiny.json", "train_moe_tiny_ep2.json"):
+        d = res[name]
+        parts.append(f"{d['processes']} process{'es' if d['processes'] > 1 else ''} (`{d['meta']['command']}`): "
+                     f"mean reward {d['reward_first']:.2f} over the first {d['window']} GRPO steps → "
+                     f"{d['reward_last']:.2f} over the last {d['window']} of {d['steps']}, in {d['job_wall_s']:.0f} s, "
+                     f"moe/router_mismatch_frac at most "
+                     f"{max(d['moe/router_mismatch_frac']['curve']):g} (replay on)")
+    return "; ".join(parts)
+
+
+def fig_router_replay(res) -> str:
+    runs = res["bench_router_replay.json"]["runs"]
+    cols = [("run", "name"), ("router mismatch (mean)", "moe/router_mismatch_frac"),
+            ("router mismatch (max)", "moe/router_mismatch_frac_max"),
+            ("log-prob mismatch (mean)", "rollout/mismatch_mean"), ("mismatch KL", "rollout/mismatch_kl"),
+            ("expert load max/mean", "moe/expert_load_max_over_mean"), ("reward first", "reward_first"),
+            ("reward last", "reward_last")]
+    return "\n" + "\n".join(table([{"name": k, **v} for k, v in runs.items()], cols)) + "\n"
+
+
 def fig_moe_dispatch(res) -> str:
     rows = res["bench_moe_dispatch.json"]["rows"]
     return "\n" + "\n".join(table(rows, [
@@ -508,7 +530,7 @@ def fig_moe_layout(res) -> str:
 
 FIGURES: dict[str, Callable[[dict], str]] = {
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
-    "moe_layout": fig_moe_layout,
+    "moe_layout": fig_moe_layout, "moe_jobs": fig_moe_jobs, "router_replay": fig_router_replay,
     "stream_trace": fig_stream_trace,
     "default_job": fig_default_job, "smollm2_step": fig_smollm2_step, "stale_trailed": fig_stale_trailed,
     "async_curves": fig_curves, "async_p2": fig_async_p2, "async_smollm2": fig_async_smollm2,
