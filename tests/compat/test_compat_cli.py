@@ -80,3 +80,10 @@ def test_keys_table():
     assert kinds == {"map", "ignore", "refuse"} and all(r["what"] for r in rows)
     assert any(r["key"] == "actor_rollout_ref.actor.ppo_micro_batch_size" and "n_gpus_per_node" in r["what"]
                for r in rows)
+
+
+def test_missing_launch_script_is_named(tmp_path, capsys):
+    missing = tmp_path / "run_qwen.sh"
+    assert main([str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "no such launch script" in err

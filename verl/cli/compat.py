@@ -314,6 +314,10 @@ def main(argv: list[str]) -> int:
         return 2
     refused = 0
     if args.source.endswith(".sh"):
+        if not Path(args.source).is_file():
+            print(f"verl compat: {args.source}: no such launch script (give the path of a bash script that runs "
+                  f"python3 -m {ENTRY})", file=sys.stderr)
+            return 2
         for inv in read_script(Path(args.source), args.args):
             print(f"== {args.source}, line {inv.line}: python3 -m {ENTRY} ({len(inv.argv)} arguments)")
             for p in inv.problems:
