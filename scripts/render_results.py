@@ -497,6 +497,83 @@ def fig_router_replay(res) -> str:
     return "\n" + "\n".join(table([{"name": k, **v} for k, v in runs.items()], cols)) + "\n"
 
 
+def _mb(b) -> str:
+    return f"{b / 1e6:,.1f} MB"
+
+
+def fig_lora_sync(res) -> str:
+    d = res["bench_lora_sync.json"]["summary"]
+    f, lo, r = d["full"], d["lora"], d["ratios"]
+    rows = [("bytes handed to the engine", _mb(f["bytes"]),
+             f"{_mb(lo['bytes'])} ({r['lora_bytes_over_adapter']:.2f}x the adapter; "
+             f"{100 * r['adapter_over_model']:.2f}% of the model)"),
+            ("time", f"{f['sync_s']:.3f} s", f"{lo['sync_s']:.3f} s ({r['lora_time_over_full']:.2f}x)"),
+            ("engine swap", f"{1e3 * f['swap_s']:.1f} ms", f"{1e3 * lo['swap_s']:.2f} ms"),
+            ("bytes written by the process during the sync", f"{f['disk_write_bytes']:.0f}",
+             f"{lo['disk_write_bytes']:.0f}")]
+    return "\n" + "\n".join(table([dict(zip(("what", "full", "lora"), row)) for row in rows],
+                                  [("", "what"), ("full fine-tune sync", "full"), ("LoRA adapter sync", "lora")])) + "\n"
+
+
+def fig_lora_memory(res) -> str:
+    m = res["bench_lora_sync.json"]["memory"]
+    rows = [{"who": "full fine-tune (frozen copy as reference)", "w": f"{m['full']['weights_x_model']:.2f}x one model",
+             "o": f"{m['full']['with_optimizer_x_model']:.2f}x"},
+            {"who": "LoRA (base with adapters off)", "w": f"{m['lora']['weights_x_model']:.3f}x",
+             "o": f"{m['lora']['with_optimizer_x_model']:.3f}x"}]
+    return "\n" + "\n".join(table(rows, [("actor + reference", "who"), ("weights", "w"),
+                                           ("weights + AdamW state", "o")])) + "\n"
+
+
+def fig_lora_vs_full(res) -> str:
+    d = res["bench_lora_vs_full.json"]
+    s, load = d["summary"], d["meta"].get("load_avg_1m")
+    rows = [("tokens/s, median over steps", f"{s['tokens_per_s_ratio_median']:.2f}x"),
+            ("tokens/s, all tokens over all time", f"{s['tokens_per_s_ratio_total']:.2f}x"),
+            ("update time, median", f"{s['update_time_ratio_median']:.2f}x"),
+            ("generation time, median", f"{s['generate_time_ratio_median']:.2f}x"),
+            ("reward first / last / mean of the last half, LoRA",
+             f"{s['reward_first']['lora']:.4f} / {s['reward_last']['lora']:.4f} / "
+             f"{s['reward_mean_last_half']['lora']:.4f}"),
+            ("reward first / last / mean of the last half, full",
+             f"{s['reward_first']['full']:.4f} / {s['reward_last']['full']:.4f} / "
+             f"{s['reward_mean_last_half']['full']:.4f}")]
+    note = "" if not load else f" (machine load {fmt(load['start'])}-{fmt(load['end'])})"
+    return "\n" + "\n".join(table([{"k": a, "v": b} for a, b in rows], [("", "k"), ("LoRA / full" + note, "v")])) + "\n"
+
+
+_DELTA_NAMES = {"megatron": "megatron", "fsdp": "FSDP2", "torch": "torch replicas"}
+
+
+def _delta_rows(d: dict) -> list[dict]:
+    out = []
+    for src, r in d["results"].items():
+        m = r["summary"]
+        out.append({"source": f"{_DELTA_NAMES.get(src, src)}, {r['processes']} processes", "syncs": m["syncs"],
+                    "exact": m["bit_exact_after_all"],
+                    "changed": f"{100 * m['changed_frac_min']:.2f}-{100 * m['changed_frac_max']:.2f}% "
+                               f"(median {100 * m['changed_frac_median']:.2f}%)",
+                    "bytes": f"{_mb(m['bytes_median'])} of {_mb(m['full_bytes'])} ({100 * m['bytes_ratio']:.1f}%)",
+                    "wire": f"{_mb(m['comm_bytes_median'])} / {_mb(m['full_comm_bytes'])}",
+                    "time": f"{m['sync_s_median']:.2f} s / {m['full_s_median']:.2f} s ({m['time_ratio']:.2f}x)"})
+    return out
+
+
+def _delta_table(name: str, res) -> str:
+    return "\n" + "\n".join(table(_delta_rows(res[name]), [
+        ("source", "source"), ("syncs", "syncs"), ("bit-exact at the end", "exact"),
+        ("changed share", "changed"), ("bytes to the engine (of full)", "bytes"),
+        ("bytes on the wire: delta / full", "wire"), ("time: delta / full (median)", "time")])) + "\n"
+
+
+def fig_delta_sync(res) -> str:
+    return _delta_table("bench_delta_sync.json", res)
+
+
+def fig_delta_1000(res) -> str:
+    return _delta_table("bench_delta_sync_1000.json", res)
+
+
 def fig_moe_dispatch(res) -> str:
     rows = res["bench_moe_dispatch.json"]["rows"]
     return "\n" + "\n".join(table(rows, [
@@ -530,6 +607,8 @@ def fig_moe_layout(res) -> str:
 
 FIGURES: dict[str, Callable[[dict], str]] = {
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
+    "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,
+    "delta_sync": fig_delta_sync, "delta_1000": fig_delta_1000,
     "moe_layout": fig_moe_layout, "moe_jobs": fig_moe_jobs, "router_replay": fig_router_replay,
     "stream_trace": fig_stream_trace,
     "default_job": fig_default_job, "smollm2_step": fig_smollm2_step, "stale_trailed": fig_stale_trailed,
