@@ -70,8 +70,10 @@ def tok():
 
 
 def engine(tok, decoder="fast", **kw):
+    """The torch engine with `decoder`, or (decoder="hf") transformers' generate, which serves turns in waves."""
     model = tiny_model(vocab_size=len(tok), max_position_embeddings=256, seed=3, noise=0.1)
-    return build_rollout(RolloutConfig(engine="torch", decoder=decoder, **kw), model=model, tokenizer=tok)
+    cfg = RolloutConfig(engine="hf", **kw) if decoder == "hf" else RolloutConfig(engine="torch", decoder=decoder, **kw)
+    return build_rollout(cfg, model=model, tokenizer=tok)
 
 
 def agent(tok, env, response=64, **kw):
@@ -94,7 +96,7 @@ def recorded(monkeypatch) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("decoder", ["fast", "model"])
+@pytest.mark.parametrize("decoder", ["fast", "model", "hf"])
 def test_trajectories_are_the_sampled_ids_plus_masked_observations(tok, monkeypatch, decoder):
     seen = recorded(monkeypatch)
     loop = agent(tok, "ScriptedEnv", max_turns=4, env_settings={"turns": 2})

@@ -53,6 +53,12 @@ class HFRollout(TorchRollout):
             self.model.train(was_training)
         return out
 
+    def _generate_turns(self, requests, params: SamplingParams) -> list[GenerationOutput]:
+        """Multi-turn waves (verl.agents): `generate` draws from one RNG per call, so a wave is one call seeded by
+        its first turn, each turn cut to its own budget (RolloutEngine's way; the torch engine's per-row streams
+        are its decoder's)."""
+        return RolloutEngine._generate_turns(self, requests, params)
+
     def _generate_batch(self, batch, prompt_ids, params: SamplingParams) -> list[GenerationOutput]:
         prompts = [prompt_ids[i] for i, _ in batch]
         ids, mask = self.tokenizer.pad(prompts, side="left")
