@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,10 @@ def cuda_ready() -> bool:
 
 
 def pytest_configure(config):
+    # A background job of a non-interactive shell (`bash .ci/run &`, nohup) starts with SIGINT ignored, and every
+    # process a test spawns would inherit that: the Ctrl-C tests would see their jobs ignore the interrupt.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config._verl_deselected = collections.Counter()
     kind = strict_env()
     if kind is None:

@@ -65,8 +65,8 @@ def test_reward_head_and_save_round_trip(tmp_path):
 def test_errors_name_the_bad_value_and_the_fix():
     with pytest.raises(VerlConfigError, match="did you mean 'num_kv_heads'"):
         tiny_config(num_kv_head=1)
-    with pytest.raises(VerlConfigError, match="unknown family 'qwen'.*did you mean 'qwen2'"):
-        tiny_config(family="qwen")
+    with pytest.raises(VerlConfigError, match="unknown family 'mistrall'.*did you mean 'mistral'"):
+        tiny_config(family="mistrall")
     with pytest.raises(VerlConfigError, match="Qwen2 always has q/k/v biases"):
         tiny_config(family="qwen2", qkv_bias=False)
     with pytest.raises(VerlConfigError, match="mistral has no attention-bias option"):

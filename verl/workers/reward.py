@@ -106,12 +106,12 @@ class ModelRewardWorker:
             if self.value_head:
                 self.model = ValueModel.from_pretrained(path, dtype=dtype)
                 config = self.model.trunk.config
-            else:
+            else:  # a value head is one scalar by construction; a classifier's labels are its config's
                 self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
                 config = self.model.config
-            if config.num_labels != 1:
-                raise VerlConfigError(f"{key}.model_path={path!r} has num_labels={config.num_labels}; a reward "
-                                      f"model scores with one label (num_labels=1)")
+                if config.num_labels != 1:
+                    raise VerlConfigError(f"{key}.model_path={path!r} has num_labels={config.num_labels}; a "
+                                          f"reward model scores with one label (num_labels=1)")
         self.pad_id = next((i for i in (config.pad_token_id, self.tokenizer.pad_token_id,
                                         self.tokenizer.eos_token_id) if i is not None), 0)
         config.pad_token_id = self.pad_id  # HF's classifier pools at the last token that is not this id
