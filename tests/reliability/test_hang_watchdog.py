@@ -89,30 +89,30 @@ def test_behaves_watchdog_stays_quiet_while_beats_come(tmp_path):
     assert not thread.is_alive(), "stop() left the watchdog thread running"
 
 
-def test_behaves_every_rank_writes_its_stacks(tmp_path):
-    # Rank 1 is stuck inside 'reward'; rank 0 keeps beating (it waits in the runtime). Rank 1's watchdog fires
-    # first and names itself in stuck.txt; rank 0 writes its own stacks on that cue and does not exit.
+def test_behaves_every_rank_writes_its_stacks(tmp_path, capsys):
+    # Both ranks go silent, rank 0 first: it waits in the runtime after 'reward' while rank 1 is stuck inside it.
+    # The rank inside the node is named (in stuck.txt and the one line); rank 0 writes its stacks on that cue
+    # and exits without a line.
     exits: dict[int, list[int]] = {0: [], 1: []}
     wds = [Watchdog(0.4, tmp_path, rank=r, world_size=2, exit=exits[r].append) for r in (0, 1)]
     for wd in wds:
         wd.start()
     try:
-        wds[1].on_node_start(SimpleNamespace(node="reward"))
         wds[0].on_node_end(SimpleNamespace(node="reward"))
-        deadline = time.monotonic() + 10
-        while not exits[1]:
-            assert time.monotonic() < deadline, "HANG: rank 1's watchdog never fired"
-            wds[0].beat("waiting in the agreement")
-            time.sleep(0.02)
+        time.sleep(0.1)
+        wds[1].on_node_start(SimpleNamespace(node="reward"))
+        _wait(lambda: exits[0] and exits[1], 10, "both ranks' exits")
     finally:
         for wd in wds:
             wd.stop()
-    assert exits == {0: [], 1: [HANG_EXIT_CODE]}
+    assert exits == {0: [HANG_EXIT_CODE], 1: [HANG_EXIT_CODE]}
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("verl: error:")]
+    assert len(errors) == 1 and errors[0].startswith("verl: error: [rank 1] no progress"), errors
     stuck = (tmp_path / STUCK_FILE).read_text()
     assert stuck.startswith("[rank 1] no progress for") and "in node 'reward'" in stuck, stuck
-    mine = (tmp_path / rank_file(0)).read_text()  # written before rank 1 exited (it waits for its peers)
+    mine = (tmp_path / rank_file(0)).read_text()
     assert "reason: another rank stopped the job: [rank 1] no progress" in mine, mine
-    assert "in node 'reward'" in (tmp_path / rank_file(1)).read_text()
+    assert "after node 'reward'" in mine and "in node 'reward'" in (tmp_path / rank_file(1)).read_text()
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
@@ -184,21 +184,23 @@ from pathlib import Path
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     marker = Path(os.environ["HANG_TEST_DIR"]) / "in_reward"
-    if not marker.exists():
+    if os.environ.get("RANK", "0") == os.environ["HANG_TEST_RANK"] and not marker.exists():
         marker.write_text(str(time.time()))
         time.sleep(float(os.environ["HANG_TEST_SLEEP"]))
     return 0.0
 '''
 
 
-def _job(tmp_path: Path, sleep_s: float, *overrides: str) -> tuple[subprocess.Popen, Path]:
+def _job(tmp_path: Path, sleep_s: float, *overrides: str, nproc: int = 1) -> tuple[subprocess.Popen, Path]:
+    """The default job, its reward sleeping `sleep_s` on its first call on the last rank (torchrun when nproc > 1)."""
     reward = tmp_path / "sleepy_reward.py"
     reward.write_text(REWARD)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "HANG_TEST_DIR": str(tmp_path), "HANG_TEST_SLEEP": str(sleep_s)}
+           "HANG_TEST_DIR": str(tmp_path), "HANG_TEST_SLEEP": str(sleep_s), "HANG_TEST_RANK": str(nproc - 1)}
     env.pop("VERL_TRACEBACK", None)
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", "warmup.steps=0", "trainer.total_steps=2",
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "verl.trainer.main_ppo", "warmup.steps=0", "trainer.total_steps=2",
            "val.num_examples=0", "trainer.save_final=false", "trainer.export_hf=false", "trainer.plot=false",
            "trainer.progress_bar=false", "trainer.tensorboard=false", f"trainer.output_dir={out}",
            f"reward.name={reward}:compute_score", *overrides]
@@ -245,6 +247,29 @@ def test_clear_hanging_reward_ends_the_job_with_stacks(tmp_path):
     assert "Thread MainThread" in report and "in fit" in report, report
     entries = json.loads((out / "verl_run.json").read_text())["entries"]
     assert entries.get("hang") == "dir" and entries.get(rank_file(0)) == "file", entries
+
+
+@pytest.mark.multiprocess
+def test_clear_two_ranks_under_torchrun_name_the_stuck_one(tmp_path):
+    # Rank 1 sleeps in its reward; rank 0 waits for it in the runtime. Both write their stacks, one line names
+    # rank 1 and the node, both exit with the watchdog's code.
+    hang_s = 3.0
+    proc, out = _job(tmp_path, 10_000, f"trainer.hang_timeout_s={hang_s:g}", "trainer.node_timeout_s=600",
+                     "trainer.collective_timeout_s=600", nproc=2)
+    _wait_marker(tmp_path, proc)
+    entered = float((tmp_path / "in_reward").read_text())
+    try:
+        _, err = proc.communicate(timeout=hang_s + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("HANG: the job was still running 60 s past trainer.hang_timeout_s")
+    print(f"2 ranks: the job ended {time.time() - entered:.2f} s after rank 1's reward began sleeping")
+    errors = [ln for ln in err.splitlines() if ln.startswith("verl: error:")]
+    assert len(errors) == 1 and errors[0].startswith("verl: error: [rank 1] no progress for ") \
+        and "in node 'reward'" in errors[0], err[-4000:]
+    assert proc.returncode != 0 and err.count(f"exitcode  : {HANG_EXIT_CODE}") == 2, err[-4000:]
+    assert "in compute_score" in (out / rank_file(1)).read_text()
+    assert "another rank stopped the job: [rank 1]" in (out / rank_file(0)).read_text()
 
 
 @pytest.mark.multiprocess

@@ -9,9 +9,10 @@ writes the file and ends the process with ``os._exit``, so a main thread blocked
 that releases the GIL (torch ops, NCCL, gloo, sleeps and socket reads do) is no obstacle.
 
 Every rank of the job: the first rank whose heartbeat expires creates ``hang/stuck.txt`` (its one line; created
-exclusively, so it names the first) and gives the others up to `PEER_GRACE_S` to write their own stacks before it
-exits; a rank that sees the file writes its stacks once and keeps running (its own watchdog, or torchrun stopping
-the job, ends it). That needs ``output_dir`` on a filesystem every rank sees, as checkpoints do.
+exclusively, so it names the first), prints that line and gives the others up to `PEER_GRACE_S` to write their own
+stacks before it exits; a rank that sees the file writes its stacks and exits too, without a line. A rank waiting between nodes expires `PEER_GRACE_S` later than one stuck
+inside a node, so that the one inside is named; a rank expiring after the first exits without a line. That needs
+``output_dir`` on a filesystem every rank sees, as checkpoints do.
 
 Limits: a C call that holds the GIL forever also stops the watchdog thread (nothing in Python can then run); the
 SIGUSR1 handler runs in the main thread, so a main thread blocked inside a C call answers when the call returns
@@ -75,25 +76,26 @@ class Watchdog:
         self.poll_s = min(1.0, max(0.05, timeout_s / 10)) if timeout_s > 0 else 1.0
         self.last = time.monotonic()
         self.where = "before the first step"
+        self.inside = False  # inside a node or phase (a rank stuck there is the likely culprit)
         self.node: str | None = None  # the last dataflow node entered
         self.node_since = 0.0
         self.step: int | None = None
         self.expired: str | None = None  # the one line, once the heartbeat expired
-        self.peer_seen = False
         self._wake, self._requested, self._stopped = threading.Event(), False, False
         self._thread: threading.Thread | None = None
         self._old_usr1: Any = None
 
     # -- the heartbeat ---------------------------------------------------------------------------------------
-    def beat(self, where: str) -> None:
-        """Progress: the rank is now `where` (shown if it stays there past the timeout)."""
-        self.where = where
+    def beat(self, where: str, inside: bool = False) -> None:
+        """Progress: the rank is now `where` (shown if it stays there past the timeout); `inside` a node or phase
+        rather than between them, waiting for the other ranks."""
+        self.where, self.inside = where, inside
         self.last = time.monotonic()
 
     @contextmanager
     def phase(self, what: str) -> Iterator[None]:
         """Beats on entering and leaving `what` (a validation, a checkpoint save)."""
-        self.beat(f"in {what}")
+        self.beat(f"in {what}", inside=True)
         try:
             yield
         finally:
@@ -102,7 +104,7 @@ class Watchdog:
     def on_node_start(self, event) -> None:
         """Dataflow hook: entering a node."""
         self.node, self.node_since = event.node, time.monotonic()
-        self.beat(f"in node '{event.node}'")
+        self.beat(f"in node '{event.node}'", inside=True)
 
     def on_node_end(self, event) -> None:
         """Dataflow hook: a node returned (or failed); the runtime moves data or agrees with the other ranks."""
@@ -111,7 +113,7 @@ class Watchdog:
     # -- starting and stopping -------------------------------------------------------------------------------
     def start(self) -> "Watchdog":
         """Starts the thread and, in the main thread, answers SIGUSR1 (unless another handler is installed)."""
-        self.beat(self.where)
+        self.beat(self.where, self.inside)
         if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1") \
                 and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
             self._old_usr1 = signal.signal(signal.SIGUSR1, self._on_usr1)
@@ -153,11 +155,12 @@ class Watchdog:
             if self.timeout_s <= 0:
                 continue
             idle = time.monotonic() - self.last
-            if idle > self.timeout_s:
+            # a rank waiting between nodes gives one stuck inside a node the time to be named first
+            if idle > self.timeout_s + (0.0 if self.inside or self.world_size == 1 else PEER_GRACE_S):
                 self._expire(idle)
                 return
-            if self.world_size > 1 and not self.peer_seen:
-                self._answer_peer()
+            if self.world_size > 1 and self._answer_peer():
+                return
 
     def _report(self, reason: str, note: bool = False) -> Path | None:
         try:
@@ -175,19 +178,22 @@ class Watchdog:
         path = self._report(reason)
         shown = f"stacks of every thread in {path}" if path is not None else "its stacks could not be written"
         self.expired = f"[rank {self.rank}] {reason}; {shown}"
-        first = self.world_size > 1 and self._claim_first()
-        print(f"verl: error: {self.expired}", file=sys.stderr, flush=True)
+        first = self.world_size == 1 or self._claim_first()
+        if first:  # the job's one line; a rank expiring after the first says nothing more (its file does)
+            print(f"verl: error: {self.expired}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        if first:
+        if first and self.world_size > 1:
             self._await_peers()
         self._exit(HANG_EXIT_CODE)
 
     def _claim_first(self) -> bool:
-        """Creates hang/stuck.txt with this rank's line unless another rank did: the other ranks' cue."""
+        """Creates hang/stuck.txt with this rank's line unless another rank did (False): the other ranks' cue."""
         try:
             fd = os.open(self.out_dir / STUCK_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError:  # FileExistsError: another rank was first
+        except FileExistsError:
             return False
+        except OSError:  # no shared cue (a read-only or vanished folder): each rank reports for itself
+            return True
         with os.fdopen(fd, "w") as f:
             f.write(self.expired + "\n")
         return True
@@ -209,13 +215,17 @@ class Watchdog:
                     pass
             time.sleep(0.05)
 
-    def _answer_peer(self) -> None:
+    def _answer_peer(self) -> bool:
+        """On another rank's stuck.txt: writes this rank's stacks and ends the process quietly (the job is over:
+        its peers would only fail next, naming the lost rank instead of the stuck one)."""
         try:
             line = (self.out_dir / STUCK_FILE).read_text().strip()
         except OSError:  # absent: nobody is stuck
-            return
-        self.peer_seen = True
+            return False
         self._report(f"another rank stopped the job: {line}")
+        sys.stdout.flush()
+        self._exit(HANG_EXIT_CODE)
+        return True
 
     def dump(self, reason: str) -> Path:
         """Writes this rank's report (header, then every thread's stack) to hang/rank_N.txt: to a temporary
