@@ -10,9 +10,10 @@ that releases the GIL (torch ops, NCCL, gloo, sleeps and socket reads do) is no 
 
 Every rank of the job: the first rank whose heartbeat expires creates ``hang/stuck.txt`` (its one line; created
 exclusively, so it names the first), prints that line and gives the others up to `PEER_GRACE_S` to write their own
-stacks before it exits; a rank that sees the file writes its stacks and exits too, without a line. A rank waiting between nodes expires `PEER_GRACE_S` later than one stuck
-inside a node, so that the one inside is named; a rank expiring after the first exits without a line. That needs
-``output_dir`` on a filesystem every rank sees, as checkpoints do.
+stacks before it exits; a rank that sees the file writes its stacks and exits too, without a line. A rank waiting
+between nodes expires `PEER_GRACE_S` later than one stuck inside a node, so that the one inside is named; a rank
+expiring after the first exits without a line. That needs ``output_dir`` on a filesystem every rank sees, as
+checkpoints do.
 
 Limits: a C call that holds the GIL forever also stops the watchdog thread (nothing in Python can then run); the
 SIGUSR1 handler runs in the main thread, so a main thread blocked inside a C call answers when the call returns
