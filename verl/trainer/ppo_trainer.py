@@ -175,9 +175,7 @@ class PPOTrainer:
                                       trust=cfg.trainer.trust_checkpoint, folder=self.folder, seed=cfg.trainer.seed,
                                       max_state_bytes=int(cfg.trainer.max_state_mb * 2**20))
         self.trace_stem: str | None = None  # trace_step_N, or trace_step_N-2, ... when that name is taken
-        # a dataflow hook like the trainer itself: every node entered or left is progress
-        self.watchdog = Watchdog(cfg.trainer.hang_timeout_s, self.out_dir, placement.global_rank,
-                                 placement.world_size)
+        self.watchdog = Watchdog(cfg.trainer.hang_timeout_s, self.out_dir, placement.global_rank, placement.world_size)
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
