@@ -166,8 +166,9 @@ class Watchdog:
     def _report(self, reason: str, note: bool = False) -> Path | None:
         try:
             path = self.dump(reason)
-        except OSError as e:
-            print(f"verl: [rank {self.rank}] could not write the hang report: {e}", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - the watchdog must still end a stuck process
+            print(f"verl: [rank {self.rank}] could not write the hang report: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
             return None
         if note:
             print(f"verl: [rank {self.rank}] {reason.split(' (')[0]}: stacks of every thread in {path}",
