@@ -146,7 +146,7 @@ def test_clear_a_step_folder_of_someone_elses_is_never_replaced(tmp_path):
 
 
 @pytest.mark.parametrize("rel", ["hf_actor/my_model.safetensors", "curves.png", "metrics.jsonl",
-                                 "checkpoints/latest", "checkpoints/step_000001/weights.bin"])
+                                 "checkpoints/latest", "checkpoints/step_000001/weights.bin", "hang/rank_0.txt"])
 def test_clear_fresh_run_refuses_a_foreign_file_where_it_writes(tmp_path, rel):
     """Export, plot, metrics, checkpoints: a file of someone else's in the way stops the run before step 1."""
     out = tmp_path / "out"

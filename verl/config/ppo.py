@@ -887,6 +887,15 @@ class TrainerConfig:
     and the step fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time
     (an hour by default, as for any dataflow node; 0: no limit, on request). A node blocked inside a collective is stopped when the collective returns, i.e. at the
     latest after collective_timeout_s."""
+    hang_timeout_s: Annotated[float, Range(0, 1e9)] = 4500.0
+    """Hang watchdog: a rank that makes no progress (enters or leaves no dataflow node, step, validation or
+    checkpoint save) for this long writes the Python stacks of all its threads and the last node it entered to
+    output_dir/hang/rank_N.txt, as every other rank then does, and the job ends with one line naming the rank and
+    the node (exit code 124). 0: off. The three timeouts nest: a stuck collective fails after
+    collective_timeout_s and a node running past node_timeout_s is interrupted, each with an error; the default
+    (75 min, above node_timeout_s + collective_timeout_s) ends what neither can interrupt, a call stuck in native
+    code. Below node_timeout_s it fires first, with stacks, for any node silent that long. SIGUSR1 writes the
+    same file at any time, and the run goes on (docs/RELIABILITY.md)."""
     max_nonfinite_steps: Annotated[int, Range(1, 1 << 30)] = 3
     """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN
     or inf, on any rank: the one that reaches this count fails the run, naming the step, the rank and the first

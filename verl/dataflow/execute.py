@@ -31,8 +31,9 @@ Timeouts. Guarantees:
 Limits:
 - Python cannot unwind a thread blocked inside native code: a node stuck in a collective, a CUDA
   synchronisation or a C extension is interrupted only when that call returns; collectives return at the
-  latest after the collective timeout, an endless native call never. Peers then still end: they wait for such a
-  rank at most one collective timeout at their next agreement point.
+  latest after the collective timeout, an endless native call never (in a PPO job the hang watchdog,
+  ``trainer.hang_timeout_s``, then writes the rank's stacks and ends its process). Peers then still end: they
+  wait for such a rank at most one collective timeout at their next agreement point.
 - A failure reaches the other ranks at their next agreement point, i.e. after their current node returns:
   with node timeouts set, a run ends at most one node timeout plus one collective timeout after a failure.
 """

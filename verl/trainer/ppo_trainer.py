@@ -34,6 +34,7 @@ from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.utils.run_folder import RunFolder, check_output_dir
 from verl.utils.state_check import MAX_STEP, Dict, Int, Json, List, Opt, Spec
+from verl.utils.watchdog import STUCK_FILE, Watchdog, rank_file
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, build_reward
 from verl.workers.engine import SCHEDULER_STATE, BaseModelView, ModuleEngine
 from verl.workers.request import EngineRequest
@@ -174,6 +175,7 @@ class PPOTrainer:
                                       trust=cfg.trainer.trust_checkpoint, folder=self.folder, seed=cfg.trainer.seed,
                                       max_state_bytes=int(cfg.trainer.max_state_mb * 2**20))
         self.trace_stem: str | None = None  # trace_step_N, or trace_step_N-2, ... when that name is taken
+        self.watchdog = Watchdog(cfg.trainer.hang_timeout_s, self.out_dir, placement.global_rank, placement.world_size)
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -404,7 +406,9 @@ class PPOTrainer:
 
     def save(self, step: int | None = None) -> Path:
         """Collective over every rank (`step`: the training step saved, when a streaming rollout joins)."""
-        return self.ckpt.save(self.step if step is None else step, *self._checkpointed(), self._trainer_state())
+        step = self.step if step is None else step
+        with self.watchdog.phase(f"the checkpoint save of step {step}"):
+            return self.ckpt.save(step, *self._checkpointed(), self._trainer_state())
 
     def setup(self) -> dict[str, float]:
         """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up and first-sync metrics."""
@@ -425,6 +429,7 @@ class PPOTrainer:
         if resume is not None:
             self._restore(resume)
             info["resumed_from_step"] = self.step
+        self._on_main(self._claim_hang_reports)
         self.trace_stem = self._claim_trace()
         if self.rollout is not None or self.actor is not None:  # both sides of a rollout on its own ranks
             sync_rollout_weights(self.actor, self.rollout)
@@ -445,7 +450,19 @@ class PPOTrainer:
             out += [(name, True) for name in self._exports()]
         if self._needs_init_dir:
             out.append((".init_hf", True))
-        return out
+        return out + [(rel, False) for rel in self._hang_reports()]
+
+    def _hang_reports(self) -> list[str]:
+        """The hang watchdog's files (each rank's stacks, the first expired rank's line), written by any rank."""
+        return [rank_file(r) for r in range(self.placement.world_size)] + [STUCK_FILE]
+
+    def _claim_hang_reports(self) -> None:
+        """Rank 0 records hang/ and its files before any rank may write them, and clears an earlier session's
+        stuck.txt (the other ranks' cue to write their stacks); every rank starts its watchdog after this."""
+        rels = self._hang_reports()
+        self.folder.record_all({"hang": "dir", **{rel: "file" for rel in rels},
+                                **{f"hang/.{Path(rel).name}.tmp": "file" for rel in rels[:-1]}})
+        (self.out_dir / STUCK_FILE).unlink(missing_ok=True)
 
     def _claim_trace(self) -> str | None:
         """The trace's file stem, recorded by rank 0 and the same on every rank: a free name, never an existing
@@ -533,7 +550,7 @@ class PPOTrainer:
         if agent is not None:
             agent.record_spans, agent.spans = True, []
         try:
-            return self.flow.run(inputs, hooks=[self], trace=trace, state=self.flow_state)
+            return self.flow.run(inputs, hooks=[self, self.watchdog], trace=trace, state=self.flow_state)
         finally:
             if agent is not None:
                 agent.record_spans = False
@@ -554,7 +571,9 @@ class PPOTrainer:
         idle = None
         for b in range(self.step, total):
             t0 = time.perf_counter()
-            waited = stream.wait_for(self.rollout, b - lag, timeout)
+            self.watchdog.step = b + 1
+            with self.watchdog.phase(f"waiting for weights version {b - lag} (batch {b + 1})"):
+                waited = stream.wait_for(self.rollout, b - lag, timeout)
             stats = {"rollout/weight_wait_s": waited, "rollout/lead": float(b - stream.version)}
             if idle is not None:  # the previous batch's cycle: this one's ends only after the batch has left
                 stats["perf/idle_share_rollout"] = idle
@@ -630,8 +649,13 @@ class PPOTrainer:
 
     # -- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, float]]:
-        cfg, p = self.cfg, self.placement
+        """Setup, then the steps (watched for hangs: `verl.utils.watchdog`), validations, saves and the export."""
         info = self.setup()
+        with self.watchdog:
+            return self._fit(info)
+
+    def _fit(self, info: dict[str, float]) -> list[dict[str, float]]:
+        cfg, p = self.cfg, self.placement
         if self.produces_only:  # async: the rollout's ranks run their own stage
             self._produce()
             self._finish()
@@ -653,6 +677,8 @@ class PPOTrainer:
                 print("  ".join(f"{k}={v:.4g}" for k, v in info.items()), flush=True)
         try:
             while self.step < cfg.trainer.total_steps and not cfg.trainer.val_only:
+                self.watchdog.step = self.step + 1
+                self.watchdog.beat(f"step {self.step + 1}, before its dataflow run")
                 metrics = self.train_step()
                 self.step += 1
                 if validator is not None and validation_due(cfg, self.step):
@@ -684,7 +710,8 @@ class PPOTrainer:
 
     def _validate(self, validator: Validator) -> dict[str, float]:
         """One validation (collective), kept in `val_history` as (step, metrics)."""
-        metrics = validator.run(self.step)
+        with self.watchdog.phase(f"the validation at step {self.step}"):
+            metrics = validator.run(self.step)
         self.val_history.append((self.step, metrics))
         return metrics
 
@@ -710,10 +737,11 @@ class PPOTrainer:
     def _finish(self) -> None:
         """The exported actor (hf_actor), curves.png and the merged async trace: each written beside, then moved
         into place over this run's own earlier copy only."""
-        barrier(self.placement)  # async: the rollout's ranks have written their trace
-        if self.cfg.trainer.export_hf:
-            self._export_actor()
-        self._on_main(self._plot_and_merge)
+        with self.watchdog.phase("the final export"):
+            barrier(self.placement)  # async: the rollout's ranks have written their trace
+            if self.cfg.trainer.export_hf:
+                self._export_actor()
+            self._on_main(self._plot_and_merge)
 
     def _exports(self) -> list[str]:
         """The model folders the run exports under output_dir."""

@@ -40,7 +40,7 @@ from verl.utils.state_check import Dict, Int, List, StateError, Str, read_json, 
 RUN_MANIFEST = "verl_run.json"
 FORMAT = "verl-run-v1"
 ARTEFACTS = (RUN_MANIFEST, "metrics.jsonl", "val_generations.jsonl", "tensorboard", "curves.png", "checkpoints",
-             "hf_actor", "hf_actor_merged", ".init_hf")
+             "hf_actor", "hf_actor_merged", ".init_hf", "hang")
 """What a run writes directly under its output folder (plus trace_step_N*.json)."""
 KINDS = ("file", "dir", "checkpoint", "tree")
 _MANIFEST_LIMIT = 64 << 20
@@ -127,7 +127,7 @@ def _artefact_paths(root: Path) -> list[Path]:
     out = [root / name for name in ARTEFACTS]
     if root.is_dir():
         out += sorted(root.glob("trace_step_*.json"))
-    for folder in ("checkpoints", "hf_actor", "hf_actor_merged", "tensorboard", ".init_hf"):
+    for folder in ("checkpoints", "hf_actor", "hf_actor_merged", "tensorboard", ".init_hf", "hang"):
         if (root / folder).is_dir() and not (root / folder).is_symlink():
             out += sorted((root / folder).iterdir())
     return out
@@ -196,6 +196,13 @@ class RunFolder:
         """Records `rel` (relative to the root) as this run's, before it is created."""
         if self.entries.get(rel) != kind:
             self.entries[rel] = kind
+            self._write()
+
+    def record_all(self, entries: dict[str, str]) -> None:
+        """Records several entries (rel -> kind) before they are created, with one write of the manifest."""
+        new = {rel: kind for rel, kind in entries.items() if self.entries.get(rel) != kind}
+        if new:
+            self.entries.update(new)
             self._write()
 
     def record_tree(self, rel: str) -> None:
