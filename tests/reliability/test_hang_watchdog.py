@@ -267,7 +267,9 @@ def test_clear_two_ranks_under_torchrun_name_the_stuck_one(tmp_path):
     errors = [ln for ln in err.splitlines() if ln.startswith("verl: error:")]
     assert len(errors) == 1 and errors[0].startswith("verl: error: [rank 1] no progress for ") \
         and "in node 'reward'" in errors[0], err[-4000:]
-    assert proc.returncode != 0 and err.count(f"exitcode  : {HANG_EXIT_CODE}") == 2, err[-4000:]
+    # rank 1 ends with the watchdog's code; rank 0 too, unless torchrun's SIGTERM (sent when rank 1 ended) reaches
+    # it between writing its stacks and its own exit
+    assert proc.returncode != 0 and err.count(f"exitcode  : {HANG_EXIT_CODE}") >= 1, err[-4000:]
     assert "in compute_score" in (out / rank_file(1)).read_text()
     assert "another rank stopped the job: [rank 1]" in (out / rank_file(0)).read_text()
 
