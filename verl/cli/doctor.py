@@ -64,7 +64,8 @@ def check_torch() -> tuple[list[Finding], object | None]:
     cuda = torch.version.cuda
     usable = torch.cuda.is_available()
     if cuda is None:
-        detail, status, fix = f"{torch.__version__} (CPU build)", OK, "for GPUs: pip install torch==2.14.1 (CUDA 13 build)"
+        detail, status = f"{torch.__version__} (CPU build)", OK
+        fix = "for GPUs: pip install torch==2.14.1 (CUDA 13 build)"
     elif usable:
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         detail, status, fix = f"{torch.__version__} (CUDA {cuda}; {torch.cuda.device_count()} GPU(s): {names})", OK, ""
@@ -126,7 +127,8 @@ def check_extension(torch_mod) -> list[Finding]:
                                 fix="rebuild: " + hint))
     if _extension.built_with_cuda() and set(ops) - set(cuda):
         findings.append(Finding(name="verl._C CUDA kernels", status=FAIL,
-                                detail=f"missing for {sorted(set(ops) - set(cuda))}", fix="rebuild with VERL_BUILD_CUDA=1"))
+                                detail=f"missing for {sorted(set(ops) - set(cuda))}",
+                                fix="rebuild with VERL_BUILD_CUDA=1"))
     if not _extension.built_with_cuda() and torch_mod.cuda.is_available():
         findings.append(Finding(name="verl._C CUDA kernels", status=WARN, detail="a GPU is visible but verl._C has no "
                                 "CUDA kernels", fix="rebuild with nvcc on PATH: VERL_BUILD_CUDA=1 " + hint))

@@ -470,7 +470,8 @@ def _decode(raw: bytes, p: Path) -> str:
                 return raw.decode(enc)
             except UnicodeDecodeError as e:
                 raise VerlConfigError(f"config file {str(p)!r} starts with a {enc.upper()} byte-order mark but is "
-                                      f"not {enc.upper()} text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+                                      f"not {enc.upper()} text ({e.reason} at byte {e.start}); save it as "
+                                      f"UTF-8") from None
     if b"\x00" in raw:
         raise VerlConfigError(f"config file {str(p)!r} is not a text file (it holds NUL bytes); pass a YAML file")
     try:

@@ -885,8 +885,8 @@ class TrainerConfig:
     node_timeout_s: float = 3600.0
     """Longest a PPO dataflow node (generate, score, update_actor, ...) may run on a rank before it is stopped
     and the step fails on every rank with VerlRuntimeError naming the node, the rank and the elapsed time
-    (an hour by default, as for any dataflow node; 0: no limit, on request). A node blocked inside a collective is stopped when the collective returns, i.e. at the
-    latest after collective_timeout_s."""
+    (an hour by default, as for any dataflow node; 0: no limit, on request). A node blocked inside a collective
+    is stopped when the collective returns, i.e. at the latest after collective_timeout_s."""
     hang_timeout_s: Annotated[float, Range(0, 1e9)] = 4500.0
     """Hang watchdog: a rank that makes no progress (enters or leaves no dataflow node, step, validation or
     checkpoint save) for this long writes the Python stacks of all its threads and the last node it entered to

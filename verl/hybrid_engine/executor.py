@@ -74,8 +74,9 @@ class ReshardExecutor:
             rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.rank = rank
         if dist.is_initialized() and dist.get_world_size(group) != plan.world:
-            raise VerlConfigError(f"the plan is for {plan.world} ranks (TP×PP×DP = {plan.train.tp_size}×{plan.train.pp_size}×"
-                                  f"{plan.train.dp_size}) but the process group has {dist.get_world_size(group)}")
+            raise VerlConfigError(f"the plan is for {plan.world} ranks (TP×PP×DP = {plan.train.tp_size}×"
+                                  f"{plan.train.pp_size}×{plan.train.dp_size}) but the process group has "
+                                  f"{dist.get_world_size(group)}")
         self.params = dict(local_params)
         # Receive buffers live where the training tensors do (NCCL moves device memory only).
         if device is None:

@@ -73,8 +73,8 @@ def generation_coords(train: Placement, tp_g: int, mapping: str = "hybrid") -> l
             m = tp_g // train.tp_size
             out.append((t + train.tp_size * (j % m), j // m))
         else:
-            raise VerlConfigError(f"generation TP={tp_g} must divide training TP={train.tp_size} or be a multiple of it "
-                                  f"for the hybrid mapping; use mapping='contiguous' for other sizes")
+            raise VerlConfigError(f"generation TP={tp_g} must divide training TP={train.tp_size} or be a multiple "
+                                  f"of it for the hybrid mapping; use mapping='contiguous' for other sizes")
     return out
 
 
@@ -327,7 +327,8 @@ def _check(layout: ModelLayout, train: Placement, tp_g: int, fmt: str, bucket_by
         raise VerlConfigError(f"parameter names must be unique; repeated: {dup[:3]}")
     for s in layout.params:
         if not 0 <= s.stage < train.pp_size:
-            raise VerlConfigError(f"{s.name} is on pipeline stage {s.stage} but the training layout has PP={train.pp_size}")
+            raise VerlConfigError(f"{s.name} is on pipeline stage {s.stage} but the training layout has "
+                                  f"PP={train.pp_size}")
         size = {"tp": train.tp_size, "dp": train.dp_size, "etp": train.etp_size}[s.axis]
         if s.ep is not None and not 0 <= s.ep < train.ep_size:
             raise VerlConfigError(f"{s.name} is held by expert-parallel rank {s.ep} but the training layout has "

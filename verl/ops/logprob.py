@@ -43,7 +43,8 @@ from verl.ops.checks import check_arg, check_floating, check_same_device
 
 __all__ = ["logprob_entropy", "linear_logprob_entropy", "vocab_parallel_logprob_entropy",
            "vocab_parallel_linear_logprob_entropy", "logprob_entropy_ref", "linear_logprob_entropy_ref",
-           "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V", "lm_head_logprob_entropy", "lm_head_is_fused", "FUSED_LM_HEAD_MIN_VOCAB"]
+           "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V", "lm_head_logprob_entropy", "lm_head_is_fused",
+           "FUSED_LM_HEAD_MIN_VOCAB"]
 
 # 1024 x 4096 float32 logits = 16 MiB of scratch: large enough for BLAS / cuBLAS to run at full speed,
 # small enough to stay far below one [N, V] logits tensor at any realistic vocabulary.

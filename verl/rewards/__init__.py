@@ -8,5 +8,5 @@ from verl.rewards.registry import (convention, get_reward, list_rewards, load_fi
                                    score_samples)
 from verl.rewards.rule_based import extract_gsm8k_answer
 
-__all__ = ["DATA_SOURCES", "check_sources", "convention", "get_reward", "list_rewards", "load_file_ref", "register_reward",
-           "reward_for_source", "score_batch", "score_samples", "extract_gsm8k_answer"]
+__all__ = ["DATA_SOURCES", "check_sources", "convention", "get_reward", "list_rewards", "load_file_ref",
+           "register_reward", "reward_for_source", "score_batch", "score_samples", "extract_gsm8k_answer"]

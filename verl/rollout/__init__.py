@@ -16,8 +16,8 @@ from verl.rollout.config import RolloutConfig
 from verl.rollout.tokenizer import Tokenizer
 from verl.rollout.torch_engine import TorchRollout
 
-__all__ = ["RolloutConfig", "build_rollout", "engine_available", "pausable_engines", "SamplingParams", "GenerationOutput",
-           "RolloutEngine", "Tokenizer", "TorchRollout", "FINISH_REASONS"]
+__all__ = ["RolloutConfig", "build_rollout", "engine_available", "pausable_engines", "SamplingParams",
+           "GenerationOutput", "RolloutEngine", "Tokenizer", "TorchRollout", "FINISH_REASONS"]
 
 
 def engine_available(engine: str) -> tuple[bool, str]:

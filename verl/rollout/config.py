@@ -64,9 +64,9 @@ class RolloutConfig:
     partial: bool = False
     """Partial rollouts (trainer.mode=async): generation in flight when a new weight version arrives is paused
     and resumed with the new weights, recording per token the version that produced it. It needs an engine
-    that can pause (`EngineSpec.pausable` in `verl.engines`): the torch engine calls its pause hook between tokens, rebuilds
-    the KV cache from the tokens so far when the weights moved, and records per-token versions (vllm, sglang
-    and hf cannot pause, so true with them is refused before step 1)."""
+    that can pause (`EngineSpec.pausable` in `verl.engines`): the torch engine calls its pause hook between
+    tokens, rebuilds the KV cache from the tokens so far when the weights moved, and records per-token versions
+    (vllm, sglang and hf cannot pause, so true with them is refused before step 1)."""
     seed: Annotated[int, Range(0, (1 << 32) - 1)] = 0
     """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

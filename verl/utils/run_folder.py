@@ -91,8 +91,9 @@ def _check_name_lengths(path: str, key: str) -> None:
         pass
     longest = max(path.split(os.sep), key=lambda part: len(os.fsencode(part)))
     if len(os.fsencode(longest)) > name_max:
-        raise VerlConfigError(f"config key {key!r}: a folder name of {len(os.fsencode(longest))} bytes ({longest[:40]}...) is "
-                              f"longer than the filesystem allows ({name_max}); pick a shorter name")
+        raise VerlConfigError(f"config key {key!r}: a folder name of {len(os.fsencode(longest))} bytes "
+                              f"({longest[:40]}...) is longer than the filesystem allows ({name_max}); pick a "
+                              f"shorter name")
     if len(os.fsencode(path)) > path_max - 256:  # room for the run's own files below it
         raise VerlConfigError(f"config key {key!r}: a path of {len(os.fsencode(path))} bytes leaves no room under the "
                               f"filesystem's limit of {path_max} bytes for the run's files; pick a shorter path")

@@ -107,8 +107,8 @@ class RolloutBatch:
     @classmethod
     def concat(cls, pieces: Sequence["RolloutBatch"]) -> "RolloutBatch":
         """The rows of `pieces` in order, as one batch: how the dataflow joins the shards of different ranks.
-        Prompts are left-padded again to the longest (masked, so the pad id is irrelevant), and group ids are renumbered so that groups of different
-        pieces stay apart."""
+        Prompts are left-padded again to the longest (masked, so the pad id is irrelevant), and group ids are
+        renumbered so that groups of different pieces stay apart."""
         if len(pieces) == 1:
             return pieces[0]
         P = max(b.prompt_length for b in pieces)

@@ -176,7 +176,8 @@ class RolloutWorker:
                 self.engine.resume()
             return self.link.sync(None, self)
         if self.shares_module(actor):
-            return {"perf/sync_s": 0.0, "perf/sync_bytes": 0.0, "perf/sync_comm_bytes": 0.0, "perf/sync_peak_bytes": 0.0,
+            return {"perf/sync_s": 0.0, "perf/sync_bytes": 0.0, "perf/sync_comm_bytes": 0.0,
+                    "perf/sync_peak_bytes": 0.0,
                     "perf/sync_shared": 1.0}
         if self.engine.released:
             self.engine.resume()
