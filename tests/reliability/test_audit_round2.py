@@ -26,7 +26,8 @@ def _int_keys(cls: type = PPOConfig, prefix: str = "") -> list[tuple[str, object
         sub = _dataclass_type(_hints(cls)[f.name])
         if sub is not None:
             out += _int_keys(sub, f"{prefix}{f.name}.")
-        elif f.name in ranges(cls) and "list" not in str(_hints(cls)[f.name]):
+        elif f.name in ranges(cls) and "list" not in str(_hints(cls)[f.name]) \
+                and "float" not in str(_hints(cls)[f.name]):  # int keys (a float's bound prints as a float)
             out.append((prefix + f.name, ranges(cls)[f.name]))
     return out
 
