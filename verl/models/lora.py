@@ -40,7 +40,12 @@ _BASE = ".base_layer."
 
 
 def _tuner_layers(module: torch.nn.Module):
-    from peft.tuners.lora import LoraLayer
+    """The module's LoRA layers; none where peft is not installed (nothing can have injected one: the vLLM and TRL
+    environments train full models without it)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
     return [(n, m) for n, m in module.named_modules() if isinstance(m, LoraLayer)]
 
 
