@@ -81,6 +81,8 @@ def _from_current_dir(module: str) -> str | None:
     entry; None when it comes from elsewhere, or the current directory was asked for in PYTHONPATH. Walks the
     dotted name down from the top-level package without running any code: only namespace packages (which have
     none) are imported on the way, and they can take their submodules from several entries."""
+    if module.partition(".")[0] == "verl":  # verl's own modules (the engine table's factories): the product itself
+        return None
     cwd = os.path.realpath(os.getcwd())
     if cwd in {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}:
         return None
