@@ -605,7 +605,36 @@ def fig_moe_layout(res) -> str:
             f"{sum(bool(c['export_bit_exact']) for c in cases)} of {len(cases)}")
 
 
+def fig_faults(res) -> str:
+    d = res["bench_faults.json"]
+    meta = d["meta"]
+
+    def s(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    def split(r):
+        p = r.get("split_s_median") or {}
+        return " / ".join(s(p.get(k)) for k in ("agent_restart", "start", "restore", "first_step"))
+    rows = [r for r in d["rows"] if r.get("rc") == 0]
+    lines = table(rows, [
+        ("mode", "mode"), ("kills (isolated)", lambda r: f"{r['kills']} ({r['isolated_faults']})"),
+        ("goodput", lambda r: f"{100 * r['goodput']:.0f}%"),
+        ("recovery s, median / max", lambda r: f"{s(r['recovery_s_median'])} / {s(r['recovery_s_max'])}"),
+        ("split s: agent restart / start / restore / first step", split),
+        ("steps redone, max", "redone_steps_max"),
+        ("snapshot / step", lambda r: f"{100 * r['uninterrupted']['snapshot_share']:.1f}%"
+         if r["uninterrupted"].get("snapshot_share") is not None else "-"),
+        ("weights bit-equal", "weights_equal"), ("metrics equal", "metrics_equal"),
+        ("indices trained / twice / skipped", lambda r: "{indices_trained} / {duplicates} / {skipped}".format(
+            **r["exactly_once"]))])
+    failed = [r for r in d["rows"] if r.get("rc") != 0]
+    return (f"\n`{meta['command']}` ({meta['job']}, {meta['steps']} steps, a kill every ~{meta['fault_every_s']:g} s; "
+            f"goodput: the uninterrupted run's wall time over the faulty run's)\n\n" + "\n".join(lines)
+            + (f"\n\n{len(failed)} run(s) did not finish" if failed else "") + "\n")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
+    "faults": fig_faults,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,
     "delta_sync": fig_delta_sync, "delta_1000": fig_delta_1000,

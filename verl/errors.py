@@ -94,6 +94,7 @@ def run_cli(main, argv: list[str] | None = None, prog: str = "verl") -> int:
         if not (config and os.environ.get("RANK", "0") != "0"):
             print(f"{prog}: {'config error' if config else 'error'}: {_with_cause(e)}\n"
                   f"(set VERL_TRACEBACK=1 for the full traceback)", file=sys.stderr)
+        _restarts_used_up(prog)
         return 2 if config else 1
     except KeyboardInterrupt:
         if os.environ.get("VERL_TRACEBACK", "") not in ("", "0"):
@@ -101,6 +102,21 @@ def run_cli(main, argv: list[str] | None = None, prog: str = "verl") -> int:
         print(f"{prog}: interrupted (Ctrl-C / SIGINT); stopped (set VERL_TRACEBACK=1 for the full traceback)",
               file=sys.stderr)
         return 130
+
+
+def _restarts_used_up(prog: str) -> None:
+    """Under `torchrun --max-restarts=N`, the last worker group's rank 0 says that no restart is left."""
+    import os
+    import sys
+    try:
+        count, limit = (int(os.environ.get(k, "0"))
+                        for k in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"))
+    except ValueError:
+        return
+    if limit > 0 and count >= limit and os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: torchrun's restarts are used up ({count} of --max-restarts={limit}; each earlier fault is a "
+              f"'torchrun restart K' line above): the job ends here; continue it with trainer.resume=auto, or raise "
+              f"--max-restarts", file=sys.stderr)
 
 
 def _with_cause(e: BaseException) -> str:

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e", "scaling", "async", "compat", "agent", "tito")
+SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e", "scaling", "async", "compat", "agent", "tito", "faults")
 
 
 def _repo_root() -> str:

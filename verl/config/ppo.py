@@ -896,6 +896,18 @@ class TrainerConfig:
     (75 min, above node_timeout_s + collective_timeout_s) ends what neither can interrupt, a call stuck in native
     code. Below node_timeout_s it fires first, with stacks, for any node silent that long. SIGUSR1 writes the
     same file at any time, and the run goes on (docs/RELIABILITY.md)."""
+    recovery: Literal["auto", "on", "off"] = "auto"
+    """Elastic recovery: after every step each rank snapshots its state (model, optimizer, RNG, data position, the
+    batches in flight) into memory in the background (perf/snapshot_s: the time it took from the step), and a run
+    that torchrun restarts after a rank died (`torchrun --max-restarts=N`) continues by itself from the newest
+    snapshot every rank holds, or the newest checkpoint when that is newer, exactly as if uninterrupted (sync and
+    one_step_off; async resumes from its newest checkpoint, its queue regenerated). auto: on when torchrun may
+    restart the workers; on: snapshots in any case; off: none (a restarted run then follows trainer.resume).
+    docs/RELIABILITY.md."""
+    snapshot_dir: str | None = None
+    """Where the recovery snapshots go (under <dir>/<run id>/): None is /dev/shm/verl, memory on the node, or
+    output_dir/.snapshots where /dev/shm is absent; a full directory sends later ones to output_dir/.snapshots
+    with a warning. A run that ends normally removes its snapshots."""
     max_nonfinite_steps: Annotated[int, Range(1, 1 << 30)] = 3
     """Optimizer steps in a row an engine (actor or critic) may skip because their loss or gradient norm was NaN
     or inf, on any rank: the one that reaches this count fails the run, naming the step, the rank and the first

@@ -42,6 +42,15 @@ def reduce_metrics(metrics: dict[str, float], world: Placement, maxed: tuple[str
     return out
 
 
+def gather_lists(values: list, world: Placement) -> list:
+    """Every rank's `values` joined, in rank order, on every rank of `world` (collective)."""
+    if not world.distributed:
+        return list(values)
+    everyone: list = [None] * world.world_size
+    dist.all_gather_object(everyone, list(values), group=world.group)
+    return [v for part in everyone for v in part]
+
+
 def barrier(world: Placement) -> None:
     if world.distributed:
         dist.barrier(group=world.group)

@@ -236,7 +236,12 @@ def _join_world(device: torch.device, timeout_s: float) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # torchrun keeps one store for all the worker groups it starts: a restarted group would find the keys
+        # (gloo's peer addresses) of the group before it and connect to dead ranks. Each attempt gets its own.
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"verl/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
 
 

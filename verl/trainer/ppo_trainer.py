@@ -28,19 +28,23 @@ from verl.rewards import check_sources
 from verl.trainer.validation import Validator, validation_due
 from verl.trainer.warmup import supervised_warmup
 from verl.trainer.carried import FLOW_STATE
-from verl.utils.checkpoint import CheckpointManager, broadcast_json
-from verl.distributed.collectives import barrier, reduce_metrics
+from verl.utils.checkpoint import (CheckpointManager, all_ok, apply_state, broadcast_json, checkpoint_tensors,
+                                   rng_state, set_rng_state)
+from verl.distributed.collectives import barrier, gather_lists, reduce_metrics
 from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.utils.run_folder import RunFolder, check_output_dir
-from verl.utils.state_check import MAX_STEP, Dict, Int, Json, List, Opt, Spec
+from verl.utils.snapshot import (DEFAULT_ROOT, Snapshots, config_digest, fill, process_start_time, recovery_enabled,
+                                 torchrun_restarts)
+from verl.utils.state_check import MAX_STEP, Dict, Int, Json, List, Opt, Spec, validate
 from verl.utils.watchdog import STUCK_FILE, Watchdog, rank_file
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, build_reward
 from verl.workers.engine import SCHEDULER_STATE, BaseModelView, ModuleEngine
 from verl.workers.request import EngineRequest
 from verl.workers.rollout import WeightLink, WeightStream, sync_rollout_weights
 
-MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb")
+MAXED = ("reward/max", "rollout/mismatch_max", "rollout/staleness_max", "perf/peak_memory_mb", "perf/snapshot_s")
+SNAPSHOTS = ".snapshots"  # output_dir's folder of recovery snapshots, when memory has no room (verl.utils.snapshot)
 
 
 def load_policy(cfg: PPOConfig, dataset: PromptDataset, placement: Placement | None = None):
@@ -176,9 +180,18 @@ class PPOTrainer:
                                       max_state_bytes=int(cfg.trainer.max_state_mb * 2**20))
         self.trace_stem: str | None = None  # trace_step_N, or trace_step_N-2, ... when that name is taken
         self.watchdog = Watchdog(cfg.trainer.hang_timeout_s, self.out_dir, placement.global_rank, placement.world_size)
+        # elastic recovery: per-step snapshots (async runs recover from their newest checkpoint instead)
+        self.snapshots: Snapshots | None = None
+        self.restarted = False
+        self.snapshot_s: float | None = None
+        self._snapshot_payload: dict | None = None
+        if recovery_enabled(cfg.trainer.recovery) and cfg.streaming and placement.is_main:
+            print("verl: trainer.recovery in async mode restarts from the newest checkpoint (trainer.save_every), "
+                  "its queue regenerated: no per-step snapshots", flush=True)
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.trained_indices: list[int] = []
         self.val_history: list[tuple[int, dict[str, float]]] = []
         self.node_seconds: dict[str, float] = {}
 
@@ -285,11 +298,11 @@ class PPOTrainer:
             apply_lora(self.policy, lora)
         return self.policy if plain is None else plain
 
-    def _lora_base(self, resume: Path | None) -> None:
+    def _lora_base(self, resumed: bool) -> None:
         """LoRA checkpoints hold the adapter only, so a warmed-up base is kept as output_dir/lora_base (a Hugging
         Face directory written once, after the warm start) and a resumed run loads it instead of warming up."""
         base = self.out_dir / "lora_base"
-        if resume is None:
+        if not resumed:
             if self.placement.is_main:
                 export_hf(self.policy, self.tokenizer, base)
             barrier(self.placement)
@@ -354,12 +367,14 @@ class PPOTrainer:
                 sharded[name] = w.engine
         return modules, sharded
 
+    @staticmethod
+    def _sched_state(worker) -> dict | None:
+        s = getattr(getattr(worker, "engine", None), "scheduler", None)
+        return s.state_dict() if s is not None else None
+
     def _trainer_state(self) -> dict:
         """Collective: rank 0 writes it, but a split critic's schedule lives on the critic's ranks."""
-        def sched(worker):
-            s = getattr(getattr(worker, "engine", None), "scheduler", None)
-            return s.state_dict() if s is not None else None
-        scheds = {"actor_sched": sched(self.actor), "critic_sched": sched(self.critic)}
+        scheds = {"actor_sched": self._sched_state(self.actor), "critic_sched": self._sched_state(self.critic)}
         # the batches generated but not yet trained on live on the rollout's ranks: each rank's share is stored
         carried = None if self.flow_state is None else encode_state(self.flow_state.state_dict())
         flow_states = [carried]
@@ -381,13 +396,16 @@ class PPOTrainer:
 
     def _restore(self, path: Path) -> None:
         state = self.ckpt.load(path, *self._checkpointed(), state_spec=self._state_spec())
+        self._apply_trainer_state(state)
+        self._restore_carried(state)
+
+    def _apply_trainer_state(self, state: dict) -> None:
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         for worker, key in ((self.actor, "actor_sched"), (self.critic, "critic_sched")):
             if worker is not None and state[key] is not None:
                 worker.engine.scheduler.load_state_dict(state[key])
-        self._restore_carried(state)
 
     def _restore_carried(self, state: dict) -> None:
         """The batches in flight at the save come back, so a one_step_off / async run resumes exactly. Resumed in
@@ -410,13 +428,112 @@ class PPOTrainer:
         with self.watchdog.phase(f"the checkpoint save of step {step}"):
             return self.ckpt.save(step, *self._checkpointed(), self._trainer_state())
 
+    # -- recovery snapshots (verl.utils.snapshot) ----------------------------------------------------------------
+    def _snapshot_store(self, run_id: str) -> Snapshots:
+        t, disk = self.cfg.trainer, self.out_dir / SNAPSHOTS
+        shm = DEFAULT_ROOT.parent.is_dir() and os.access(DEFAULT_ROOT.parent, os.W_OK)
+        root = Path(t.snapshot_dir) if t.snapshot_dir else DEFAULT_ROOT if shm else disk
+        return Snapshots(root, disk, run_id, self.placement.global_rank, self.placement.world_size,
+                         config_digest(to_dict(self.cfg)))
+
+    def _own_state(self) -> dict:
+        """This rank's part of the trainer state: a snapshot is per rank, taken without a collective."""
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+                "actor_sched": self._sched_state(self.actor), "critic_sched": self._sched_state(self.critic),
+                "generation_lag": self.lag,
+                "flow_state": None if self.flow_state is None else encode_state(self.flow_state.state_dict())}
+
+    def _own_state_spec(self) -> Spec:
+        return Dict({"step": Int(0, MAX_STEP), "sampler": self.sampler.state_spec(),
+                     "kl_ctrl": self.kl_ctrl.state_spec(), "actor_sched": Opt(SCHEDULER_STATE),
+                     "critic_sched": Opt(SCHEDULER_STATE), "generation_lag": Int(self.lag, self.lag),
+                     "flow_state": Opt(FLOW_STATE)})
+
+    def _snapshot(self) -> None:
+        """This rank's state after the step, handed to the snapshot writer (the copy is the only cost here)."""
+        modules, sharded = self._checkpointed()
+        with self.watchdog.phase(f"the snapshot of step {self.step}"):
+            self.snapshot_s = self.snapshots.save(self.step, checkpoint_tensors(modules, sharded, for_load=False),
+                                                  self._own_state(), rng_state())
+
+    def _recoverable_snapshot(self) -> int | None:
+        """Collective, in a worker group torchrun restarted: the newest step of the folder's run that every rank
+        holds a snapshot of and can read (its payload kept for `_restore_snapshot`); None: there is none."""
+        run = None
+        if self.placement.is_main:
+            manifest = self.folder.read()
+            run = manifest["run_id"] if manifest is not None else None
+        run = broadcast_json(run, self.placement)
+        if run is None:
+            return None
+        store = self._snapshot_store(run)
+        if self.placement.is_main:
+            for why in store.others():
+                print(f"verl: this run's snapshots taken with {why} are not used (a snapshot is restored only by the "
+                      f"config and world size that took it); the newest checkpoint is, resharded where it must be",
+                      flush=True)
+        for step in store.common_steps(self.placement.distributed):
+            payload, problem = None, None
+            try:
+                payload = store.load(step)
+                validate(payload["trainer"], self._own_state_spec())
+            except Exception as e:  # an unreadable snapshot: the next older one, else the newest checkpoint
+                problem = f"{type(e).__name__}: {e}"
+                print(f"verl: warning: rank {self.placement.global_rank} cannot restore its snapshot of step {step} "
+                      f"({problem})", flush=True)
+            if all_ok(problem is None, self.placement):
+                self._snapshot_payload = payload
+                return step
+        return None
+
+    def _restore_snapshot(self, step: int) -> None:
+        payload, self._snapshot_payload = self._snapshot_payload, None
+        modules, sharded = self._checkpointed()
+        tensors = fill(checkpoint_tensors(modules, sharded, for_load=True), payload["tensors"])
+        apply_state(tensors, modules, sharded, f"the snapshot of step {step}")
+        set_rng_state(payload["rng"])
+        state = payload["trainer"]
+        self._apply_trainer_state(state)
+        if self.flow_state is not None and state["flow_state"] is not None:
+            self.flow_state.load_state_dict(decode_state(state["flow_state"]))
+
+    def _check_same_config(self) -> None:
+        """Collective: every rank loaded the same config (two nodes' agents launched with different files or
+        overrides would otherwise train one job under two configs)."""
+        if not self.placement.distributed:
+            return
+        from verl.distributed.placement import comm_device
+        mine = torch.tensor([int(config_digest(to_dict(self.cfg)), 16)], dtype=torch.int64, device=comm_device())
+        everyone = [torch.empty_like(mine) for _ in range(self.placement.world_size)]
+        dist.all_gather(everyone, mine)
+        differ = [r for r, d in enumerate(everyone) if int(d) != int(everyone[0])]
+        if differ:
+            raise VerlConfigError(f"ranks {differ} loaded another config than rank 0 (a different YAML file or other "
+                                  f"overrides on their node's launch command); launch every node with the same ones")
+
     def setup(self) -> dict[str, float]:
         """Warm start (fresh runs) or checkpoint restore (resumed runs); returns warm-up and first-sync metrics."""
         check_output_dir(self.cfg.trainer.output_dir)  # again: links may have changed since the config was loaded
-        resume = self.ckpt.resolve(self.cfg.trainer.resume, overwrite=self.cfg.trainer.overwrite,
-                                   destinations=self._destinations())
+        self._check_same_config()
+        t, t0 = self.cfg.trainer, time.time()
+        resume, snapshot, restarts = t.resume, None, torchrun_restarts()
+        self.restarted = bool(restarts[0]) and t.recovery != "off"
+        if self.restarted:  # torchrun restarted the workers: they continue the folder's run
+            resume = "auto"
+            if recovery_enabled(t.recovery) and not self.cfg.streaming:
+                snapshot = self._recoverable_snapshot()
+        resume = self.ckpt.resolve(resume, overwrite=t.overwrite, destinations=self._destinations(),
+                                   snapshot_step=snapshot)
+        if recovery_enabled(t.recovery) and not self.cfg.streaming:
+            self.snapshots = self._snapshot_store(self.ckpt.run_id)
+            self._on_main(lambda: self.folder.record(SNAPSHOTS, "tree"))
+        resumed = resume is not None or self.ckpt.from_snapshot is not None
+        if restarts[0] and self.placement.is_main:
+            where = (f"the snapshot of step {self.ckpt.from_snapshot}" if self.ckpt.from_snapshot is not None
+                     else str(resume) if resume is not None else "the start (nothing saved yet)")
+            print(f"verl: torchrun restart {restarts[0]} of at most {restarts[1]}: continuing from {where}", flush=True)
         info: dict[str, float] = {}
-        if resume is None and self.cfg.warmup.steps > 0:
+        if not resumed and self.cfg.warmup.steps > 0:
             # every rank warms the same policy up, data parallel over the whole world (whatever the roles)
             world = self.placement
             if world.distributed:
@@ -424,10 +541,13 @@ class PPOTrainer:
             info = supervised_warmup(self.policy, self.tokenizer, self.dataset, self.cfg.warmup, world,
                                      self.cfg.trainer.seed, agent=self.agent)
         if self.cfg.actor.lora.enabled and self.cfg.warmup.steps > 0:
-            self._lora_base(resume)
+            self._lora_base(resumed)
         self._build_workers()
         if resume is not None:
             self._restore(resume)
+        elif self.ckpt.from_snapshot is not None:
+            self._restore_snapshot(self.ckpt.from_snapshot)
+        if resumed:
             info["resumed_from_step"] = self.step
         self._on_main(self._claim_hang_reports)
         self.trace_stem = self._claim_trace()
@@ -436,12 +556,17 @@ class PPOTrainer:
         info.update(self.memory_report())
         if self.cfg.streaming:  # from here on new versions flow in the background
             self._start_stream()
+        if self.restarted:  # when this process started, set up, and was ready (bench_faults: recovery time split)
+            info.update({"recovery/restart": float(restarts[0]), "recovery/setup_start_time": t0,
+                         "recovery/ready_time": time.time()})
+            if process_start_time() is not None:
+                info["recovery/process_start_time"] = process_start_time()
         return info
 
     def _destinations(self) -> list[tuple[str, bool]]:
         """What this run writes under output_dir besides checkpoints: (path, replaced as a whole?)."""
         t = self.cfg.trainer
-        out = [("metrics.jsonl", False)]
+        out = [("metrics.jsonl", False), ("samples.jsonl", False)]
         if self.cfg.val.log_generations:
             out.append(("val_generations.jsonl", False))
         if t.plot:
@@ -450,6 +575,8 @@ class PPOTrainer:
             out += [(name, True) for name in self._exports()]
         if self._needs_init_dir:
             out.append((".init_hf", True))
+        if recovery_enabled(t.recovery) and not self.cfg.streaming:
+            out.append((SNAPSHOTS, True))
         return out + [(rel, False) for rel in self._hang_reports()]
 
     def _hang_reports(self) -> list[str]:
@@ -488,14 +615,16 @@ class PPOTrainer:
         tb = self.out_dir / "tensorboard"
         before: set[str] = set()
         if main:
-            for log in ("metrics.jsonl", "val_generations.jsonl"):  # appended to, never rewritten
-                if not self.folder.foreign(log) and (log == "metrics.jsonl" or self.cfg.val.log_generations):
+            for log in ("metrics.jsonl", "samples.jsonl", "val_generations.jsonl"):  # appended to, never rewritten
+                if not self.folder.foreign(log) and (log != "val_generations.jsonl" or self.cfg.val.log_generations):
                     self.folder.record(log, "file")
             if cfg.tensorboard:
                 if not os.path.lexists(tb):
                     self.folder.record("tensorboard", "dir")
                 before = set(os.listdir(tb)) if tb.is_dir() else set()
         logger = MetricsLogger(self.out_dir, enabled=main, tensorboard=cfg.tensorboard, start_step=self.step)
+        self.samples_log = MetricsLogger(self.out_dir, enabled=main, tensorboard=False, start_step=self.step,
+                                         filename="samples.jsonl")
         if main and cfg.tensorboard:
             for name in sorted(set(os.listdir(tb)) - before):  # the event file SummaryWriter just created
                 self.folder.record(f"tensorboard/{name}", "file")
@@ -537,7 +666,8 @@ class PPOTrainer:
         return self._run(trace, generated, self.step, {})
 
     def _run(self, trace: str | None, generated: int, version: int, gen_stats: dict) -> dict:
-        rows = [self.dataset[i] for i in self.sampler.next_batch()]  # the batch's prompts, the same on every rank
+        # the batch's prompts, the same on every rank, each with its row index (samples.jsonl)
+        rows = [{**self.dataset[i], "index": i} for i in self.sampler.next_batch()]
         # a pure function of the batch's index (and the row, inside the rollout worker): a resumed run samples
         # exactly what the uninterrupted one did, whatever the generation layout or mode
         seed = self.cfg.rollout.seed + generated * len(rows) * self.cfg.rollout.n
@@ -595,6 +725,7 @@ class PPOTrainer:
         """The step's metrics, the same on every rank: each rank reports what its roles computed (the actor's
         ranks the batch, rewards and update; a split critic's ranks the critic's), then one reduction."""
         m: dict[str, float] = {}
+        batch = None
         if self.actor is not None:
             batch = out["batch"] if self.flow_state is None else self.flow_state.lagged("batch", self.lag)
             gen = out.get("generation_metrics")
@@ -630,7 +761,12 @@ class PPOTrainer:
         m.update({f"timing/{name}_s": seconds for name, seconds in self.node_seconds.items()})
         m.update(self._idle_shares(elapsed))
         m["perf/peak_memory_mb"] = peak_memory_mb()  # the largest process's
+        if self.snapshot_s is not None:  # the previous step's snapshot, taken between the steps (the slowest rank)
+            m["perf/snapshot_s"] = self.snapshot_s
         m = reduce_metrics(m, self.metrics_world, maxed=MAXED, mined=("reward/min",))
+        # the dataset rows this step trained on, from every rank's share (model-parallel peers repeat theirs)
+        self.trained_indices = sorted(set(gather_lists(batch.data_indices if batch is not None else [],
+                                                       self.metrics_world)))
         # model-parallel peers hold the same tokens: count each actor replica once
         dp = self.cfg.data_parallel_size(len(self.roles["actor"].ranks))
         m["perf/step_time_s"] = elapsed
@@ -652,7 +788,10 @@ class PPOTrainer:
         """Setup, then the steps (watched for hangs: `verl.utils.watchdog`), validations, saves and the export."""
         info = self.setup()
         with self.watchdog:
-            return self._fit(info)
+            history = self._fit(info)
+        if self.snapshots is not None:  # the run ended: what it would recover from is in its checkpoints
+            self.snapshots.clear()
+        return history
 
     def _fit(self, info: dict[str, float]) -> list[dict[str, float]]:
         cfg, p = self.cfg, self.placement
@@ -667,7 +806,9 @@ class PPOTrainer:
             bar = tqdm(total=cfg.trainer.total_steps, initial=self.step, desc=f"{cfg.algorithm.adv_estimator}",
                        dynamic_ncols=True)
         validator, shown = self._validator(), {}
-        if validator is not None and (cfg.trainer.val_before_train or cfg.trainer.val_only):
+        # a run torchrun restarted continues its validation series as if uninterrupted
+        before = cfg.trainer.val_before_train and not self.restarted
+        if validator is not None and (before or cfg.trainer.val_only):
             info.update(self._validate(validator))
         if info:
             logged = {k: v for k, v in info.items() if k != "resumed_from_step"}  # the logger's resume marker
@@ -686,12 +827,15 @@ class PPOTrainer:
                     shown = {k: metrics[k] for k in ("val/pass@1",)}
                 self.history.append(metrics)
                 logger.log(self.step, metrics)
+                self.samples_log.log(self.step, {"data_indices": self.trained_indices})
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(progress_fields({**shown, **metrics}))
                 every, last = cfg.trainer.save_every, self.step == cfg.trainer.total_steps
                 if (every and self.step % every == 0) or (last and cfg.trainer.save_final):
                     self.save()
+                if self.snapshots is not None:
+                    self._snapshot()
             if self.actor is not None and cfg.streaming:  # the last version, then the stream's end marker
                 self.actor.weight_stream.close(None, cfg.trainer.collective_timeout_s)
         finally:

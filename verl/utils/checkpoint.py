@@ -84,7 +84,8 @@ TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OLD_DIR = re.compile(r"^\.old-(step_\d+)(-[0-9a-f]{8})?$")
 _SMALL_JSON = 64 << 20  # manifest.json, rng_rank*.json: kilobytes in practice
-_LOGS = ("metrics.jsonl", "val_generations.jsonl")  # append-only: a resumed run may continue an unrecorded one
+# append-only: a resumed run may continue an unrecorded one
+_LOGS = ("metrics.jsonl", "samples.jsonl", "val_generations.jsonl")
 
 
 # -- RNG states as JSON (torch / CUDA states are byte tensors, Python's and NumPy's are integer tuples) ---------
@@ -315,7 +316,7 @@ def broadcast_json(obj: Any, world: Placement) -> Any:
     return json.loads(bytes(buf.cpu().tolist()).decode())
 
 
-def _all_ok(ok: bool, world: Placement) -> bool:
+def all_ok(ok: bool, world: Placement) -> bool:
     if not world.distributed:
         return ok
     t = torch.tensor([int(ok)], dtype=torch.int64, device=comm_device())
@@ -323,7 +324,7 @@ def _all_ok(ok: bool, world: Placement) -> bool:
     return bool(t.item())
 
 
-def _dcp_state(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
+def checkpoint_tensors(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
                sharded: dict[str, Any], for_load: bool) -> dict[str, Any]:
     """The one state dict DCP saves / loads into: torch modules by state-dict names, sharded engines' own."""
     out = {name: eng.dcp_state(for_load=for_load) for name, eng in sharded.items()}
@@ -335,6 +336,20 @@ def _dcp_state(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer |
             frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
             out[name] = {"model": {k: v for k, v in msd.items() if k not in frozen}, "optim": osd}
     return out
+
+
+def apply_state(tensors: dict[str, Any], modules: Modules, sharded: dict[str, Any], source: str) -> None:
+    """Loads what `checkpoint_tensors(..., for_load=True)` holds once filled (from a checkpoint or a snapshot)
+    into the models, optimizers and sharded engines."""
+    for name, (model, optim) in modules.items():
+        if optim is None:
+            model.load_state_dict(tensors[name]["model"])
+        else:
+            set_state_dict(model, optim, model_state_dict=tensors[name]["model"],
+                           optim_state_dict=tensors[name]["optim"],
+                           options=StateDictOptions(strict=not _frozen(model)))
+    for name, eng in sharded.items():
+        eng.load_dcp_state(tensors[name], source)
 
 
 def _frozen(model: torch.nn.Module) -> bool:
@@ -379,19 +394,25 @@ class CheckpointManager:
 
     # -- choosing what to resume -----------------------------------------------------------------------------
     def resolve(self, resume: str | None, *, overwrite: bool = False,
-                destinations: Sequence[tuple[str, bool]] = ()) -> Path | None:
+                destinations: Sequence[tuple[str, bool]] = (), snapshot_step: int | None = None) -> Path | None:
         """`resume` setting → a verified checkpoint directory (None: start fresh), the same on every rank.
 
         `destinations`: (path relative to the run folder, replaced as a whole?) of what the run writes besides
         checkpoints (metrics.jsonl, hf_actor, ...). Without `resume` the run claims the folder: an earlier run's
         (its manifest) is refused unless `overwrite`, which deletes exactly that run's entries. 'auto' takes the
         newest checkpoint of the folder's run that verifies; with none, it starts fresh only where no earlier
-        run left history. Anything at a destination that no manifest names is refused. Sets `run_id`."""
+        run left history. Anything at a destination that no manifest names is refused. Sets `run_id`.
+
+        `snapshot_step`: the newest step every rank holds a recovery snapshot of, for the folder's run
+        (`verl.utils.snapshot`): with resume='auto', taken (None returned, `from_snapshot` set) when no
+        checkpoint is as new."""
         self._auto = resume == "auto"
+        self.from_snapshot = None
         decision, failure = None, None
         if self.world.is_main:
             try:
-                decision = self._decide(resume, overwrite, [*destinations, (self._prefix + "latest", False)])
+                decision = self._decide(resume, overwrite, [*destinations, (self._prefix + "latest", False)],
+                                        snapshot_step)
             except Exception as e:  # the other ranks wait on the broadcast: tell them before raising
                 decision, failure = {"error": str(e)}, e
         decision = broadcast_json(decision, self.world)
@@ -400,9 +421,11 @@ class CheckpointManager:
         if "error" in decision:
             raise VerlConfigError(f"rank 0 could not resolve trainer.resume={resume!r}: {decision['error']}")
         self.run_id = decision["run_id"]
+        self.from_snapshot = decision.get("snapshot")
         return Path(decision["path"]) if decision["path"] else None
 
-    def _decide(self, resume: str | None, overwrite: bool, destinations: list[tuple[str, bool]]) -> dict[str, Any]:
+    def _decide(self, resume: str | None, overwrite: bool, destinations: list[tuple[str, bool]],
+                snapshot_step: int | None = None) -> dict[str, Any]:
         prior = self.folder.read()
         if prior is not None:
             self.folder.load(prior)
@@ -413,6 +436,9 @@ class CheckpointManager:
         if resume == "auto":
             self._fallbacks, self._skipped = self.list()[::-1], []
             path = self._next_valid()
+            if snapshot_step is not None and prior is not None and (path is None or _step_of(path) < snapshot_step):
+                self._continue(prior, prior["run_id"], snapshot_step, None, destinations)
+                return {"path": None, "run_id": prior["run_id"], "snapshot": snapshot_step}
             if path is None and self._skipped:
                 raise VerlConfigError(f"trainer.resume=auto found no usable checkpoint in {self.root}: "
                                       f"{'; '.join(self._skipped)}. Repair or remove these, or start over with "
@@ -426,7 +452,7 @@ class CheckpointManager:
                 raise VerlConfigError(f"trainer.resume={resume!r} is not a complete verl checkpoint: {problem}. Pick "
                                       f"another one, or trainer.resume=auto for the newest valid one in {self.root}")
         run_id = self._run_id_of(path)
-        self._continue(prior, run_id, path, destinations)
+        self._continue(prior, run_id, _step_of(path), path, destinations)
         return {"path": str(path), "run_id": run_id}
 
     def _fresh(self, prior: dict | None, overwrite: bool, destinations: list[tuple[str, bool]]) -> dict[str, Any]:
@@ -467,8 +493,10 @@ class CheckpointManager:
         self.folder.start(prior["run_id"], "restart")
         return {"path": None, "run_id": prior["run_id"]}
 
-    def _continue(self, prior: dict | None, run_id: str, path: Path, destinations: list[tuple[str, bool]]) -> None:
-        """Resuming run `run_id` from `path`: the output folder must be that run's (or hold no run manifest)."""
+    def _continue(self, prior: dict | None, run_id: str, step: int, path: Path | None,
+                  destinations: list[tuple[str, bool]]) -> None:
+        """Resuming run `run_id` at `step` from checkpoint `path` (None: from the recovery snapshots): the output
+        folder must be that run's (or hold no run manifest)."""
         if prior is not None and prior["run_id"] != run_id:
             raise VerlConfigError(f"{path} belongs to run {run_id[:8]}, but trainer.output_dir="
                                   f"{str(self.folder.root)!r} holds run {prior['run_id'][:8]} ({RUN_MANIFEST}); a "
@@ -478,8 +506,7 @@ class CheckpointManager:
             for p in self.list():
                 if self._owner(p) == run_id:
                     self.folder.entries[self._rel(p)] = "checkpoint"
-        step = _step_of(path)
-        newer = [p for p in self.list() if _step_of(p) > step] if path.parent == self.root else []
+        newer = [p for p in self.list() if _step_of(p) > step] if path is None or path.parent == self.root else []
         logs = [(r, w) for r, w in destinations if r in _LOGS and self.folder.foreign(r)]
         for rel, _ in logs:
             warnings.warn(f"{self.folder.root / rel} is recorded by no run manifest (a folder from an earlier "
@@ -566,7 +593,7 @@ class CheckpointManager:
             raise VerlRuntimeError(f"checkpoint of step {step} not written: {problem}")
         with warnings.catch_warnings():  # DCP warns that a lone process saves without a process group
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(_dcp_state(modules, sharded, for_load=False), checkpoint_id=str(tmp))
+            dcp.save(checkpoint_tensors(modules, sharded, for_load=False), checkpoint_id=str(tmp))
         _write_json(tmp / f"rng_rank{self.world.rank}.json", rng_state())
         if self.world.is_main:
             _write_json(tmp / TRAINER_STATE, trainer_state)
@@ -686,9 +713,9 @@ class CheckpointManager:
                                       f"resharded; resume with {saved} processes (torchrun --nproc_per_node={saved})")
             rng = self._read_rng(path, saved)
             state = self._read_state(path, state_spec)
-            tensors = _dcp_state(modules, sharded, for_load=True)
+            tensors = checkpoint_tensors(modules, sharded, for_load=True)
             self._dcp_load(tensors, path)
-            self._apply(tensors, modules, sharded, path)
+            apply_state(tensors, modules, sharded, str(path))
             if rng is not None:
                 set_rng_state(rng)
             else:  # a rank the checkpoint has no state for (more processes now than then)
@@ -697,7 +724,7 @@ class CheckpointManager:
             problem = str(e)
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             problem = _describe(e)
-        if not _all_ok(problem is None, self.world):
+        if not all_ok(problem is None, self.world):
             return None, problem or "another rank could not load it (see that rank's error)"
         self.saved_world_size = saved
         return state, None
@@ -761,18 +788,6 @@ class CheckpointManager:
                 dcp.load(tensors, checkpoint_id=str(path))
             else:
                 dcp.load(tensors, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner())
-
-    @staticmethod
-    def _apply(tensors: dict[str, Any], modules: Modules, sharded: dict[str, Any], path: Path) -> None:
-        for name, (model, optim) in modules.items():
-            if optim is None:
-                model.load_state_dict(tensors[name]["model"])
-            else:
-                set_state_dict(model, optim, model_state_dict=tensors[name]["model"],
-                               optim_state_dict=tensors[name]["optim"],
-                               options=StateDictOptions(strict=not _frozen(model)))
-        for name, eng in sharded.items():
-            eng.load_dcp_state(tensors[name], str(path))
 
     def _fall_back(self, failed: Path, problem: str) -> Path | None:
         """Collective: the next older checkpoint that verifies, after resume=auto (else None)."""

@@ -22,9 +22,10 @@ class MetricsLogger:
     new event file per session (its purge step hides the redone stretch; no event file is rewritten).
     """
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, start_step: int = 0):
+    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, start_step: int = 0,
+                 filename: str = "metrics.jsonl"):
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / filename
         self._tb = None
         if not enabled:
             return
@@ -43,12 +44,12 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: v if isinstance(v, list) else float(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
-                if math.isfinite(float(v)):
+                if not isinstance(v, list) and math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), step)
 
     def close(self) -> None:

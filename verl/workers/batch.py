@@ -62,6 +62,9 @@ class RolloutBatch:
     """Each sample's data source (its row's; empty when the rows had none)."""
     extra_infos: list = field(default_factory=list)
     """Each sample's row `extra_info` (upstream verl's layout; None where absent)."""
+    data_indices: list[int] = field(default_factory=list)
+    """Each sample's row index in the training dataset (-1 for rows given without one): what samples.jsonl
+    records per step, so a recovered run can be checked to train every row exactly once per epoch."""
 
     @property
     def prompt_length(self) -> int:
@@ -99,7 +102,8 @@ class RolloutBatch:
                        env_rewards=None if self.env_rewards is None else self.env_rewards[idx],
                        routes=None if self.routes is None else self.routes[idx],
                        prompts=pick(self.prompts), answers=pick(self.answers), response_texts=pick(self.response_texts),
-                       data_sources=pick(self.data_sources), extra_infos=pick(self.extra_infos))
+                       data_sources=pick(self.data_sources), extra_infos=pick(self.extra_infos),
+                       data_indices=pick(self.data_indices))
 
     def __getitem__(self, idx: slice | torch.Tensor) -> "RolloutBatch":
         return self.select(idx)
@@ -134,7 +138,8 @@ class RolloutBatch:
                    prompts=[x for b in pieces for x in b.prompts], answers=[x for b in pieces for x in b.answers],
                    response_texts=[x for b in pieces for x in b.response_texts],
                    data_sources=[x for b in pieces for x in b.data_sources],
-                   extra_infos=[x for b in pieces for x in b.extra_infos])
+                   extra_infos=[x for b in pieces for x in b.extra_infos],
+                   data_indices=[x for b in pieces for x in b.data_indices])
 
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
@@ -187,7 +192,8 @@ def batch_from_outputs(outputs: Sequence, rows: Sequence[Mapping], n: int, respo
         prompts=[r["prompt"] for r in rows for _ in range(n)], answers=[r["answer"] for r in rows for _ in range(n)],
         response_texts=[o.text for o in outputs],
         data_sources=[r.get("data_source", "default") for r in rows for _ in range(n)],
-        extra_infos=[r.get("extra_info") for r in rows for _ in range(n)])
+        extra_infos=[r.get("extra_info") for r in rows for _ in range(n)],
+        data_indices=[int(r.get("index", -1)) for r in rows for _ in range(n)])
 
 
 def _routes(outputs: Sequence, P: int, R: int) -> torch.Tensor | None:

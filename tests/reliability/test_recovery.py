@@ -1,0 +1,238 @@
+"""Elastic recovery (trainer.recovery, verl.utils.snapshot): the per-rank snapshot store, and the default job under
+`torchrun --max-restarts` with a worker SIGKILLed mid-run, which must end exactly where the uninterrupted run
+ends (weights bit for bit, the metrics series timings aside, every data index trained once)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl.errors import VerlConfigError
+from verl.utils import snapshot as snap
+from verl.utils.metrics import metrics_view, read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+VOLATILE = ("perf/", "timing/", "recovery/", "resumed_from_step")
+
+
+def _store(root: Path, *, rank: int = 0, world: int = 1, digest: str = "abc", fallback: Path | None = None):
+    return snap.Snapshots(root, fallback or root, "run1", rank, world, digest)
+
+
+def _state(v: float) -> dict:
+    return {"actor": {"model": {"w": torch.full((3,), v)}, "optim": {"state": {"w": {"step": torch.tensor(v)}},
+                                                                      "param_groups": [{"lr": 0.1}]}}}
+
+
+def test_behaves_snapshots_keep_the_two_newest_and_restore_in_place(tmp_path):
+    store = _store(tmp_path)
+    for step in range(1, 5):
+        store.save(step, _state(float(step)), {"step": step}, {"rng": step})
+    store.wait()
+    assert sorted(store.available()) == [3, 4]
+    assert store.common_steps(distributed=False) == [4, 3]
+    payload = store.load(4)
+    assert payload["trainer"] == {"step": 4} and payload["rng"] == {"rng": 4}
+    target = _state(0.0)
+    live = target["actor"]["model"]["w"]
+    fill(target, payload["tensors"])
+    assert target["actor"]["model"]["w"] is live and torch.equal(live, torch.full((3,), 4.0))  # copied in place
+    store.clear()
+    assert not (tmp_path / "run1").exists()
+
+
+def fill(target, saved):
+    return snap.fill(target, saved)
+
+
+def test_behaves_the_snapshot_is_a_copy_taken_at_the_step(tmp_path):
+    store = _store(tmp_path)
+    state = _state(1.0)
+    store.save(1, state, {"step": 1}, {})
+    state["actor"]["model"]["w"].fill_(9.0)  # the next step changes the live tensors while the writer runs
+    store.wait()
+    assert torch.equal(store.load(1)["tensors"]["actor"]["model"]["w"], torch.full((3,), 1.0))
+
+
+def test_clear_full_memory_sends_snapshots_to_disk_with_a_warning(tmp_path, monkeypatch, capsys):
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    real = torch.save
+
+    def save(obj, path, *a, **kw):
+        if str(path).startswith(str(shm)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path, *a, **kw)
+    monkeypatch.setattr(snap.torch, "save", save)
+    store = _store(shm, fallback=disk)
+    store.save(1, _state(1.0), {"step": 1}, {})
+    store.wait()
+    out = capsys.readouterr().out
+    assert f"{shm} is full (No space left on device)" in out and str(disk) in out
+    assert sorted(store.available()) == [1] and str(store.available()[1]).startswith(str(disk))
+    assert not store.disabled
+
+
+def test_clear_a_failing_writer_turns_snapshots_off_with_a_warning(tmp_path, monkeypatch):
+    def save(obj, path, *a, **kw):
+        raise OSError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(snap.torch, "save", save)
+    store = _store(tmp_path)
+    store.save(1, _state(1.0), {"step": 1}, {})
+    with pytest.warns(UserWarning, match=r"could not write its snapshot .*Permission denied.*newest checkpoint"):
+        store.save(2, _state(2.0), {"step": 2}, {})
+    assert store.disabled and store.available() == {}
+
+
+def test_clear_snapshots_of_another_config_or_world_size_are_not_used(tmp_path):
+    _store(tmp_path, digest="aaa").save(1, _state(1.0), {"step": 1}, {})
+    _store(tmp_path, digest="bbb", world=2).save(1, _state(1.0), {"step": 1}, {})
+    time.sleep(0.5)
+    other = _store(tmp_path, digest="bbb")
+    assert other.available() == {}
+    assert sorted(other.others()) == ["2 processes", "another config"]
+
+
+def test_clear_a_snapshot_of_another_rank_is_refused(tmp_path):
+    store = _store(tmp_path)
+    store.save(1, _state(1.0), {"step": 1}, {})
+    store.wait()
+    theirs = _store(tmp_path, rank=1)
+    theirs.dir(tmp_path).mkdir(parents=True)
+    os.link(store.available()[1], theirs.dir(tmp_path) / "step_000001.pt")
+    with pytest.raises(VerlConfigError, match=r"not this rank's state of step 1: \{'rank': 0\}"):
+        theirs.load(1)
+
+
+def test_clear_fill_names_a_value_of_another_shape():
+    with pytest.raises(VerlConfigError, match=r"snapshot value /actor/model/w is \(2,\), this rank holds \(3,\)"):
+        snap.fill(_state(0.0), {"actor": {"model": {"w": torch.zeros(2)}, "optim": _state(0.0)["actor"]["optim"]}})
+
+
+def test_behaves_recovery_follows_torchrun(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    assert not snap.recovery_enabled("auto") and snap.recovery_enabled("on") and not snap.recovery_enabled("off")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert snap.recovery_enabled("auto") and snap.torchrun_restarts() == (1, 3)
+    assert abs(snap.process_start_time() - time.time()) < 24 * 3600
+
+
+# -- the default job, killed under torchrun --------------------------------------------------------------------
+TINY_JOB = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+            "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64", "data.num_examples=72",
+            "data.train_batch_size=8", "rollout.n=4", "rollout.max_new_tokens=4", "actor.mini_batch_size=8",
+            "actor.micro_batch_size=16", "warmup.steps=5", "warmup.batch_size=8", "trainer.total_steps=12",
+            "trainer.save_every=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
+            "trainer.plot=false", "trainer.threads=1", "val.num_examples=8", "trainer.test_freq=4",
+            "actor.optim.lr=1e-2"]
+SPLIT = ["trainer.mode=one_step_off", "trainer.placement=split", "actor.ranks=[0]", "rollout.ranks=[1]",
+         "reward.ranks=[0]", "algorithm.rollout_correction.is_level=token", "val.num_examples=0"]
+
+
+def _torchrun(out: Path, overrides: list[str], kill_after: int | None = None, victim: int = 1):
+    """Runs the job on 2 processes under torchrun (2 restarts allowed); with `kill_after`, SIGKILLs worker
+    `victim` (by start order) once that many steps are logged. Returns torchrun's output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+           "--monitor-interval=0.1", "-m", "verl.trainer.main_ppo", *TINY_JOB, f"trainer.output_dir={out}",
+           f"trainer.snapshot_dir={out.parent / 'shm'}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=out.parent, stdout=f, stderr=subprocess.STDOUT)
+        killed = kill_after is None
+        deadline = time.monotonic() + 300
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"HANG: {log.read_text()[-3000:]}")
+            if not killed and (out / "metrics.jsonl").exists():
+                done = sum('"reward/mean"' in line for line in (out / "metrics.jsonl").read_text().splitlines())
+                kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+                if done >= kill_after and len(kids) == 2:
+                    os.kill(sorted(map(int, kids))[victim], signal.SIGKILL)
+                    killed = True
+            time.sleep(0.02)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    return text
+
+
+def _series(out: Path, name: str) -> dict:
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)}
+            for r in metrics_view(read_metrics(out / name)) if "reward/mean" in r or "data_indices" in r}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode,victim", [("sync", 1), ("one_step_off", 0)])
+def test_behaves_a_killed_rank_is_recovered_exactly(tmp_path, mode, victim):
+    from safetensors.torch import load_file
+    extra = SPLIT if mode == "one_step_off" else []
+    _torchrun(tmp_path / "clean", extra)
+    log = _torchrun(tmp_path / "killed", extra, kill_after=5, victim=victim)
+    assert "torchrun restart 1 of at most 2: continuing from the snapshot of step" in log, log[-3000:]
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    assert _series(killed, "metrics.jsonl") == _series(clean, "metrics.jsonl")  # validations included
+    samples = _series(killed, "samples.jsonl")
+    assert samples == _series(clean, "samples.jsonl") and sorted(samples) == list(range(1, 13))
+    # 72 training rows (the held-out prompts are generated apart), 8 per step: the first epoch's 9 steps train
+    # every row exactly once, and the second epoch's first 3 steps none twice
+    first = [i for s in range(1, 10) for i in samples[s]["data_indices"]]
+    second = [i for s in range(10, 13) for i in samples[s]["data_indices"]]
+    assert sorted(first) == list(range(72)) and len(set(second)) == len(second) == 24
+    a, b = load_file(str(clean / "hf_actor" / "model.safetensors")), load_file(str(killed / "hf_actor" /
+                                                                                    "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    recs = read_metrics(killed / "metrics.jsonl")
+    assert any("perf/snapshot_s" in r for r in recs) and any("recovery/ready_time" in r for r in recs)
+    assert not any((tmp_path / "shm").rglob("*.pt"))  # the run ended: its snapshots are gone
+    manifest = json.loads((killed / "verl_run.json").read_text())
+    assert [e["event"] for e in manifest["history"]] == ["fresh", "resume"], manifest["history"]
+
+
+def _setup_with_seed(rank, world_size, out):
+    from verl.config.base import load_config
+    from verl.config.ppo import PPOConfig
+    from verl.distributed import init_placement
+    from verl.trainer.ppo_trainer import PPOTrainer
+    overrides = [*TINY_JOB, f"trainer.output_dir={out}", f"trainer.seed={1 + (rank == 1)}"]
+    trainer = PPOTrainer(load_config(PPOConfig, None, overrides), init_placement("cpu"))
+    try:
+        trainer.setup()
+    except VerlConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_clear_ranks_with_different_configs_are_refused_before_step_1(tmp_path):
+    from verl.testing import run_distributed
+    errors = run_distributed(_setup_with_seed, 2, args=(str(tmp_path / "run"),), timeout=200)
+    assert errors[0] == errors[1] and "ranks [1] loaded another config than rank 0" in errors[0], errors
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_clear_the_last_restart_says_that_none_is_left(monkeypatch, capsys):
+    from verl.errors import VerlRuntimeError, run_cli
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("VERL_TRACEBACK", raising=False)
+
+    def main(argv):
+        raise VerlRuntimeError("rank 0 lost contact with ranks [1]")
+    assert run_cli(main, [], prog="verl train") == 1
+    err = capsys.readouterr().err
+    assert "verl train: torchrun's restarts are used up (3 of --max-restarts=3;" in err
+    assert "continue it with trainer.resume=auto" in err
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # restarts left: torchrun goes on, nothing said
+    run_cli(main, [], prog="verl train")
+    assert "used up" not in capsys.readouterr().err
