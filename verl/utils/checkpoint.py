@@ -377,6 +377,7 @@ class CheckpointManager:
         self.seed, self.max_state_bytes = seed, max_state_bytes
         self.run_id = uuid.uuid4().hex  # `resolve` replaces it with the resumed run's
         self.saved_world_size: int | None = None  # the number of processes that wrote the checkpoint `load` took
+        self.from_snapshot: int | None = None  # `resolve`: the recovery snapshot step to restore instead
         self._auto = False
         self._prior_run: str | None = None  # rank 0: the run the output folder's manifest names
         self._fallbacks: list[Path] = []  # rank 0, resume=auto: older checkpoints not yet tried, newest first
