@@ -605,8 +605,7 @@ def fig_moe_layout(res) -> str:
             f"{sum(bool(c['export_bit_exact']) for c in cases)} of {len(cases)}")
 
 
-def fig_faults(res) -> str:
-    d = res["bench_faults.json"]
+def _faults_table(d: dict) -> str:
     meta = d["meta"]
 
     def s(v):
@@ -626,15 +625,35 @@ def fig_faults(res) -> str:
          if r["uninterrupted"].get("snapshot_share") is not None else "-"),
         ("weights bit-equal", "weights_equal"), ("metrics equal", "metrics_equal"),
         ("indices trained / twice / skipped", lambda r: "{indices_trained} / {duplicates} / {skipped}".format(
-            **r["exactly_once"]))])
+            **r["exactly_once"])),
+        ("2 uninterrupted runs equal", lambda r: r.get("uninterrupted_twice_weights_equal", "-"))])
     failed = [r for r in d["rows"] if r.get("rc") != 0]
     return (f"\n`{meta['command']}` ({meta['job']}, {meta['steps']} steps, a kill every ~{meta['fault_every_s']:g} s; "
-            f"goodput: the uninterrupted run's wall time over the faulty run's)\n\n" + "\n".join(lines)
+            f"goodput: the uninterrupted run's wall time over the faulty run's; isolated: kills whose recovery "
+            f"ended before the next kill)\n\n" + "\n".join(lines)
             + (f"\n\n{len(failed)} run(s) did not finish" if failed else "") + "\n")
 
 
+def fig_faults(res) -> str:
+    return _faults_table(res["bench_faults.json"])
+
+
+def fig_faults_exact(res) -> str:
+    return _faults_table(res["bench_faults_exact.json"])
+
+
+def fig_snapshot_smollm2(res) -> str:
+    r = res["bench_snapshot.json"]["rows"][0]
+    share = r.get("copy_share_of_step")
+    return (f"{r['model']} in float32 with its AdamW state ({r['state_bytes'] / 2**30:.2f} GiB): the copy on the "
+            f"critical path took {r['copy_s_median']:.2f} s, the background write {r['write_s_median']:.2f} s and a "
+            f"restore {r['restore_s_median']:.2f} s (medians of {len(r['copy_s'])}); "
+            + (f"the example's step took {r['example_step_s']:.0f} s on this machine (`{r['example_step_from']}`), "
+               f"so the copy is {100 * share:.2f}% of a step" if share is not None else "no step time on record"))
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "faults": fig_faults,
+    "faults": fig_faults, "faults_exact": fig_faults_exact, "snapshot_smollm2": fig_snapshot_smollm2,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,
     "delta_sync": fig_delta_sync, "delta_1000": fig_delta_1000,

@@ -5,12 +5,17 @@ waiting on a tool leave the batch, the others keep generating) against the same 
 The job: the tiny Llama of verl.models.tiny with the torch engine (fast decoder, continuous batching), --trajectories
 episodes of --turns turns; every turn but the last calls the `sleep` tool (agent.tool_settings.sleep.latency_s) through
 the loop's tool runner, whatever the model wrote; turns end at one of a few stop tokens or at --turn-tokens, so their
-lengths vary as real turns do. Each latency is run with both schedules, alternately, --rounds times (the latencies'
+lengths vary as real turns do. With --latency-dist exp every call waits an exponential time of the latency's mean
+instead (drawn from the trajectory and turn, the same on both sides): real tools vary, and lockstep then waits for
+the slowest call of each turn. With a fixed latency L the loop can gain at most 2x over lockstep: lockstep takes
+G + (T - 1) L (G: the generation, T turns) and the loop at least max(G, (T - 1) L). Each latency is run with both
+schedules, alternately, --rounds times (the latencies'
 order rotating from round to round; the median is reported); the work is equal (same seeds, same turns, same
 tokens).
 
     verl bench agent                                 # latencies 0, 50 ms, 500 ms (beside bench_sandbox.py)
     python benchmarks/agent/bench_agent.py --trajectories 128 --rounds 1
+    python benchmarks/agent/bench_agent.py --latency-dist exp --out benchmarks/results/bench_agent_exp.json
 
 Writes benchmarks/results/bench_agent.json (meta.command) and prints the table: per latency and schedule, step time,
 sampled tokens/s, the ratio to the 0-latency step of the same schedule and, for the loop, its speed-up over lockstep.
@@ -19,6 +24,9 @@ sampled tokens/s, the ratio to the 0-latency step of the same schedule and, for 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hashlib
+import math
 import os
 import platform
 import statistics
@@ -30,27 +38,46 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from verl.agents import Environment, StepResult, ToolCall, register_env  # noqa: E402
+from verl.agents import Environment, StepResult, Tool, ToolCall, ToolResult, register_env, register_tool  # noqa: E402
 from verl.agents.loop import AgentLoop, _Episodes  # noqa: E402
 from verl.config.ppo import AgentConfig, TinyModelConfig  # noqa: E402
 from verl.rollout import RolloutConfig, SamplingParams, build_rollout  # noqa: E402
 from verl.models.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 
+@register_tool("bench_sleep_exp")
+class ExponentialSleep(Tool):
+    """Waits an exponentially distributed time of mean `latency_s` (as real tools vary: a search, a test run),
+    drawn from a hash of its `text` argument (trajectory and turn), so both schedules wait the same times."""
+
+    name = "bench_sleep_exp"
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+    def __init__(self, latency_s: float = 0.0):
+        self.latency_s = float(latency_s)
+
+    async def call(self, arguments: dict) -> ToolResult:
+        u = int.from_bytes(hashlib.sha256(arguments["text"].encode()).digest()[:8], "little") / 2**64
+        await asyncio.sleep(-self.latency_s * math.log1p(-u))
+        return ToolResult(text="ok")
+
+
 @register_env("bench_sleep")
 class SleepToolEnv(Environment):
     """Every turn but the last calls the sleep tool (as if the model had); the model's text is not read."""
 
-    def __init__(self, turns: int = 3):
-        self.turns = turns
+    def __init__(self, turns: int = 3, tool: str = "sleep"):
+        self.turns, self.tool, self.task = turns, tool, ""
 
     def reset(self, sample):
+        self.task = sample["prompt"]
         return [{"role": "user", "content": sample["prompt"]}]
 
     async def step(self, turn):
         if turn.index + 1 >= self.turns:
             return StepResult(done=True)
-        messages, records, _ = await self.call_tools([ToolCall(name="sleep", arguments={"text": "ok"})])
+        call = ToolCall(name=self.tool, arguments={"text": f"{self.task} turn {turn.index}"})
+        messages, records, _ = await self.call_tools([call])
         return StepResult(observations=messages, tool_calls=records)
 
 
@@ -68,8 +95,9 @@ class LockstepEpisodes(_Episodes):
 
 
 def run_once(engine, tok, args, latency: float, lockstep: bool) -> dict:
-    cfg = AgentConfig(env="bench_sleep", env_settings={"turns": args.turns}, tools=["sleep"],
-                      tool_settings={"sleep": {"latency_s": latency}}, max_turns=args.turns,
+    tool = "sleep" if args.latency_dist == "fixed" else "bench_sleep_exp"
+    cfg = AgentConfig(env="bench_sleep", env_settings={"turns": args.turns, "tool": tool}, tools=[tool],
+                      tool_settings={tool: {"latency_s": latency}}, max_turns=args.turns,
                       max_tokens_per_turn=args.turn_tokens, max_concurrent_tools=args.trajectories, log_mismatches=0)
     loop = AgentLoop(cfg, tok, response_length=args.turns * (args.turn_tokens + 16))
     if lockstep:
@@ -97,6 +125,8 @@ def main() -> int:
     ap.add_argument("--stop-tokens", type=int, default=2, help="ordinary token ids that end a turn (length spread)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--latency-dist", choices=("fixed", "exp"), default="fixed",
+                    help="every tool call waits the latency (fixed) or an exponential time of that mean (exp)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_agent.json"))
     args = ap.parse_args()
     from verl.utils.results import RunInfo
@@ -136,7 +166,7 @@ def main() -> int:
         print(f"{t['latency_s']:>8g} {t['schedule']:>11} {t['step_s']:>8.2f} {t['tokens_per_s']:>8.0f} "
               f"{t['step_vs_first_latency']:>9.2f} {t.get('speedup_vs_lockstep', float('nan')):>12.2f}")
     meta = {"machine": platform.machine(), "torch": torch.__version__, "trajectories": args.trajectories,
-            "turns": args.turns, "turn_tokens": args.turn_tokens,
+            "turns": args.turns, "turn_tokens": args.turn_tokens, "latency_dist": args.latency_dist,
             "rounds": args.rounds, "threads": args.threads,
             "note": "one process; sampled tokens per wall-clock second of the whole rollout; both schedules run "
                     "the same seeded turns, alternately, on a machine shared with other jobs"}

@@ -210,14 +210,18 @@ def main() -> int:
     common = [f"trainer.total_steps={args.steps}", "trainer.save_every=20", "trainer.tensorboard=false",
               "trainer.plot=false"]
     rows = []
+    meta = {"job": "the default job (verl/trainer/config/default.yaml), 2 processes", "fault_every_s": args.fault_every,
+            "steps": args.steps}
     try:
         for mode in args.modes.split(","):
             overrides = [*common, *MODES[mode]]
             clean = work / f"{mode}_clean"
             base = analyse(clean, run_job(clean, overrides, faults=False, rng=rng, fault_every=args.fault_every,
                                           max_restarts=args.max_restarts, log=work / f"{mode}_clean.log"))
+            share = base["snapshot_share"]
+            snap = "no snapshots" if share is None else f"snapshot {share:.1%} of a step"
             print(f"{mode}: uninterrupted {base['wall_s']:.1f} s, {base['steps']} steps, step time share "
-                  f"{base['step_time_share']:.1%}, snapshot {base['snapshot_share']:.1%} of a step", flush=True)
+                  f"{base['step_time_share']:.1%}, {snap}", flush=True)
             control = None
             if mode == "async":  # which weight version generates a batch depends on timing: run it twice
                 again = work / f"{mode}_clean_again"
@@ -246,10 +250,10 @@ def main() -> int:
                       f"{res.get('recovery_s_median')} s (split {res.get('split_s_median')}), redone steps max "
                       f"{res.get('redone_steps_max')}, weights equal {res.get('weights_equal')}, metrics equal "
                       f"{res.get('metrics_equal')}, exactly once {res.get('exactly_once')}", flush=True)
+                write_result(args.out, {"rows": rows}, run, partial=True, **meta)  # what is done, if a later run fails
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_result(args.out, {"rows": rows}, run, job="the default job (verl/trainer/config/default.yaml), 2 processes",
-                 fault_every_s=args.fault_every, steps=args.steps)
+    write_result(args.out, {"rows": rows}, run, partial=False, **meta)
     return 0
 
 

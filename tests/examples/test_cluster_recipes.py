@@ -44,6 +44,7 @@ def _check_torchrun(argv: list[str], nnodes: int, nproc: int) -> dict[str, str]:
     assert flags["nnodes"] == str(nnodes) and flags["nproc_per_node"] == str(nproc), flags
     assert flags["rdzv_backend"] == "c10d" and re.fullmatch(r"[\w.-]+:\d+", flags["rdzv_endpoint"]), flags
     assert flags.get("rdzv_id"), "a rendezvous id keeps two jobs on one endpoint apart"
+    assert int(flags["max_restarts"]) > 0, "restarts let a job recover from a dead rank (trainer.recovery)"
     m = argv.index("-m")
     assert argv[m + 1] == "verl.trainer.main_ppo", argv
     config = argv[m + 2]

@@ -21,6 +21,12 @@ def _steps(out_dir: Path) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in recs if "reward/mean" in r}
 
 
+def _samples(out_dir: Path) -> dict[int, list[int]]:
+    from verl.utils.metrics import metrics_view, read_metrics
+    rows = metrics_view(read_metrics(out_dir / "samples.jsonl"))
+    return {r["step"]: r["data_indices"] for r in rows if "data_indices" in r}
+
+
 def _length_reward(response, ground_truth, prompt):
     return float(len(response))
 
@@ -41,6 +47,8 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_args, extra):
     full, part = _steps(tmp_path / "full"), _steps(tmp_path / "part")
     assert sorted(part) == [1, 2, 3, 4]
     assert part == full  # bit-exact: same weights, optimizer, RNG, data position and KL coefficient
+    # the same dataset rows at each step: none skipped or repeated across the resume (samples.jsonl)
+    assert _samples(tmp_path / "part") == _samples(tmp_path / "full")
     assert all(full[s]["actor/grad_norm"] > 0 for s in full)
     assert full[3]["actor/entropy"] != full[4]["actor/entropy"]
 
