@@ -427,8 +427,8 @@ def fig_tito(res) -> str:
         ("check ms/turn (median)", "check_ms_per_turn_p50")])) + "\n"
 
 
-def fig_agent_bench(res) -> str:
-    d = res["bench_agent.json"]
+def fig_agent_bench(res, name: str = "bench_agent.json") -> str:
+    d = res[name]
     rows = {(r["schedule"], r["latency_s"]): r for r in d["rows"]}
     lat = sorted({k[1] for k in rows})
     cells = [{"latency": f"{1e3 * x:.0f} ms", "loop": rows[("agent_loop", x)], "lock": rows[("lockstep", x)]}
@@ -442,6 +442,10 @@ def fig_agent_bench(res) -> str:
         ("vs its 0-latency step", lambda c: c["loop"]["step_vs_first_latency"]),
         ("lockstep step s", lambda c: c["lock"]["step_s"]), ("lockstep tokens/s", lambda c: c["lock"]["tokens_per_s"]),
         ("agent loop vs lockstep", lambda c: c["loop"]["speedup_vs_lockstep"])])) + "\n"
+
+
+def fig_agent_bench_exp(res) -> str:
+    return fig_agent_bench(res, "bench_agent_exp.json")
 
 
 def _first_last(d: dict, key: str) -> str:
@@ -623,7 +627,10 @@ def _faults_table(d: dict) -> str:
         ("steps redone, max", "redone_steps_max"),
         ("snapshot / step", lambda r: f"{100 * r['uninterrupted']['snapshot_share']:.1f}%"
          if r["uninterrupted"].get("snapshot_share") is not None else "-"),
-        ("weights bit-equal", "weights_equal"), ("metrics equal", "metrics_equal"),
+        ("weights bit-equal", "weights_equal"),
+        ("metrics equal", lambda r: "yes" if r["metrics_equal"] else "no: step {step}, {keys}".format(
+            step=r["metrics_first_difference"]["step"],
+            keys=", ".join(r["metrics_first_difference"]["values"])) if r.get("metrics_first_difference") else "no"),
         ("indices trained / twice / skipped", lambda r: "{indices_trained} / {duplicates} / {skipped}".format(
             **r["exactly_once"])),
         ("2 uninterrupted runs equal", lambda r: r.get("uninterrupted_twice_weights_equal", "-"))])
@@ -654,7 +661,7 @@ def fig_snapshot_smollm2(res) -> str:
 
 FIGURES: dict[str, Callable[[dict], str]] = {
     "faults": fig_faults, "faults_exact": fig_faults_exact, "snapshot_smollm2": fig_snapshot_smollm2,
-    "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
+    "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_bench_exp": fig_agent_bench_exp, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,
     "delta_sync": fig_delta_sync, "delta_1000": fig_delta_1000,
     "moe_layout": fig_moe_layout, "moe_jobs": fig_moe_jobs, "router_replay": fig_router_replay,

@@ -17,7 +17,8 @@ queue's transfer, or a restart's setup. torchrun restarts the worker group and t
 - whether the final weights (hf_actor) equal the uninterrupted run's bit for bit, whether the metrics series
   (timings aside) are equal, and the exactly-once check on samples.jsonl: per epoch, data indices trained twice
   and indices the uninterrupted run trained that this one skipped. In async mode the weight version that
-  generates a batch depends on timing, so two uninterrupted runs differ too: the table says whether they did.
+  generates a batch can depend on timing, so two uninterrupted runs may differ too: the table says whether they
+  did.
 
 The work is equal on both sides: the same config, seed, data order and steps; only the kills differ.
 

@@ -92,6 +92,10 @@ class Validator:
         sampling = {"temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k}
         batch = self.rollout.generate([self.dataset[i] for i in padded], n=v.n, greedy=v.temperature == 0,
                                       seed=VAL_SEED, sampling=sampling)
+        # the engine's counters (padded share, agent metrics) describe the training steps' generation: validation's
+        # would otherwise land in the next step's metrics (and a recovered run, which does not validate again
+        # at the step it resumes from, would log other values there than the uninterrupted run)
+        self.rollout.take_metrics()
         rows = padded[self.rollout.rows_of_rank(len(padded))]
         scores = self.reward_fn.score(batch).tolist()
         lengths = batch.response_mask.sum(-1).tolist()
