@@ -150,6 +150,8 @@ def test_behaves_fuzz_accepted_configs_run_a_step(tmp_path_factory, override):
     exception); the tiny job stays tiny, so a hang or an OOM would show as this test's timeout."""
     from verl.trainer.main_ppo import main
     out = tmp_path_factory.mktemp("run")
+    if override.startswith("trainer.output_dir="):  # a drawn folder goes under the test's, never into the checkout
+        override = f"trainer.output_dir={out}/{override.split('=', 1)[1].lstrip('/') or 'o'}"
     argv = [*_step_args(str(out / "o")), override, "trainer.overwrite=true"]
     try:
         assert main(argv) == 0
