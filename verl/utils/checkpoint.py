@@ -325,7 +325,7 @@ def all_ok(ok: bool, world: Placement) -> bool:
 
 
 def checkpoint_tensors(modules: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]],
-               sharded: dict[str, Any], for_load: bool) -> dict[str, Any]:
+                       sharded: dict[str, Any], for_load: bool) -> dict[str, Any]:
     """The one state dict DCP saves / loads into: torch modules by state-dict names, sharded engines' own."""
     out = {name: eng.dcp_state(for_load=for_load) for name, eng in sharded.items()}
     for name, (model, optim) in modules.items():
