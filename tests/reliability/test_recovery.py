@@ -236,3 +236,15 @@ def test_clear_the_last_restart_says_that_none_is_left(monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # restarts left: torchrun goes on, nothing said
     run_cli(main, [], prog="verl train")
     assert "used up" not in capsys.readouterr().err
+
+
+def test_behaves_a_new_session_removes_what_a_failed_one_left(tmp_path):
+    _store(tmp_path, digest="old", world=2, rank=1).save(3, _state(1.0), {"step": 3}, {})
+    theirs = _store(tmp_path, digest="old", world=2, rank=0)
+    theirs.save(3, _state(1.0), {"step": 3}, {})
+    theirs.wait()
+    time.sleep(0.3)
+    mine = _store(tmp_path, digest="new", world=2, rank=1)
+    mine.clear_stale(["run1"])
+    assert not (tmp_path / "run1" / "old-w2" / "rank_00001").exists()
+    assert (tmp_path / "run1" / "old-w2" / "rank_00000" / "step_000003.pt").exists()  # another rank's: its own

@@ -527,6 +527,10 @@ class PPOTrainer:
         if recovery_enabled(t.recovery) and not self.cfg.streaming:
             self.snapshots = self._snapshot_store(self.ckpt.run_id)
             self._on_main(lambda: self.folder.record(SNAPSHOTS, "tree"))
+            if not self.restarted:  # snapshots an earlier session of this folder left (it ended in an error)
+                prior = getattr(self.ckpt, "_prior_run", None) if self.placement.is_main else None
+                stale = broadcast_json(sorted({r for r in (prior, self.ckpt.run_id) if r}), self.placement)
+                self.snapshots.clear_stale(stale)
         resumed = resume is not None or self.ckpt.from_snapshot is not None
         if restarts[0] and self.placement.is_main:
             where = (f"the snapshot of step {self.ckpt.from_snapshot}" if self.ckpt.from_snapshot is not None

@@ -231,6 +231,20 @@ class Snapshots:
                                   f"{ {k: want[k] for k in wrong} })")
         return payload
 
+    def clear_stale(self, run_ids: list[str]) -> None:
+        """Removes this rank's snapshots of the runs `run_ids` under any config or world size: what an earlier
+        session of the folder left when it ended in an error (a start that is not a torchrun restart never uses
+        them, and memory under /dev/shm is the node's)."""
+        for root in self.roots:
+            for run in run_ids:
+                for d in (root / run).glob(f"*/rank_{self.rank:05d}") if (root / run).is_dir() else []:
+                    shutil.rmtree(d, ignore_errors=True)
+                    for parent in (d.parent, root / run):
+                        try:
+                            parent.rmdir()
+                        except OSError:
+                            pass
+
     def clear(self) -> None:
         """Removes this rank's snapshots, and the run's folders once empty (a run that ended needs none)."""
         self.wait()
