@@ -44,14 +44,10 @@ def test_behaves_snapshots_keep_the_two_newest_and_restore_in_place(tmp_path):
     assert payload["trainer"] == {"step": 4} and payload["rng"] == {"rng": 4}
     target = _state(0.0)
     live = target["actor"]["model"]["w"]
-    fill(target, payload["tensors"])
+    snap.fill(target, payload["tensors"])
     assert target["actor"]["model"]["w"] is live and torch.equal(live, torch.full((3,), 4.0))  # copied in place
     store.clear()
     assert not (tmp_path / "run1").exists()
-
-
-def fill(target, saved):
-    return snap.fill(target, saved)
 
 
 def test_behaves_the_snapshot_is_a_copy_taken_at_the_step(tmp_path):

@@ -107,6 +107,12 @@ def check_generation_layout(cfg: PPOConfig, hf_config) -> None:
                               f"(rollout.max_model_len, else the model's max_position_embeddings); shorten one")
 
 
+def _state_fields(sampler: BatchSampler, kl_ctrl) -> dict[str, Spec]:
+    """The specs of the values every trainer state holds (a checkpoint's, a snapshot's)."""
+    return {"step": Int(0, MAX_STEP), "sampler": sampler.state_spec(), "kl_ctrl": kl_ctrl.state_spec(),
+            "actor_sched": Opt(SCHEDULER_STATE), "critic_sched": Opt(SCHEDULER_STATE)}
+
+
 class PPOTrainer:
     """Owns the workers, the data order, the KL controller, metrics and checkpoints of one job."""
 
@@ -374,23 +380,21 @@ class PPOTrainer:
 
     def _trainer_state(self) -> dict:
         """Collective: rank 0 writes it, but a split critic's schedule lives on the critic's ranks."""
-        scheds = {"actor_sched": self._sched_state(self.actor), "critic_sched": self._sched_state(self.critic)}
+        own = self._own_state()
+        scheds = {k: own[k] for k in ("actor_sched", "critic_sched")}
         # the batches generated but not yet trained on live on the rollout's ranks: each rank's share is stored
-        carried = None if self.flow_state is None else encode_state(self.flow_state.state_dict())
+        carried = own["flow_state"]
         flow_states = [carried]
         if self.placement.distributed:
             everyone: list = [None] * self.placement.world_size
             dist.all_gather_object(everyone, (scheds, carried))
             scheds = {k: next((e[0][k] for e in everyone if e[0][k] is not None), None) for k in scheds}
             flow_states = [e[1] for e in everyone]
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-                **scheds, "config": to_dict(self.cfg), "generation_lag": self.lag, "flow_state": flow_states}
+        return {**own, **scheds, "config": to_dict(self.cfg), "flow_state": flow_states}
 
     def _state_spec(self) -> Spec:
         """What a restored trainer state must hold, value by value (checked before anything is restored)."""
-        return Dict({"step": Int(0, MAX_STEP), "sampler": self.sampler.state_spec(),
-                     "kl_ctrl": self.kl_ctrl.state_spec(), "actor_sched": Opt(SCHEDULER_STATE),
-                     "critic_sched": Opt(SCHEDULER_STATE), "config": Json(), "generation_lag": Int(0, 1 << 20),
+        return Dict({**_state_fields(self.sampler, self.kl_ctrl), "config": Json(), "generation_lag": Int(0, 1 << 20),
                      "flow_state": List(Opt(FLOW_STATE), max_len=1 << 20)},
                     optional=("generation_lag", "flow_state"))
 
@@ -429,6 +433,11 @@ class PPOTrainer:
             return self.ckpt.save(step, *self._checkpointed(), self._trainer_state())
 
     # -- recovery snapshots (verl.utils.snapshot) ----------------------------------------------------------------
+    @property
+    def _snapshots_on(self) -> bool:
+        """trainer.recovery takes per-step snapshots (not in async mode: it recovers from checkpoints)."""
+        return recovery_enabled(self.cfg.trainer.recovery) and not self.cfg.streaming
+
     def _snapshot_store(self, run_id: str) -> Snapshots:
         t, disk = self.cfg.trainer, self.out_dir / SNAPSHOTS
         shm = DEFAULT_ROOT.parent.is_dir() and os.access(DEFAULT_ROOT.parent, os.W_OK)
@@ -444,9 +453,7 @@ class PPOTrainer:
                 "flow_state": None if self.flow_state is None else encode_state(self.flow_state.state_dict())}
 
     def _own_state_spec(self) -> Spec:
-        return Dict({"step": Int(0, MAX_STEP), "sampler": self.sampler.state_spec(),
-                     "kl_ctrl": self.kl_ctrl.state_spec(), "actor_sched": Opt(SCHEDULER_STATE),
-                     "critic_sched": Opt(SCHEDULER_STATE), "generation_lag": Int(self.lag, self.lag),
+        return Dict({**_state_fields(self.sampler, self.kl_ctrl), "generation_lag": Int(self.lag, self.lag),
                      "flow_state": Opt(FLOW_STATE)})
 
     def _snapshot(self) -> None:
@@ -520,15 +527,15 @@ class PPOTrainer:
         self.restarted = bool(restarts[0]) and t.recovery != "off"
         if self.restarted:  # torchrun restarted the workers: they continue the folder's run
             resume = "auto"
-            if recovery_enabled(t.recovery) and not self.cfg.streaming:
+            if self._snapshots_on:
                 snapshot = self._recoverable_snapshot()
         resume = self.ckpt.resolve(resume, overwrite=t.overwrite, destinations=self._destinations(),
                                    snapshot_step=snapshot)
-        if recovery_enabled(t.recovery) and not self.cfg.streaming:
+        if self._snapshots_on:
             self.snapshots = self._snapshot_store(self.ckpt.run_id)
             self._on_main(lambda: self.folder.record(SNAPSHOTS, "tree"))
             if not self.restarted:  # snapshots an earlier session of this folder left (it ended in an error)
-                prior = getattr(self.ckpt, "_prior_run", None) if self.placement.is_main else None
+                prior = self.ckpt._prior_run if self.placement.is_main else None
                 stale = broadcast_json(sorted({r for r in (prior, self.ckpt.run_id) if r}), self.placement)
                 self.snapshots.clear_stale(stale)
         resumed = resume is not None or self.ckpt.from_snapshot is not None
@@ -563,8 +570,9 @@ class PPOTrainer:
         if self.restarted:  # when this process started, set up, and was ready (bench_faults: recovery time split)
             info.update({"recovery/restart": float(restarts[0]), "recovery/setup_start_time": t0,
                          "recovery/ready_time": time.time()})
-            if process_start_time() is not None:
-                info["recovery/process_start_time"] = process_start_time()
+            started = process_start_time()
+            if started is not None:
+                info["recovery/process_start_time"] = started
         return info
 
     def _destinations(self) -> list[tuple[str, bool]]:
@@ -579,7 +587,7 @@ class PPOTrainer:
             out += [(name, True) for name in self._exports()]
         if self._needs_init_dir:
             out.append((".init_hf", True))
-        if recovery_enabled(t.recovery) and not self.cfg.streaming:
+        if self._snapshots_on:
             out.append((SNAPSHOTS, True))
         return out + [(rel, False) for rel in self._hang_reports()]
 

@@ -238,20 +238,20 @@ class Snapshots:
         for root in self.roots:
             for run in run_ids:
                 for d in (root / run).glob(f"*/rank_{self.rank:05d}") if (root / run).is_dir() else []:
-                    shutil.rmtree(d, ignore_errors=True)
-                    for parent in (d.parent, root / run):
-                        try:
-                            parent.rmdir()
-                        except OSError:
-                            pass
+                    _remove(d, root / run)
 
     def clear(self) -> None:
         """Removes this rank's snapshots, and the run's folders once empty (a run that ended needs none)."""
         self.wait()
         for root in self.roots:
-            shutil.rmtree(self.dir(root), ignore_errors=True)
-            for parent in (self.dir(root).parent, root / self.run_id):
-                try:
-                    parent.rmdir()
-                except OSError:
-                    pass
+            _remove(self.dir(root), root / self.run_id)
+
+
+def _remove(rank_dir: Path, run_dir: Path) -> None:
+    """`rank_dir`, then its config folder and `run_dir` where no other rank's snapshots remain."""
+    shutil.rmtree(rank_dir, ignore_errors=True)
+    for parent in (rank_dir.parent, run_dir):
+        try:
+            parent.rmdir()
+        except OSError:
+            pass
