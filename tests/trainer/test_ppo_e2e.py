@@ -145,3 +145,21 @@ def test_every_local_rollout_engine_trains_through_the_trainer(tmp_path, tiny_ar
                           "trainer.plot=false")) == 0
     steps = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
     assert len(steps) == 2 and all(0.0 <= r["rollout/padded_share"] < 1.0 for r in steps)
+
+
+def test_int8_rollout_trains_with_token_is_and_reports_the_mismatch(tmp_path, tiny_args):
+    """rollout.quantization=int8: the rollout decodes with int8 weights (every projection and the head), the
+    trained copy stays float32 (the sync sends and the checkpoint holds float32), token-level truncated IS is on
+    without being asked for, and the mismatch is logged beside its correction; an explicit is_level wins."""
+    assert main(tiny_args("rollout.quantization=int8", "trainer.total_steps=2", "trainer.save_final=true")) == 0
+    steps = [r for r in _metrics(tmp_path / "run") if "reward/mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/quantized_layers"] > 0 and r["rollout/unquantized_layers"] == 0
+        assert r["rollout/mismatch_kl"] > 0 and "rollout_corr/is_weight_mean" in r
+    cfg = load_config(PPOConfig, None, ["rollout.quantization=int8"])
+    assert cfg.algorithm.rollout_correction.is_level == "token" and not cfg.on_policy
+    explicit = load_config(PPOConfig, None, ["rollout.quantization=int8",
+                                             "algorithm.rollout_correction.is_level=sequence"])
+    assert explicit.algorithm.rollout_correction.is_level == "sequence"
+    assert load_config(PPOConfig, None, []).algorithm.rollout_correction.is_level == "none"

@@ -112,7 +112,7 @@ def rollout_correction(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
                        cfg) -> RolloutCorrection:
     """Weights, kept tokens and metrics for one step under `cfg` (verl.config.RolloutCorrectionConfig)."""
     weights = None
-    if cfg.is_level != "none":
+    if cfg.is_level not in ("none", "auto"):
         weights = is_weights(old_log_probs, rollout_log_probs, response_mask, cfg.is_level, cfg.is_cap)
     if cfg.rejection_level != "none":
         keep = rejection_keep(old_log_probs, rollout_log_probs, response_mask, cfg.rejection_level,

@@ -3,7 +3,7 @@
     verl doctor                      # check torch / CUDA / nvcc / verl._C / megatron-core / engines
     verl train CONFIG [k=v ...]      # PPO / GRPO from a YAML config plus dotted overrides
     verl bench SUITE [args ...]      # run a benchmark suite (kernels, dataflow, reshard, engines, e2e, scaling,
-                                     # async, compat, agent, tito)
+                                     # async, compat, agent, tito, faults, quant)
     verl algos [--json]              # the registered policy losses, advantage estimators, KL penalties
     verl compat SCRIPT.sh|CONFIG     # what an upstream verl launch script / YAML becomes here (before it runs)
     verl compat --keys               # the translation table of upstream verl's config keys
@@ -17,7 +17,8 @@ import os
 import subprocess
 import sys
 
-SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e", "scaling", "async", "compat", "agent", "tito", "faults")
+SUITES = ("kernels", "dataflow", "reshard", "engines", "e2e", "scaling", "async", "compat", "agent", "tito", "faults",
+          "quant")
 
 
 def _repo_root() -> str:

@@ -502,8 +502,10 @@ class RolloutCorrectionConfig:
     (verl/algos/rollout_correction.py). Off by default; weights and rejection need the old log-probs
     recomputed by the training engine, so they turn off the on-policy shortcut."""
 
-    is_level: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance weights pi_old / pi_rollout on the policy loss, per token or per sequence."""
+    is_level: Literal["auto", "none", "token", "sequence"] = "auto"
+    """Truncated importance weights pi_old / pi_rollout on the policy loss, per token or per sequence. auto: token
+    when the rollout generates with quantized weights (rollout.quantization), none otherwise (resolved when the
+    job's config is built)."""
     is_cap: float = 2.0
     """Truncation C: weights are min(ratio, C)."""
     rejection_level: Literal["none", "token", "sequence", "geometric"] = "none"
@@ -520,7 +522,7 @@ class RolloutCorrectionConfig:
     @property
     def enabled(self) -> bool:
         """IS weights or rejection are on (they need the training engine's old log-probs)."""
-        return self.is_level != "none" or self.rejection_level != "none"
+        return self.is_level not in ("none", "auto") or self.rejection_level != "none"
 
     def check(self) -> None:
         if not (self.is_cap > 0 and math.isfinite(self.is_cap)):
@@ -1120,6 +1122,9 @@ class PPOConfig:
                 raise VerlConfigError(f"{key}: {e}") from None
         check_agg_mode(self.actor.loss_agg_mode)
         self.actor.loss_params()
+        rc = self.algorithm.rollout_correction
+        if rc.is_level == "auto":  # a quantized rollout samples from another distribution: weight it back
+            rc.is_level = "token" if self.rollout.quantization != "none" and not rc.bypass else "none"
         self._check_mode()
         self._check_lora()
         # Training reads log-probs of logits / temperature: a greedy (0) rollout has no distribution to train on.

@@ -66,6 +66,7 @@ from verl.ops.losses import (  # per-token KL and the fused RL losses with maske
     value_loss_ref,
 )
 
+from verl.ops.quant import int8_linear, int8_linear_ref, quantize_int8  # int8 weight-only linear (generation)
 from verl.ops.rl_head import (  # the fused RL loss head: hidden states + LM head weight -> the actor's loss
     HEAD_LOSSES,
     HeadLossOutput,
@@ -94,4 +95,6 @@ __all__ = [
     "DEFAULT_CHUNK_N", "DEFAULT_CHUNK_V",
     # the fused RL loss head (verl/ops/rl_head.py)
     "HEAD_LOSSES", "HeadLossOutput", "linear_rl_loss", "linear_rl_loss_ref", "vocab_parallel_linear_rl_loss",
+    # int8 weight-only linear for generation (verl/ops/quant.py)
+    "quantize_int8", "int8_linear", "int8_linear_ref",
 ]

@@ -83,6 +83,12 @@ class RolloutConfig:
     the distribution the trainer computes and the rollout/train log-prob mismatch is 0 bit for bit (the actor
     then trains on that padded layout too: actor.padding_free is turned off); it costs a full forward per
     generated token."""
+    quantization: Literal["none", "int8"] = "none"
+    """Weights of the generation copy only (the trained copy stays full precision). int8: weight-only, per
+    output row, quantized by the engine after every weight sync and decoded by verl's int8 kernel
+    (verl.ops.int8_linear; engines with int8 in `EngineSpec.quantization`: the torch engine's fast decoder). The
+    sampling distribution then differs a little from the trained policy's: the run reports rollout/mismatch_kl
+    and turns token-level truncated IS on (algorithm.rollout_correction.is_level=auto)."""
     kv_cache: bool = True
     """torch, decoder=model: reuse keys/values across steps; false recomputes the whole sequence (models
     without a cache)."""
@@ -127,6 +133,16 @@ class RolloutConfig:
             raise VerlConfigError(f"rollout.sync=delta writes the changed elements into the engine's weights in "
                                   f"place, which rollout.engine={self.engine} does not let the sync do; use "
                                   f"rollout.sync=full, or one of {list(engines('rollout', delta_sync=True))}")
+        if self.quantization != "none" and self.quantization not in spec.quantization:
+            able = [n for n in engines("rollout") if self.quantization in rollout_engine(n).quantization]
+            raise VerlConfigError(f"rollout.quantization={self.quantization} with rollout.engine={self.engine}: that "
+                                  f"engine cannot generate with {self.quantization} weights; use rollout.quantization"
+                                  f"=none, or one of {able}")
+        if self.quantization != "none" and (self.decoder != "fast" or not self.kv_cache):
+            raise VerlConfigError(f"rollout.quantization={self.quantization} runs in the torch engine's fast decoder, "
+                                  f"but rollout.decoder={self.decoder} / rollout.kv_cache={self.kv_cache} does not "
+                                  f"use it; set rollout.decoder=fast and rollout.kv_cache=true, or "
+                                  f"rollout.quantization=none")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise VerlConfigError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 

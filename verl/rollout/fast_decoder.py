@@ -12,15 +12,22 @@ back: fused projection weights are rebuilt at every `start`; LoRA adapters are m
 - `scaled_dot_product_attention` with grouped-query heads and a boolean padding mask.
 
 Numerically it is the model's forward (checked against it in tests/rollout); models it does not know are
-reported by `unsupported_reason` and keep using their own forward.
+reported by `unsupported_reason` and keep using their own forward. With `quantization="int8"` every projection
+and the LM head are quantized to int8 per output row when the weights are fused (`start` / `prepare`, i.e. after
+each weight sync) and run through `verl.ops.int8_linear`; a projection the kernel cannot serve (weights that are
+not float32) stays in its own dtype, counted in `unquantized` with the reason.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LlamaFamilyDecoder", "unsupported_reason"]
+__all__ = ["LlamaFamilyDecoder", "QUANTIZATIONS", "unsupported_reason"]
+
+QUANTIZATIONS = ("none", "int8")
 
 _MODEL_TYPES = {"llama", "qwen2", "mistral"}
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -75,6 +82,25 @@ def _fused(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in pairs])
 
 
+class _Proj:
+    """One projection as the decoder runs it: float (weight, bias), or int8 (qweight, scale, bias)."""
+
+    __slots__ = ("weight", "bias", "q", "scale")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool):
+        self.weight, self.bias, self.q, self.scale = weight, bias, None, None
+        if quantize:
+            from verl.ops.quant import quantize_int8
+            self.q, self.scale = quantize_int8(weight)
+            self.weight = None  # the fused float copy goes: only the int8 one is read while decoding
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q is None:
+            return F.linear(x, self.weight, self.bias)
+        from verl.ops.quant import int8_linear
+        return int8_linear(x, self.q, self.scale, self.bias)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -90,11 +116,20 @@ class LlamaFamilyDecoder:
     the cache holds (the mask must follow). `finish()` frees the cache.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, quantization: str = "none"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaFamilyDecoder cannot run this model: {reason}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"LlamaFamilyDecoder: quantization={quantization!r} is not one of {QUANTIZATIONS}")
         self.model, self.base = model, model.model
+        self.quantization = quantization
+        self.quantized = 0
+        """Projections running in int8 after the last `prepare` (LM head included)."""
+        self.unquantized: dict[str, str] = {}
+        """Projection -> why the int8 kernel does not serve it (after the last `prepare` with quantization)."""
+        self.quantize_s = 0.0
+        """Seconds the last `prepare` spent quantizing."""
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -112,17 +147,36 @@ class LlamaFamilyDecoder:
     @torch.no_grad()
     def prepare(self, max_len: int) -> None:
         """Fuses the current weights and computes cos/sin for `max_len` positions (no cache yet: `join` adds rows)."""
-        self.layers = []
-        for layer in self.base.layers:
+        t0 = time.perf_counter()
+        self.layers, self.quantized, self.unquantized = [], 0, {}
+        for i, layer in enumerate(self.base.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _fused([attn.q_proj, attn.k_proj, attn.v_proj])
-            gu_w, gu_b = _fused([mlp.gate_proj, mlp.up_proj])
+            where = f"model.layers.{i}"
             self.layers.append(dict(
                 ln1=layer.input_layernorm.weight, ln2=layer.post_attention_layernorm.weight,
-                qkv_w=qkv_w, qkv_b=qkv_b, o=_weight_bias(attn.o_proj), gu_w=gu_w, gu_b=gu_b,
-                down=_weight_bias(mlp.down_proj), act=mlp.act_fn, k=None, v=None))
+                qkv=self._proj(f"{where}.self_attn.qkv_proj", *_fused([attn.q_proj, attn.k_proj, attn.v_proj])),
+                o=self._proj(f"{where}.self_attn.o_proj", *_weight_bias(attn.o_proj)),
+                gu=self._proj(f"{where}.mlp.gate_up_proj", *_fused([mlp.gate_proj, mlp.up_proj])),
+                down=self._proj(f"{where}.mlp.down_proj", *_weight_bias(mlp.down_proj)),
+                act=mlp.act_fn, k=None, v=None))
+        self.head = self._proj("lm_head", *_weight_bias(self.model.lm_head))
+        self.quantize_s = time.perf_counter() - t0 if self.quantization != "none" else 0.0
         self._rope(max_len)
         self.length = 0
+
+    def _proj(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> _Proj:
+        if self.quantization == "none":
+            return _Proj(weight, bias, quantize=False)
+        why = None
+        if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+            why = f"{weight.dtype} weights (the int8 kernel computes in float32)"
+        elif weight.device.type not in ("cpu", "cuda"):
+            why = f"weights on {weight.device.type}"
+        if why is not None:
+            self.unquantized[name] = why
+            return _Proj(weight, bias, quantize=False)
+        self.quantized += 1
+        return _Proj(weight, bias, quantize=True)
 
     def _rope(self, max_len: int) -> None:
         # the model's own rotary module gives cos/sin for every position a row can reach
@@ -198,7 +252,7 @@ class LlamaFamilyDecoder:
 
     def finish(self) -> None:
         """Drops the KV buffers and fused weights (the memory goes back before training runs)."""
-        self.layers, self.length = [], 0
+        self.layers, self.length, self.head = [], 0, None
         self.cos = self.sin = None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -224,15 +278,15 @@ class LlamaFamilyDecoder:
         H, KV, d = self.n_heads, self.n_kv, self.head_dim
         for L in self.layers:
             h = self._norm(x, L["ln1"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"])
+            qkv = L["qkv"](h)
             q, k, v = qkv.split((H * d, KV * d, KV * d), dim=-1)
             q = _rotate(q.view(B, S, H, d).transpose(1, 2), cos, sin)
             L["k"][:, :, t0:t1] = _rotate(k.view(B, S, KV, d).transpose(1, 2), cos, sin)
             L["v"][:, :, t0:t1] = v.view(B, S, KV, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, L["k"][:, :, :t1], L["v"][:, :, :t1], attn_mask=keys,
                                                enable_gqa=KV != H)
-            x = x + F.linear(o.transpose(1, 2).reshape(B, S, H * d), *L["o"])
-            gate, up = F.linear(self._norm(x, L["ln2"]), L["gu_w"], L["gu_b"]).chunk(2, dim=-1)
-            x = x + F.linear(L["act"](gate) * up, *L["down"])
+            x = x + L["o"](o.transpose(1, 2).reshape(B, S, H * d))
+            gate, up = L["gu"](self._norm(x, L["ln2"])).chunk(2, dim=-1)
+            x = x + L["down"](L["act"](gate) * up)
         self.length = t1
-        return self.model.lm_head(self._norm(x[:, -1], self.base.norm.weight))
+        return self.head(self._norm(x[:, -1], self.base.norm.weight))

@@ -129,9 +129,15 @@ class TorchRollout(RolloutEngine):
             from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
             reason = unsupported_reason(model)
             if reason is None:
-                self._fast = LlamaFamilyDecoder(model)
+                self._fast = LlamaFamilyDecoder(model, quantization=config.quantization)
             else:
                 logger.info("torch engine: decoding with the model's own forward (%s)", reason)
+        if config.quantization != "none" and self._fast is None:
+            linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+            logger.warning("rollout.quantization=%s: the torch engine decodes this model with its own forward (%s), "
+                           "which the int8 kernel does not serve: all %d linear layers generate in %s",
+                           config.quantization, reason, linears, next(model.parameters()).dtype)
+        self._quant_warned: set[str] = set()
 
     # -- devices ----------------------------------------------------------------------------------------------
 
@@ -353,7 +359,28 @@ class TorchRollout(RolloutEngine):
         metrics = {"rollout/padded_share": 1.0 - valid / pos} if pos else {}
         if rebuilds:
             metrics["rollout/partial_rebuilds"] = float(rebuilds)
+        if self.config.quantization != "none":
+            metrics.update(self._quant_metrics())
         return metrics
+
+    def _quant_metrics(self) -> dict[str, float]:
+        """rollout/quantized_layers, rollout/unquantized_layers (projections the int8 kernel does not serve, each
+        named once in a warning) and rollout/quantize_s (the last quantization's seconds)."""
+        fast = self._fast
+        if fast is None:
+            return {"rollout/quantized_layers": 0.0,
+                    "rollout/unquantized_layers": float(sum(isinstance(m, torch.nn.Linear)
+                                                            for m in self.model.modules()))}
+        fresh = {n: why for n, why in fast.unquantized.items() if n not in self._quant_warned}
+        if fresh:
+            logger.warning("rollout.quantization=%s: %d projection(s) stay unquantized (the int8 kernel cannot "
+                           "serve them): %s", self.config.quantization, len(fresh),
+                           "; ".join(f"{n}: {why}" for n, why in list(fresh.items())[:8]) +
+                           (f"; ... {len(fresh) - 8} more" if len(fresh) > 8 else ""))
+            self._quant_warned |= set(fresh)
+        return {"rollout/quantized_layers": float(fast.quantized),
+                "rollout/unquantized_layers": float(len(fast.unquantized)),
+                "rollout/quantize_s": fast.quantize_s}
 
     def _hit_stop_string(self, tokens: list[int], params: SamplingParams) -> bool:
         if not params.stop:
