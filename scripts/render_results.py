@@ -261,7 +261,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("GRPO end to end: verl vs TRL", "e2e_grpo_vs_trl", e2e),
     ("Kernels", "bench_rl", generic), ("Kernels", "bench_logprob", logprob), ("Kernels", "bench_loss_head", logprob),
     ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
-    ("Generation engines", "bench_shared_prefix", generic),
+    ("Generation engines", "bench_shared_prefix", generic), ("Generation engines", "bench_quant", generic),
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
@@ -659,7 +659,26 @@ def fig_snapshot_smollm2(res) -> str:
                f"so the copy is {100 * share:.2f}% of a step" if share is not None else "no step time on record"))
 
 
+def fig_quant(res) -> str:
+    d = res["bench_quant.json"]
+    g, c = d["generate"], d["curves"]
+    job = g["job"]
+    kl = {q: g[q]["mismatch"]["rollout/mismatch_kl"] for q in ("fp32", "int8")}
+    fp, q8 = c["final_reward_fp32"], c["final_reward_int8"]
+    return (f"on SmolLM2-135M ({job['prompts']} prompts x {job['n']} samples x {job['max_new_tokens']} tokens, "
+            f"EOS ignored so both sides decode the same tokens, one thread, alternating runs) int8 generated "
+            f"{g['int8']['tokens_per_s']:.1f} tokens/s against float32's {g['fp32']['tokens_per_s']:.1f} "
+            f"(**{g['speedup_tokens_per_s']:.2f}x**), with rollout/mismatch_kl {kl['int8']:.1e} against the float32 "
+            f"model's forward (float32's own: {kl['fp32']:.0e}); over {len(c['runs'][0]['curve']['reward/mean'])} "
+            f"steps of the default job the final reward (last 10 steps) was "
+            f"{', '.join(f'{v:.3f}' for v in q8)} with int8 and {', '.join(f'{v:.3f}' for v in fp)} with float32 "
+            f"(seeds {', '.join(str(r['seed']) for r in c['runs'] if r['quantization'] == 'none')}): a gap of "
+            f"{c['int8_gap']:.3f} against a seed-to-seed spread of {c['fp32_seed_spread']:.3f} "
+            f"({'within' if c['within_spread'] else 'outside'} it)")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
+    "quant": fig_quant,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "snapshot_smollm2": fig_snapshot_smollm2,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_bench_exp": fig_agent_bench_exp, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,
