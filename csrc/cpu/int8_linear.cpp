@@ -7,14 +7,16 @@
 // vector feeds 4 FMAs and each activation vector 3. Weight rows are the outer (parallel) loop: a block of them
 // is read from memory once and stays in L1 while every activation row passes over it.
 //
-// The AVX2 path is compiled for that target alone (function attributes) and chosen at run time, so the
-// library still loads on a CPU without AVX2, where a scalar loop computes the same sums.
+// The AVX-512 and AVX2 paths are compiled for their targets alone (function attributes) and chosen at run time
+// (AVX-512 first; VERL_INT8_NO_AVX512=1 forces AVX2, which the tests use to check both), so the library still
+// loads on a CPU without them, where a scalar loop computes the same sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "verl/int8_linear.h"
 
@@ -114,6 +116,69 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Problem& p, int64_t n0
   }
 }
 
+// The same blocking with AVX-512's 32 registers and 16 lanes: 6 x 4 blocks (24 accumulators, 4 widened weights,
+// one activation vector: 29 registers) and twice the weights per widening. On the EPYC this was tuned on, 6 x 4
+// decoded SmolLM2's projections at M = 8..32 rows ~1.2-1.5x faster than 4 x 4.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen16(const int8_t* src) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+}
+
+template <int MB, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void micro512(const Problem& p, int64_t m0, int64_t n0) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t K16 = p.K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = widen16(p.w + (n0 + j) * p.K + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(p.x + (m0 + i) * p.K + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    const float* xr = p.x + (m0 + i) * p.K;
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* wr = p.w + (n0 + j) * p.K;
+      float dot = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t k = K16; k < p.K; ++k) dot += xr[k] * static_cast<float>(wr[k]);
+      p.out[(m0 + i) * p.N + n0 + j] = finish(p, n0 + j, dot);
+    }
+  }
+}
+
+template <int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const Problem& p, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 6 <= p.M; m += 6) micro512<6, NB>(p, m, n0);
+  switch (p.M - m) {
+    case 5: micro512<5, NB>(p, m, n0); break;
+    case 4: micro512<4, NB>(p, m, n0); break;
+    case 3: micro512<3, NB>(p, m, n0); break;
+    case 2: micro512<2, NB>(p, m, n0); break;
+    case 1: micro512<1, NB>(p, m, n0); break;
+    default: break;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Problem& p, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) rows_avx512<4>(p, n);
+  switch (n1 - n) {
+    case 3: rows_avx512<3>(p, n); break;
+    case 2: rows_avx512<2>(p, n); break;
+    case 1: rows_avx512<1>(p, n); break;
+    default: break;
+  }
+}
+
+bool have_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && std::getenv("VERL_INT8_NO_AVX512") == nullptr;
+  return ok;
+}
+
 bool have_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
@@ -138,6 +203,7 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweight_in,
   at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
     const int64_t n0 = kRows * b, n1 = std::min(N, kRows * e);
 #if VERL_X86
+    if (have_avx512()) return block_avx512(p, n0, n1);
     if (have_avx2()) return block_avx2(p, n0, n1);
 #endif
     block_scalar(p, n0, n1);

@@ -98,3 +98,24 @@ def test_errors_name_the_argument(impl):
         impl(torch.randn(2, 8), q.float(), s)
     with pytest.raises(ValueError, match="`bias` must be float32 \\[4\\]"):
         impl(torch.randn(2, 8), q, s, torch.zeros(5))
+
+
+@needs_ext
+def test_avx2_path_matches_reference_too():
+    """The kernel picks AVX-512 where the CPU has it; the AVX2 path (forced, in a process of its own: the choice is
+    made once per process) must give the same sums."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, verl.ops\n"
+            "from tests.ops.test_quant import sample_inputs\n"
+            "from verl.ops.quant import int8_linear, int8_linear_ref\n"
+            "for x, q, s, b in sample_inputs('cpu'):\n"
+            "    with verl.ops.backend('fused'):\n"
+            "        got = int8_linear(x, q, s, b)\n"
+            "    torch.testing.assert_close(got, int8_linear_ref(x, q, s, b), rtol=1e-5, atol=1e-4)\n"
+            "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, VERL_INT8_NO_AVX512="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
