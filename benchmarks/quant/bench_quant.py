@@ -4,6 +4,7 @@ model, and the reward curve of the tiny default job.
     python benchmarks/quant/bench_quant.py            # both parts (verl bench quant)
     python benchmarks/quant/bench_quant.py --part generate --max-new-tokens 256 --repeats 2
     python benchmarks/quant/bench_quant.py --part curves --steps 50 --seeds 1 2
+    python benchmarks/quant/bench_quant.py --part job --job-steps 2 --out benchmarks/results/bench_quant_job.json
 
 generate: SmolLM2-135M-Instruct (float32), the example job's generation (8 gsm_symbolic chat prompts x 4 samples,
 temperature 1, seeded), `ignore_eos` so that both sides decode exactly the same number of tokens, one torch thread
@@ -14,6 +15,7 @@ etc., verl.algos.objectives.rollout_mismatch) of each side's samples against the
 curves: `verl train` (the default job: tiny Llama, arithmetic, GRPO) for --steps steps per seed, float32 and int8
 (which turns token-level truncated IS on), the reward per step, and whether int8's final reward (mean of the last
 10 steps over its seeds) lies within the float32 runs' seed-to-seed spread.
+job: the example job itself (examples/smollm2_gsm8k.yaml) for --job-steps steps per side, its phase times.
 Writes benchmarks/results/bench_quant.json (rendered into docs/benchmarks.md by scripts/render_results.py).
 """
 
@@ -137,9 +139,41 @@ def curves_part(args) -> dict:
             "final_is": "mean reward/mean of the last 10 steps of each run; gap: |mean int8 - mean fp32|"}
 
 
+def job_part(args) -> dict:
+    """The example job itself (examples/smollm2_gsm8k.yaml), --job-steps steps with each quantization, alternating
+    per step count: per-step phase times from its metrics (generation differs in what it samples, so the lengths
+    are reported beside the times and generation is compared per token)."""
+    tmp = tempfile.mkdtemp(prefix="verl-bench-quant-job-")
+    runs = {}
+    for quant in ("none", "int8"):
+        out = os.path.join(tmp, quant)
+        cmd = [sys.executable, "-m", "verl.cli.main", "train", "examples/smollm2_gsm8k.yaml",
+               f"trainer.total_steps={args.job_steps}", f"rollout.quantization={quant}", f"trainer.output_dir={out}",
+               "trainer.save_every=0", "trainer.save_final=false", "trainer.export_hf=false"]
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        rows = [r for r in rows if "reward/mean" in r]
+        keys = ("perf/step_time_s", "timing/generate_s", "timing/update_actor_s", "timing/old_log_prob_s",
+                "response/length", "rollout/mismatch_kl", "rollout/quantize_s", "reward/mean")
+        runs[quant] = {"steps": [{k: r.get(k) for k in keys} for r in rows]}
+        gen_tokens = [r["response/length"] * 32 for r in rows]  # 8 prompts x 4 samples
+        runs[quant]["generate_tokens_per_s"] = sum(gen_tokens) / sum(r["timing/generate_s"] for r in rows)
+        runs[quant]["step_s_mean"] = sum(r["perf/step_time_s"] for r in rows) / len(rows)
+        print(f"[quant] job {quant}: {runs[quant]['step_s_mean']:.0f} s/step, generation "
+              f"{runs[quant]['generate_tokens_per_s']:.1f} tokens/s", flush=True)
+    ratio = runs["int8"]["generate_tokens_per_s"] / runs["none"]["generate_tokens_per_s"]
+    return {"job": f"verl train examples/smollm2_gsm8k.yaml trainer.total_steps={args.job_steps}", "runs": runs,
+            "generate_tokens_per_s_ratio": ratio,
+            "differs": "the samples (int8 samples from its own distribution), so lengths and rewards differ; "
+                       "int8 also turns token-level IS on, which needs the old log-probs recomputed (a forward pass "
+                       "the float32 run's on-policy shortcut skips)"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["all", "generate", "curves"], default="all")
+    ap.add_argument("--part", choices=["all", "generate", "curves", "job"], default="all")
+    ap.add_argument("--job-steps", type=int, default=2, help="--part job: steps of the example job per side")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=50)
@@ -153,6 +187,8 @@ def main() -> int:
         res["curves"] = curves_part(args)
     if args.part in ("all", "generate"):
         res["generate"] = generate_part(args)
+    if args.part == "job":  # not part of "all": ~10 minutes per side on 2 CPU cores
+        res["job"] = job_part(args)
     write_result(args.out, res, run)
     print(f"[quant] wrote {args.out}")
     return 0
