@@ -677,8 +677,27 @@ def fig_quant(res) -> str:
             f"({'within' if c['within_spread'] else 'outside'} it)")
 
 
+def fig_quant_job(res) -> str:
+    meta, d = res["bench_quant_job.json"]["meta"], res["bench_quant_job.json"]["job"]
+    r = d["runs"]
+
+    def phase(q, key):
+        steps = r[q]["steps"]
+        return sum(s[key] or 0.0 for s in steps) / len(steps)
+
+    return (f"the example job itself ({len(r['none']['steps'])} steps per side, `{meta['command']}`): "
+            f"generation {r['int8']['generate_tokens_per_s']:.1f} tokens/s with int8 against "
+            f"{r['none']['generate_tokens_per_s']:.1f} (**{d['generate_tokens_per_s_ratio']:.2f}x**); a step took "
+            f"{r['int8']['step_s_mean']:.0f} s against {r['none']['step_s_mean']:.0f} s (generation "
+            f"{phase('int8', 'timing/generate_s'):.0f} vs {phase('none', 'timing/generate_s'):.0f} s, old log-probs "
+            f"{phase('int8', 'timing/old_log_prob_s'):.0f} vs {phase('none', 'timing/old_log_prob_s'):.0f} s: the "
+            f"IS weights need them, the float32 run takes them from its update's forward; update "
+            f"{phase('int8', 'timing/update_actor_s'):.0f} vs {phase('none', 'timing/update_actor_s'):.0f} s; mean "
+            f"response length {phase('int8', 'response/length'):.0f} vs {phase('none', 'response/length'):.0f})")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "quant": fig_quant,
+    "quant": fig_quant, "quant_job": fig_quant_job,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "snapshot_smollm2": fig_snapshot_smollm2,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_bench_exp": fig_agent_bench_exp, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,
