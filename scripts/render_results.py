@@ -690,8 +690,7 @@ def fig_quant_job(res) -> str:
             f"{r['none']['generate_tokens_per_s']:.1f} (**{d['generate_tokens_per_s_ratio']:.2f}x**); a step took "
             f"{r['int8']['step_s_mean']:.0f} s against {r['none']['step_s_mean']:.0f} s (generation "
             f"{phase('int8', 'timing/generate_s'):.0f} vs {phase('none', 'timing/generate_s'):.0f} s, old log-probs "
-            f"{phase('int8', 'timing/old_log_prob_s'):.0f} vs {phase('none', 'timing/old_log_prob_s'):.0f} s: the "
-            f"IS weights need them, the float32 run takes them from its update's forward; update "
+            f"{phase('int8', 'timing/old_log_prob_s'):.0f} vs {phase('none', 'timing/old_log_prob_s'):.0f} s; update "
             f"{phase('int8', 'timing/update_actor_s'):.0f} vs {phase('none', 'timing/update_actor_s'):.0f} s; mean "
             f"response length {phase('int8', 'response/length'):.0f} vs {phase('none', 'response/length'):.0f})")
 

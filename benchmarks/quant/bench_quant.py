@@ -166,8 +166,8 @@ def job_part(args) -> dict:
     return {"job": f"verl train examples/smollm2_gsm8k.yaml trainer.total_steps={args.job_steps}", "runs": runs,
             "generate_tokens_per_s_ratio": ratio,
             "differs": "the samples (int8 samples from its own distribution), so lengths and rewards differ; "
-                       "int8 also turns token-level IS on, which needs the old log-probs recomputed (a forward pass "
-                       "the float32 run's on-policy shortcut skips)"}
+                       "int8 also turns token-level IS on (its weights come from the update's own forward: one "
+                       "no-grad LM-head pass per micro-batch)"}
 
 
 def main() -> int:

@@ -253,6 +253,7 @@ def test_value_loss_through_a_trainer_micro_step(tmp_path):
 
 RC = {"is-token": ["algorithm.rollout_correction.is_level=token"],
       "is-sequence": ["algorithm.rollout_correction.is_level=sequence"],
+      "is-token-unfused": ["algorithm.rollout_correction.is_level=token", "actor.fused_loss_head=false"],
       "reject-token": ["algorithm.rollout_correction.rejection_level=token"],
       "reject-sequence": ["algorithm.rollout_correction.rejection_level=sequence"],
       "reject-geometric": ["algorithm.rollout_correction.rejection_level=geometric"]}
@@ -267,12 +268,15 @@ def test_rollout_correction_through_a_trainer_micro_step(tmp_path, mode):
         batch = dataclasses.replace(batch, rollout_log_probs=mu)
         c = trainer.cfg.algorithm.rollout_correction
         m = batch.response_mask.double()
-        keep = (F.rejection_keep(old.double(), mu.double(), m, c.rejection_level, c.rejection_lower,
-                                 c.rejection_upper) if c.rejection_level != "none" else m.bool())
-        w = F.is_weights(old.double(), mu.double(), m, c.is_level, c.is_cap) if c.is_level != "none" else None
         module = _actor_module(trainer)
         lp = _log_probs(module, batch, trainer.cfg.rollout.temperature)
-        loss, _ = oracle("vanilla", lp, old.double(), adv.double(), keep.double(), "token-mean", w)
+        # IS alone keeps the on-policy shortcut: no old-log-prob pass, pi_old is the update's own forward
+        assert (old is None) == (c.rejection_level == "none"), mode
+        pi_old = lp.detach() if old is None else old.double()
+        keep = (F.rejection_keep(pi_old, mu.double(), m, c.rejection_level, c.rejection_lower,
+                                 c.rejection_upper) if c.rejection_level != "none" else m.bool())
+        w = F.is_weights(pi_old, mu.double(), m, c.is_level, c.is_cap) if c.is_level != "none" else None
+        loss, _ = oracle("vanilla", lp, pi_old, adv.double(), keep.double(), "token-mean", w)
         want.update(loss=float(loss.detach()), grad_norm=_grad_norm(module, loss),
                     rejected=float((m.bool() & ~keep).sum() / m.sum()))
         return batch, (old, adv, ref, *rest)
@@ -286,6 +290,8 @@ def test_rollout_correction_through_a_trainer_micro_step(tmp_path, mode):
     assert got["actor/pg_loss"] == pytest.approx(want["loss"], rel=2e-4, abs=1e-6), mode
     assert got["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-3), mode
     assert got["rollout_corr/rejected_frac"] == pytest.approx(want["rejected"], abs=1e-9)
+    if mode.startswith("is"):
+        assert 0 < got["rollout_corr/is_truncated_frac"] < 1 and got["rollout_corr/is_weight_max"] <= 1.5 + 1e-6
     if mode.startswith("reject"):
         assert 0 < want["rejected"] < 1, "the perturbation should reject some tokens and keep others"
 

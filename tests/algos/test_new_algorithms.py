@@ -441,9 +441,13 @@ def test_params_are_typed_and_validated_with_the_key_named():
             load_config(PPOConfig, None, list(overrides))
 
 
-def test_rollout_correction_turns_off_the_on_policy_shortcut():
+def test_rollout_rejection_turns_off_the_on_policy_shortcut_and_is_weights_keep_it():
+    """IS weights come from the on-policy update's own forward; rejection changes the loss's token counts before
+    the update runs, so it needs the old-log-prob pass."""
     assert load_config(PPOConfig, None, []).on_policy
-    assert not load_config(PPOConfig, None, ["algorithm.rollout_correction.is_level=token"]).on_policy
+    assert load_config(PPOConfig, None, ["algorithm.rollout_correction.is_level=token"]).on_policy
+    assert load_config(PPOConfig, None, ["algorithm.rollout_correction.is_level=sequence"]).on_policy
+    assert not load_config(PPOConfig, None, ["algorithm.rollout_correction.rejection_level=token"]).on_policy
     assert load_config(PPOConfig, None, ["algorithm.rollout_correction.bypass=true"]).on_policy
 
 

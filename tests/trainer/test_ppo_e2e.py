@@ -158,7 +158,7 @@ def test_int8_rollout_trains_with_token_is_and_reports_the_mismatch(tmp_path, ti
         assert r["rollout/quantized_layers"] > 0 and r["rollout/unquantized_layers"] == 0
         assert r["rollout/mismatch_kl"] > 0 and "rollout_corr/is_weight_mean" in r
     cfg = load_config(PPOConfig, None, ["rollout.quantization=int8"])
-    assert cfg.algorithm.rollout_correction.is_level == "token" and not cfg.on_policy
+    assert cfg.algorithm.rollout_correction.is_level == "token" and cfg.on_policy  # weights from the update's forward
     explicit = load_config(PPOConfig, None, ["rollout.quantization=int8",
                                              "algorithm.rollout_correction.is_level=sequence"])
     assert explicit.algorithm.rollout_correction.is_level == "sequence"

@@ -136,16 +136,28 @@ def test_fsdp_engine_fused_head_matches_unfused_on_two_ranks():
     assert run_distributed(_fsdp_body, world_size=2, timeout=240) == [True, True]
 
 
-def _megatron_case(path, placement, batch, adv, ref, mcfg) -> dict:
-    """Update stats of the fused and the unfused actor on fresh megatron engines."""
+def _megatron_case(path, placement, batch, adv, ref, mcfg, inline_is: bool = False) -> dict:
+    """Update stats of the fused and the unfused actor on fresh megatron engines. `inline_is`: on-policy (no old
+    log-probs) with token-level truncated IS against rollout log-probs moved away from the policy's, so the
+    weights come from the update's own forward (the fused head's no-grad pass of this rank's vocabulary shard)."""
+    import dataclasses
+
+    from verl.config.ppo import RolloutCorrectionConfig
     from verl.workers import ActorWorker
     from verl.workers.megatron import MegatronEngine
     out = {}
     for fused in (True, False):
         cfg = _cfg(fused, micro_batch_size=4)
-        actor = ActorWorker(MegatronEngine(path, placement, mcfg, optim=cfg.optim, total_steps=3), cfg, **KW)
+        corr = RolloutCorrectionConfig(is_level="token", is_cap=1.3) if inline_is else None
+        actor = ActorWorker(MegatronEngine(path, placement, mcfg, optim=cfg.optim, total_steps=3), cfg,
+                            rollout_correction=corr, **KW)
         lp, _ = actor.compute_log_probs(batch)
-        out[fused] = actor.update(batch, lp + 0.2 * ref, adv, lp + ref)
+        if inline_is:
+            mu = (lp - 2.0 * ref) * batch.response_mask
+            out[fused] = actor.update(dataclasses.replace(batch, rollout_log_probs=mu), None, adv, lp + ref)
+            assert 0 < out[fused]["rollout_corr/is_truncated_frac"] < 1
+        else:
+            out[fused] = actor.update(batch, lp + 0.2 * ref, adv, lp + ref)
         assert type(actor.engine.model.gpt.output_layer).__name__ != "_HiddenOutput"  # restored
     return out
 
@@ -203,12 +215,17 @@ def _megatron_tp2_body(rank, world, path):
     from verl.distributed import init_placement
     placement = init_placement("cpu", tp=2, megatron=True)
     batch, adv, ref = _megatron_problem(path, save=False)
-    return _megatron_case(path, placement, batch, adv, ref, MegatronConfig(tp=2))
+    return (_megatron_case(path, placement, batch, adv, ref, MegatronConfig(tp=2)),
+            _megatron_case(path, placement, batch, adv, ref, MegatronConfig(tp=2), inline_is=True))
 
 
 def test_megatron_tp2_fused_head_matches_unfused(tmp_path):
     """TP=2 on 2 gloo ranks: each rank's vocabulary shard, the all-reduced softmax statistics, and d loss / d
-    hidden summed over TP by the output layer's own region (copy_to_tensor_model_parallel_region's backward)."""
+    hidden summed over TP by the output layer's own region (copy_to_tensor_model_parallel_region's backward);
+    and on-policy IS weights from the head's own pass over the shards (the last rank's shard is short: 96 real
+    of 128 padded rows) equal the unfused path's."""
     _megatron_problem(tmp_path / "hf", save=True)
-    for out in run_distributed(_megatron_tp2_body, world_size=2, args=(str(tmp_path / "hf"),), timeout=300):
-        _assert_same_stats(out[True], out[False])
+    for plain, inline in run_distributed(_megatron_tp2_body, world_size=2, args=(str(tmp_path / "hf"),),
+                                         timeout=300):
+        _assert_same_stats(plain[True], plain[False])
+        _assert_same_stats(inline[True], inline[False])

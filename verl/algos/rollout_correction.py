@@ -99,6 +99,8 @@ def _metrics(old_log_probs, rollout_log_probs, response_mask, weights, keep, cap
     out = {"rollout_corr/rejected_frac": float((valid & ~keep).sum()) / max(n, 1),
            "rollout_corr/rejected_seq_frac": float(((valid & ~keep).any(-1) & seqs).sum()) / max(int(seqs.sum()), 1)}
     if weights is not None:
+        # a truncated weight is the cap rounded to the weights' dtype (float32 1.3 < double 1.3): compare in it
+        cap = float(torch.tensor(cap, dtype=weights.dtype))
         w = weights.double()[valid]
         empty = w.numel() == 0
         out.update({"rollout_corr/is_weight_mean": 1.0 if empty else float(w.mean()),

@@ -499,8 +499,9 @@ class KLControlConfig:
 @dataclass(kw_only=True, slots=True)
 class RolloutCorrectionConfig:
     """Correction for the rollout engine's sampling distribution differing from the trained policy's
-    (verl/algos/rollout_correction.py). Off by default; weights and rejection need the old log-probs
-    recomputed by the training engine, so they turn off the on-policy shortcut."""
+    (verl/algos/rollout_correction.py). Off by default (on with a quantized rollout). IS weights need the
+    training engine's old log-probs: an on-policy update (PPOConfig.on_policy) takes them from its own forward,
+    other updates from the old-log-prob pass; rejection always needs that pass (it turns the shortcut off)."""
 
     is_level: Literal["auto", "none", "token", "sequence"] = "auto"
     """Truncated importance weights pi_old / pi_rollout on the policy loss, per token or per sequence. auto: token
@@ -1089,9 +1090,12 @@ class PPOConfig:
     @property
     def on_policy(self) -> bool:
         """One epoch over one mini-batch without KL in the reward: the update's own first forward gives the old
-        log-probs (nothing changed the weights since generation), which saves a forward pass per step."""
+        log-probs (nothing changed the weights since generation), which saves a forward pass per step. Truncated
+        IS weights come from that forward too (the actor computes them per micro-batch from its detached
+        log-probs); rejection changes the token counts the loss is aggregated over before it runs, so it needs
+        the separate pass."""
         return (self.actor.ppo_epochs == 1 and self.actor.mini_batch_size == self.data.train_batch_size
-                and not self.algorithm.use_kl_in_reward and not self.algorithm.rollout_correction.enabled)
+                and not self.algorithm.use_kl_in_reward and self.algorithm.rollout_correction.rejection_level == "none")
 
     def resolve_run_length(self, rows: int) -> str | None:
         """trainer.total_epochs -> trainer.total_steps, and optim.warmup_ratio -> optim.warmup_steps, once the

@@ -6,7 +6,9 @@ detached, gives the old log-probs, and with them the rollout/train mismatch of t
 
 Rollout correction (algorithm.rollout_correction, verl/algos/rollout_correction.py) is applied here, once per
 step before the epochs: rejected tokens leave the batch's response mask (so the aggregation's counts drop them)
-and the IS weights travel with the advantages into the policy loss.
+and the IS weights travel with the advantages into the policy loss. On-policy, without rejection, the IS weights
+come from the update's own forward instead, micro-batch by micro-batch: its detached log-probs are pi_old (the
+fused loss head computes them first with one extra LM-head pass, no grad), so no old-log-prob pass is needed.
 
 With actor.fused_loss_head the update's loss comes from one fused op over the hidden states and the LM head weight
 (verl.ops.linear_rl_loss, same loss, gradients and statistics as actor_loss): the loss function carries it as
@@ -23,6 +25,7 @@ from collections import defaultdict
 import torch
 
 from verl.algos import ADDITIVE, actor_loss, rollout_correction, rollout_mismatch
+from verl.algos.rollout_correction import is_weights
 from verl.algos import policy_losses
 from verl.algos.kl import fused_kl_kind
 from verl.config.ppo import ActorConfig, RolloutCorrectionConfig
@@ -88,6 +91,8 @@ class ActorWorker:
                 seen[f["row"]] = out["log_probs"].detach().to(seen.dtype)
             if "loss" in out:  # the engine ran the fused loss head
                 return out["loss"], {k: v.detach() for k, v in out.items() if k.startswith("actor/")}
+            if "rollout_log_probs" in f:  # on-policy IS: this forward's log-probs are pi_old
+                f = dict(f, rollout_is_weights=self._inline_weights(out["log_probs"], f))
             return actor_loss(out["log_probs"], out["entropy"], f["response_mask"], f["advantages"],
                               old_log_probs=f.get("old_log_probs"), ref_log_probs=f.get("ref_log_probs"),
                               policy_loss=cfg.policy_loss, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
@@ -125,13 +130,19 @@ class ActorWorker:
                       loss_type=loss_type, clip_low=cfg.clip_ratio_low, clip_high=cfg.clip_ratio_high,
                       clip_c=cfg.clip_ratio_c, kl_kind=kl_kind, kl_coef=kl_coef, entropy_coeff=cfg.entropy_coeff,
                       agg=agg)
-            args = (hidden, weight, labels, fields["response_mask"], adv if w is None else adv * w)
-            if tp is None:
-                out = linear_rl_loss(*args, **kw)
-            else:
+
+            def run(*args):
+                if tp is None:
+                    return linear_rl_loss(*args, **kw)
                 group, start, vocab = tp
-                out = vocab_parallel_linear_rl_loss(*args, group, vocab_start=start, vocab_size=vocab,
-                                                    reduce_grad_hidden=False, **kw)
+                return vocab_parallel_linear_rl_loss(*args, group, vocab_start=start, vocab_size=vocab,
+                                                     reduce_grad_hidden=False, **kw)
+
+            if "rollout_log_probs" in fields:  # on-policy IS: pi_old is this forward's, needed before the loss
+                with torch.no_grad():  # the same op without gradients: its log-probs are the loss's own
+                    lp = run(hidden.detach(), weight.detach(), labels, fields["response_mask"], adv).log_probs
+                w = self._inline_weights(lp, fields)
+            out = run(hidden, weight, labels, fields["response_mask"], adv if w is None else adv * w)
             res = {"loss": out.loss, "log_probs": out.log_probs, "actor/pg_loss": out.pg_loss,
                    "actor/pg_clipfrac": out.pg_clipfrac, "actor/pg_clipfrac_lower": out.pg_clipfrac_lower,
                    "actor/ppo_kl": out.ppo_kl, "actor/entropy": out.entropy_mean}
@@ -142,6 +153,11 @@ class ActorWorker:
             return res
         return head
 
+    def _inline_weights(self, log_probs: torch.Tensor, fields: dict) -> torch.Tensor:
+        """On-policy truncated IS weights of one micro-batch from its own forward's log-probs (pi_old)."""
+        return is_weights(log_probs.detach(), fields["rollout_log_probs"], fields["response_mask"],
+                          self.correction.is_level, self.correction.is_cap)
+
     def _correct(self, batch: RolloutBatch, old_log_probs: torch.Tensor | None):
         """(batch with rejected tokens masked out, IS weights or None, metrics) under algorithm.rollout_correction."""
         if batch.rollout_log_probs is None:
@@ -150,7 +166,7 @@ class ActorWorker:
                                   "that returns them")
         if old_log_probs is None:
             raise VerlConfigError("algorithm.rollout_correction weights / rejection need the old log-probs from the "
-                                  "old_log_prob node (PPOConfig.on_policy is false when the correction is on)")
+                                  "old_log_prob node (PPOConfig.on_policy is false when rejection is on)")
         corr = rollout_correction(old_log_probs, batch.rollout_log_probs, batch.response_mask, self.correction)
         mask = batch.response_mask * corr.keep.to(batch.response_mask.dtype)
         return dataclasses.replace(batch, response_mask=mask), corr.weights, corr.metrics
@@ -162,10 +178,14 @@ class ActorWorker:
         non-finite loss or gradient norm counts in actor/nonfinite_steps and leaves its statistics out of the
         means; `step` (the training step) only names it in the error `trainer.max_nonfinite_steps` raises."""
         weights, corr_metrics = None, {}
-        if self.correction.enabled:
+        inline = self.correction.enabled and old_log_probs is None  # on-policy IS (PPOConfig.on_policy)
+        if inline and (self.correction.rejection_level != "none" or batch.rollout_log_probs is None):
+            self._correct(batch, old_log_probs)  # raises, naming what is missing
+        if self.correction.enabled and not inline:
             batch, weights, corr_metrics = self._correct(batch, old_log_probs)
         tensors = {"advantages": advantages, "old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs,
-                   "rollout_is_weights": weights, "row": torch.arange(len(batch), device=advantages.device)}
+                   "rollout_is_weights": weights, "row": torch.arange(len(batch), device=advantages.device),
+                   "rollout_log_probs": batch.rollout_log_probs if inline else None}
         tensors = {k: v for k, v in tensors.items() if v is not None}
         seen = None
         if old_log_probs is None and batch.rollout_log_probs is not None:
@@ -186,6 +206,9 @@ class ActorWorker:
         out.update(getattr(self.engine, "take_metrics", dict)())  # moe/*: routing since the last update
         out.update(corr_metrics)
         if seen is not None:
-            out.update(rollout_mismatch(self.engine.from_last_stage(seen), batch.rollout_log_probs,
-                                        batch.response_mask))
+            seen = self.engine.from_last_stage(seen)
+            out.update(rollout_mismatch(seen, batch.rollout_log_probs, batch.response_mask))
+            if inline:  # the weights the loss used, from the same log-probs
+                out.update(rollout_correction(seen, batch.rollout_log_probs, batch.response_mask,
+                                              self.correction).metrics)
         return out
