@@ -25,6 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from verl.ops.quant import int8_linear, quantize_int8
+
 __all__ = ["LlamaFamilyDecoder", "QUANTIZATIONS", "unsupported_reason"]
 
 QUANTIZATIONS = ("none", "int8")
@@ -90,14 +92,12 @@ class _Proj:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool):
         self.weight, self.bias, self.q, self.scale = weight, bias, None, None
         if quantize:
-            from verl.ops.quant import quantize_int8
             self.q, self.scale = quantize_int8(weight)
             self.weight = None  # the fused float copy goes: only the int8 one is read while decoding
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.q is None:
             return F.linear(x, self.weight, self.bias)
-        from verl.ops.quant import int8_linear
         return int8_linear(x, self.q, self.scale, self.bias)
 
 
