@@ -7,10 +7,8 @@ import pytest
 import torch
 
 import verl.ops.moe as M
-from tests.conftest import devices
-from verl import _extension
+from tests.conftest import devices, needs_ext
 
-needs_ext = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
 
 
 def _ids(T, K, E, g):

@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import devices
-from verl import _extension
+from tests.conftest import devices, needs_ext
 from verl.ops import backend
 from verl.ops.quant import int8_linear, int8_linear_ref, quantize_int8
 
-needs_ext = pytest.mark.skipif(not _extension.available(), reason="verl._C is not built")
 
 
 def sample_inputs(device):

@@ -132,11 +132,13 @@ class TorchRollout(RolloutEngine):
                 self._fast = LlamaFamilyDecoder(model, quantization=config.quantization)
             else:
                 logger.info("torch engine: decoding with the model's own forward (%s)", reason)
+        # linear layers the int8 kernel never serves (the model's own forward): counted once, the module is fixed
+        self._unserved_linears = 0
         if config.quantization != "none" and self._fast is None:
-            linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+            self._unserved_linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
             logger.warning("rollout.quantization=%s: the torch engine decodes this model with its own forward (%s), "
                            "which the int8 kernel does not serve: all %d linear layers generate in %s",
-                           config.quantization, reason, linears, next(model.parameters()).dtype)
+                           config.quantization, reason, self._unserved_linears, next(model.parameters()).dtype)
         self._quant_warned: set[str] = set()
 
     # -- devices ----------------------------------------------------------------------------------------------
@@ -368,9 +370,7 @@ class TorchRollout(RolloutEngine):
         named once in a warning) and rollout/quantize_s (the last quantization's seconds)."""
         fast = self._fast
         if fast is None:
-            return {"rollout/quantized_layers": 0.0,
-                    "rollout/unquantized_layers": float(sum(isinstance(m, torch.nn.Linear)
-                                                            for m in self.model.modules()))}
+            return {"rollout/quantized_layers": 0.0, "rollout/unquantized_layers": float(self._unserved_linears)}
         fresh = {n: why for n, why in fast.unquantized.items() if n not in self._quant_warned}
         if fresh:
             logger.warning("rollout.quantization=%s: %d projection(s) stay unquantized (the int8 kernel cannot "
