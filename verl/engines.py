@@ -76,7 +76,7 @@ class EngineSpec:
     sends_to_own_ranks: bool = False
     """training: an actor on it can send weights to a rollout on ranks of its own (cross-rank-set sync)."""
     prefix_sharing: bool = False
-    """training: computes a GRPO group's shared prompt once (actor.share_prompt_prefix)."""
+    """training: packs micro-batches as prefix trees, each shared prefix computed once (actor.share_prompt_prefix)."""
     router_replay: bool = False
     """Records (rollout) or replays (training) mixture-of-experts routes."""
     router_replay_why: str = ""
@@ -195,7 +195,7 @@ for _spec in (
     EngineSpec(name="megatron", kind="training", summary="megatron-core GPT with TP / SP / PP (and EP for MoE)",
                factory="verl.workers.megatron:MegatronEngine", packages=("megatron-core",),
                install="pip install megatron-core==0.16.1", needs_model_dir=True, spans_world=True,
-               model_parallel=True, router_replay=True,
+               model_parallel=True, router_replay=True, prefix_sharing=True,
                lora_why="its column / row-parallel linears are megatron-core's own layers, which PEFT does not wrap, "
                         "and verl does not shard adapters like their base weights yet"),
     EngineSpec(name="rule", kind="reward", summary="rule-based reward functions (verl.rewards)"),

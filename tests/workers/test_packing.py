@@ -12,8 +12,8 @@ import torch
 from verl.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, TinyModelConfig
 from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch
-from verl.workers.packing import (_split_to, block_causal_mask, micro_batch_slices, pack, pack_shared,
-                                  padded_token_share, token_budget_slices)
+from verl.workers.packing import (_split_to, block_causal_mask, micro_batch_slices, pack, padded_token_share,
+                                  token_budget_slices)
 from verl.workers.varlen_attention import VARLEN
 
 SHAPE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -270,6 +270,39 @@ def test_megatron_engine_packed_equals_padded(megatron_dir, monkeypatch):
     assert bad == []
 
 
+def _megatron_tree_compare(path, placement, batch, monkeypatch_like) -> list[str]:
+    """The actor's log-probs, loss and gradients as prefix trees (one micro-batch cutting a group, RoPE at the
+    position ids) against the padded run."""
+    from verl.workers import ActorWorker
+    from verl.workers.megatron import MegatronEngine
+    inputs, optim, res = _inputs(batch, 0), OptimConfig(lr=1e-2), {}
+    for name, overrides in {"padded": dict(padding_free=False),
+                            "tree": dict(padding_free=True, share_prompt_prefix=True)}.items():
+        box: dict = {}
+        monkeypatch_like(box)
+        cfg = ActorConfig(micro_batch_size=3, optim=optim, use_kl_loss=True, entropy_coeff=0.01, **overrides)
+        actor = ActorWorker(MegatronEngine(path, placement, MegatronConfig(), optim=optim, total_steps=5), cfg,
+                            temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
+        lp, ent = actor.compute_log_probs(batch)
+        stats = actor.update(batch, lp.detach() - 0.05 * batch.response_mask, inputs["adv"], inputs["ref"])
+        res[name] = (lp, ent, stats, box[False])
+    (lp, ent, stats, grads), (lp2, ent2, stats2, grads2) = res["padded"], res["tree"]
+    bad = [f"{k}: {float((a - b).abs().max()):.3g}" for k, a, b in (("lp", lp2, lp), ("ent", ent2, ent))
+           if not torch.allclose(a, b, **TOL)]
+    if stats2["actor/pg_loss"] != pytest.approx(stats["actor/pg_loss"], rel=1e-5, abs=1e-7):
+        bad.append(f"pg_loss {stats2['actor/pg_loss']} vs {stats['actor/pg_loss']}")
+    bad += [f"grad {n}" for n in grads if not torch.allclose(grads2[n], grads[n], **TOL)]
+    if not grads or stats2.get("actor/tree_token_ratio", 0) < 1.3:
+        bad.append(f"no gradients or nothing shared: {stats2.get('actor/tree_token_ratio')}")
+    return bad
+
+
+def test_megatron_prefix_tree_equals_padded(megatron_dir, monkeypatch):
+    placement, path = megatron_dir
+    assert _megatron_tree_compare(path, placement, make_tree_batch(),
+                                  lambda box: _megatron_grads(monkeypatch, box)) == []
+
+
 def _megatron_tp2_body(rank, world, path):
     from verl.distributed import destroy_process_groups, init_placement
     placement = init_placement("cpu", tp=2, sequence_parallel=True)
@@ -277,6 +310,7 @@ def _megatron_tp2_body(rank, world, path):
     mp = pytest.MonkeyPatch()
     try:
         bad = _megatron_compare(path, placement, batch, _inputs(batch, 0), lambda box: _megatron_grads(mp, box))
+        bad += _megatron_tree_compare(path, placement, make_tree_batch(), lambda box: _megatron_grads(mp, box))
     finally:
         mp.undo()
         destroy_process_groups()
@@ -285,7 +319,8 @@ def _megatron_tp2_body(rank, world, path):
 
 @pytest.mark.multiprocess
 def test_megatron_tensor_parallel_packed_equals_padded(tmp_path):
-    """TP=2 with sequence parallelism: the packed row is padded to a multiple of the TP size."""
+    """TP=2 with sequence parallelism: the packed row (and the prefix tree) is padded to a multiple of the TP
+    size."""
     from verl.testing import run_distributed
     from verl.models.tiny import save_tiny, tiny_tokenizer
     path = save_tiny(_model(), tiny_tokenizer(None, 96), tmp_path / "hf")
@@ -469,54 +504,105 @@ def make_group_batch(prompt_lengths: list[int], response_lengths: list[int], n: 
     return batch
 
 
-def test_pack_shared_keeps_one_prompt_per_group_and_the_padded_targets():
-    batch = make_group_batch([3, 5], [4, 0, 12, 1, 2, 6, 1, 3], n=4)
-    shared, plain = pack_shared(batch), pack(batch)
-    assert shared.num_tokens == plain.num_tokens - 3 * 3 - 3 * 5  # each prompt once instead of four times
+def make_tree_batch() -> RolloutBatch:
+    """Two GRPO groups of four whose prompts open with the same 2 tokens (a chat template's opening); in group 1
+    rows 1 and 2 share their first 3 response tokens and row 3 repeats row 2 whole (a response that is a prefix
+    of another's is laid out inside it); row 5's response is empty."""
+    batch = make_group_batch([5, 4], [6, 7, 5, 5, 3, 0, 12, 1], n=4, seed=4)
+    P = batch.prompt_length
+    batch.input_ids[4:, P - 4:P - 2] = batch.input_ids[0, P - 5:P - 3]
+    batch.input_ids[2, P:P + 3] = batch.input_ids[1, P:P + 3]
+    batch.input_ids[3, P:P + 5] = batch.input_ids[2, P:P + 5]
+    return batch
+
+
+def test_pack_tree_lays_out_each_shared_prefix_once_with_the_padded_targets():
+    from verl.workers.packing import pack_tree, tree_tokens
+    batch = make_tree_batch()
+    tree, plain = pack_tree(batch), pack(batch)
+    # prompts once per group (-3x5, -3x4), the opening once (-2), the shared response start (-3), row 3's (-5)
+    assert tree.num_tokens == plain.num_tokens - 15 - 12 - 2 - 3 - 5 == tree_tokens(batch)[0] == 38
+    assert tree_tokens(batch)[1] == plain.num_tokens
     for key in ("rows", "cols", "targets"):
-        assert torch.equal(getattr(shared, key), getattr(plain, key))
+        assert torch.equal(getattr(tree, key), getattr(plain, key))
     # every response position predicts from the same token at the same position as in its own row
-    assert torch.equal(shared.input_ids[0, shared.src], plain.input_ids[0, plain.src])
-    assert torch.equal(shared.position_ids[0, shared.src], plain.position_ids[0, plain.src])
-    att = shared.attention[0, 0]
-    r0, r2, r3 = slice(3, 7), slice(7, 19), slice(19, 20)  # responses of rows 0, 2 (row 1's is empty), 3
-    assert att[r0, :3].all() and att[r2, :3].all() and att[r3, :3].all()  # every response sees the whole prompt
-    assert not att[r2, r0].any() and not att[r3, r2].any()  # and no other response
-    assert att[r2, r2].equal(torch.ones(12, 12, dtype=torch.bool).tril())
-    assert not att[20:, :20].any() and shared.position_ids[0, 20:23].tolist() == [0, 1, 2]  # group 2: its own
+    assert torch.equal(tree.input_ids[0, tree.src], plain.input_ids[0, plain.src])
+    assert torch.equal(tree.position_ids[0, tree.src], plain.position_ids[0, plain.src])
+    # each output attends to exactly the tokens its own row has before it (and itself)
+    att = tree.attention[0, 0]
+    for r in range(len(batch)):
+        at = tree.src[tree.rows == r]
+        if len(at):
+            own = set(tree.src[tree.rows == r].tolist())
+            last = int(at[-1])
+            seen = set(att[last].nonzero().flatten().tolist())
+            assert len(seen) == int(batch.attention_mask[r].sum()) - 1 and own <= seen | {last}
+    # segments: row 0; rows 1, 2 after the prompt (and row 1's start); row 4 after the opening; rows 6, 7
+    assert [len(s.context) for s in tree.tree] == [0, 5, 8, 2, 4, 4]
 
 
-@pytest.mark.parametrize("micro", [3, 8])  # a group split over micro-batches; two groups in one
-def test_actor_shared_prefix_equals_padded_log_probs_losses_and_gradients(micro):
-    """The update's outputs, loss and gradients with each group's prompt packed once equal the padded path's."""
+def test_tree_token_budget_counts_the_shared_prefix_once_and_the_splits():
+    from verl.workers.packing import tree_metrics
+    batch = make_tree_batch()
+    lengths = batch.attention_mask.sum(-1).tolist()
+    seqs = [batch.input_ids[r][batch.attention_mask[r].bool()] for r in range(len(batch))]
+    assert token_budget_slices(lengths, 30) == [slice(0, 2), slice(2, 5), slice(5, 8)]  # 75 tokens plainly
+    tree = token_budget_slices(lengths, 30, seqs)
+    assert tree == [slice(0, 6), slice(6, 8)]  # group 1 and most of group 2 as a tree (25 tokens); row 6 is 12 more
+    # the cut splits group 2's tree: its 4 prompt tokens are computed again in the second micro-batch
+    assert tree_metrics(batch, tree) == {"tree_tokens": 42, "plain_tokens": 75, "splits": 1, "split_tokens": 4}
+    assert sum(pack_tree_tokens(batch, sl) for sl in tree) == 42
+    assert tree_metrics(batch, [slice(0, 8)]) == {"tree_tokens": 38, "plain_tokens": 75, "splits": 0,
+                                                   "split_tokens": 0}
+
+
+def pack_tree_tokens(batch, sl) -> int:
+    from verl.workers.packing import pack_tree
+    return pack_tree(batch.select(sl)).num_tokens
+
+
+def _run_tree_actor(model, batch, inputs, micro: int, overrides: dict):
     from verl.distributed import init_placement
     from verl.workers import ActorWorker, TorchEngine
-    placement = init_placement("cpu")
-    model, batch = _model(), make_group_batch([3, 6], [5, 1, 0, 12, 3, 9, 7, 2], n=4)
+    cfg = ActorConfig(micro_batch_size=micro, optim=OptimConfig(lr=1e-2), use_kl_loss=True, entropy_coeff=0.01,
+                      **overrides)
+    engine = TorchEngine(copy.deepcopy(model), OptimConfig(lr=1e-2), init_placement("cpu"), head="lm", total_steps=5)
+    actor = ActorWorker(engine, cfg, temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
+    grads = _capture_grads(actor.engine)
+    lp, ent = actor.compute_log_probs(batch)
+    stats = actor.update(batch, lp.detach() - 0.05 * batch.response_mask, inputs["adv"], inputs["ref"])
+    return lp, ent, stats, dict(grads)
+
+
+@pytest.mark.parametrize("micro,budget,attention", [(3, 0, "varlen"), (8, 0, "varlen"), (8, 30, "varlen"),
+                                                    (8, 0, "mask")])
+def test_actor_prefix_tree_equals_padded_log_probs_losses_and_gradients(micro, budget, attention, monkeypatch):
+    """The update's outputs, loss and gradients with shared prefixes computed once equal the padded path's: a tree
+    split over micro-batches (3), two groups in one (8), cut by a token budget, and through the dense mask
+    (attention that verl's per-segment SDPA cannot stand in for)."""
+    import verl.workers.packing as packing
+    if attention == "mask":
+        monkeypatch.setattr(packing, "check_varlen_attention", lambda module: "sdpa")
+    model, batch = _model(), make_tree_batch()
     inputs = _inputs(batch, 0)
-    out = {}
-    for name, overrides in {"padded": dict(padding_free=False),
-                            "shared": dict(padding_free=True, share_prompt_prefix=True)}.items():
-        cfg = ActorConfig(micro_batch_size=micro, optim=OptimConfig(lr=1e-2), use_kl_loss=True, entropy_coeff=0.01,
-                          **overrides)
-        engine = TorchEngine(copy.deepcopy(model), OptimConfig(lr=1e-2), placement, head="lm", total_steps=5)
-        actor = ActorWorker(engine, cfg, temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
-        grads = _capture_grads(actor.engine)
-        lp, ent = actor.compute_log_probs(batch)
-        stats = actor.update(batch, lp.detach() - 0.05 * batch.response_mask, inputs["adv"], inputs["ref"])
-        out[name] = (lp, ent, stats["actor/pg_loss"], dict(grads))
-    (lp, ent, loss, grads), (lp2, ent2, loss2, grads2) = out["padded"], out["shared"]
+    lp, ent, stats, grads = _run_tree_actor(model, batch, inputs, micro, dict(padding_free=False))
+    tree = dict(padding_free=True, share_prompt_prefix=True, max_tokens_per_micro_batch=budget)
+    lp2, ent2, stats2, grads2 = _run_tree_actor(model, batch, inputs, micro, tree)
     torch.testing.assert_close(lp2, lp, **TOL)
     torch.testing.assert_close(ent2, ent, **TOL)
-    assert loss2 == pytest.approx(loss, rel=1e-5, abs=1e-7) and loss != 0
+    assert stats2["actor/pg_loss"] == pytest.approx(stats["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert stats["actor/pg_loss"] != 0
     assert grads.keys() == grads2.keys() and grads
     for n in grads:
         torch.testing.assert_close(grads2[n], grads[n], **TOL, msg=n)
+    assert stats2["actor/tree_token_ratio"] > 1.3 and "actor/tree_token_ratio" not in stats
+    # micro-batches [0, 3) [3, 6) [6, 8) cut both groups; the budget cuts group 2 (log-prob pass and update each)
+    assert stats2["actor/tree_splits"] == {3: 4, 8: 2 if budget else 0}[micro]
 
 
-def test_shared_prefix_needs_padding_free_and_a_module_engine():
+def test_prefix_tree_needs_padding_free():
     from verl.config.base import ConfigValueError
     with pytest.raises(ConfigValueError, match="padding_free"):
         ActorConfig(padding_free=False, share_prompt_prefix=True).check()
-    with pytest.raises(ConfigValueError, match="megatron"):
-        ActorConfig(engine="megatron", share_prompt_prefix=True).check()
+    for engine in ("torch", "fsdp", "megatron"):
+        ActorConfig(engine=engine, share_prompt_prefix=True).check()

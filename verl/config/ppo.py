@@ -327,12 +327,15 @@ class ActorConfig:
     to padding; the same outputs, losses and gradients as the padded batch up to float rounding. The reference
     model follows the actor's setting."""
     share_prompt_prefix: bool = False
-    """With padding_free, on the torch and fsdp engines: the responses of one prompt (consecutive rows with the
-    same prompt tokens, as GRPO's groups of rollout.n are) are packed around one copy of the prompt and attend to
-    it through an explicit [T, T] mask, so the prompt's share of the log-prob and update passes runs once per
-    group instead of once per response. The same outputs and gradients up to float rounding. Wins when prompts
-    are a large share of the tokens and the attention is not flash-attention's varlen kernel (a dense mask);
-    measured in benchmarks/e2e/bench_grpo_vs_trl.py --workload smollm2-gsm8k."""
+    """With padding_free: each micro-batch is packed as a prefix tree (verl/workers/packing.py `pack_tree`): a row
+    that begins with tokens an earlier row of the micro-batch has (a GRPO group's prompt, the chat template's
+    opening, the earlier turns of a multi-turn row another row continues) reuses them and adds only the rest, which
+    attends to them, so the log-prob and update passes compute each shared prefix once (the forward and the
+    backward; torch and fsdp through per-segment SDPA, megatron through a dense mask and RoPE at the position ids).
+    The same outputs and gradients as plain packing up to float rounding. With max_tokens_per_micro_batch the budget
+    counts a tree's tokens; a tree that does not fit is split (its prefix computed once per part). Logged:
+    actor/tree_token_ratio (plainly packed tokens per tree token), actor/tree_splits, actor/tree_split_tokens.
+    Needs sdpa or eager attention (not flash-attention's kernels, which run whole sequences only)."""
     policy_loss: str = "vanilla"
     """Registered policy loss (verl.algos: vanilla / ppo, gspo, reinforce, cispo, sapo, gpg, dppo_tv, dppo_kl,
     clip_cov, kl_cov, geo_mean / gmpo, dro, or your own)."""
@@ -406,7 +409,7 @@ class ActorConfig:
                 "must be >= 0 (0 disables the entropy bonus)")
         require(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         require(self.padding_free or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
-                "needs actor.padding_free=true (the shared prompt is a packed layout)")
+                "needs actor.padding_free=true (the prefix tree is a packed layout)")
         spec = _check_engine("training", self.engine)
         require(spec.router_replay or self.router_replay == "off", "router_replay", self.router_replay,
                 f"needs an actor engine that replays routes; actor.engine={self.engine} cannot "

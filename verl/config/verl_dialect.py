@@ -784,7 +784,7 @@ _ACTOR: list[Rule] = [
     M(f"{_A}.use_fused_kernels", to("actor.fused_loss_head", conv=_bool)),
     Via(f"{_A}.use_remove_padding", "actor_rollout_ref.model.use_remove_padding (its default)"),
     M(f"{_A}.use_prefix_grouper", to("actor.share_prompt_prefix", conv=_bool),
-      "-> actor.share_prompt_prefix (one copy of a group's prompt in the training passes)"),
+      "-> actor.share_prompt_prefix (each shared prefix once in the training passes: a prefix tree)"),
     I(f"{_A}.use_torch_compile", _MEMORY),
     R(f"{_A}.ulysses_sequence_parallel_size", "Ulysses sequence parallelism is not implemented here", (1,)),
     R(f"{_A}.freeze_vision_tower", "text-only policies here", (False,)),

@@ -20,7 +20,8 @@ Losses are pluggable: a `LossFn` gets the last stage's output for one micro-batc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -126,9 +127,38 @@ def _forward_step(model: MegatronGPT, loss_fn: LossFn):
             pg = model.pg
             set_route_contexts(model.gpt, arch, mb, ids.shape[1], sequence_parallel=pg.sequence_parallel,
                                tp_rank=pg.tp_rank, tp=pg.tp_size)
-        out = module(ids, pos, attention_mask=mask_4d)
+        if mb.get("rope_positions"):
+            with rope_at_positions(model.gpt, pos):
+                out = module(ids, pos, attention_mask=mask_4d)
+        else:
+            out = module(ids, pos, attention_mask=mask_4d)
         return out, partial(_loss_adapter, loss_fn, model, mb)
     return step
+
+
+@contextmanager
+def rope_at_positions(gpt, position_ids: torch.Tensor) -> Iterator[None]:
+    """Runs megatron-core's GPT with its rotary embedding taken at `position_ids` [1, S] instead of at the column
+    index (megatron-core's RoPE ignores position ids): the layout of a packed prefix tree, where the tokens after a
+    shared prefix are not at the columns their positions name. The backward reuses what the forward computed."""
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    if type(rope).__name__ != "RotaryEmbedding" or getattr(gpt.config, "multi_latent_attention", False):
+        raise VerlConfigError(f"actor.share_prompt_prefix on megatron needs plain RoPE (got "
+                              f"{type(rope).__name__ if rope is not None else gpt.position_embedding_type}); set "
+                              f"actor.share_prompt_prefix=false for this model")
+    pos = position_ids[0]
+    emb = rope.get_emb(int(pos.max()) + 1)  # [max position + 1, 1, 1, D]
+
+    def at_positions(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+        if max_seq_len != pos.numel():
+            raise VerlConfigError(f"rope_at_positions: megatron asked for {max_seq_len} rotary positions, the packed "
+                                  f"row has {pos.numel()} (context parallelism is not supported with prefix trees)")
+        return emb[pos.to(emb.device)]
+    rope.forward = at_positions  # the instance attribute shadows the class's cached forward
+    try:
+        yield
+    finally:
+        del rope.forward
 
 
 def _check_right_padded(mask: torch.Tensor) -> None:

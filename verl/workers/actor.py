@@ -68,7 +68,7 @@ class ActorWorker:
         self.weight_stream = None  # trainer.mode=async: publishes each new version (verl.workers.rollout.WeightStream)
         """A `verl.workers.rollout.WeightLink` when the rollout runs on other ranks: where this actor sends its
         weights (set by the trainer)."""
-        if cfg.share_prompt_prefix:  # only engines that pack through verl/workers/engine.py take it (config check)
+        if cfg.share_prompt_prefix:  # engines with EngineSpec.prefix_sharing take it (config check)
             self._micro["share_prefix"] = True
 
     def onload(self, device: torch.device) -> None:
@@ -204,6 +204,8 @@ class ActorWorker:
         out["actor/nonfinite_steps"] = float(self.guard.skipped - skipped)
         out["actor/lr"] = self.engine.lr
         out.update(getattr(self.engine, "take_metrics", dict)())  # moe/*: routing since the last update
+        if "share_prefix" in self._micro:  # this update's passes and the log-prob passes before it
+            out.update(self.engine.tree_counts.take("actor"))
         out.update(corr_metrics)
         if seen is not None:
             seen = self.engine.from_last_stage(seen)

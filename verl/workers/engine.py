@@ -35,7 +35,7 @@ from verl.utils.lr_schedule import LRSchedule
 from verl.utils.nonfinite import agree_nonfinite, first_nonfinite_grad, local_problem
 from verl.utils.state_check import MAX_STEP, Bool, Dict, Each, Float, Int, Json, List, Opt, StateError, Str
 from verl.workers.batch import MicroLossFn, RolloutBatch
-from verl.workers.packing import PackedBatch, micro_batch_slices, pack, pack_shared, packed_attention
+from verl.workers.packing import (PackedBatch, TreeCounts, micro_batch_slices, pack, pack_tree, packed_attention)
 
 __all__ = ["BaseModelView", "ModuleEngine", "OptimizerStep", "TorchEngine", "build_optimizer", "count_aggregation",
            "head_outputs", "packed_head_outputs"]
@@ -167,6 +167,11 @@ class ModuleEngine:
     scheduler = None
     supports_fused_head = True
     """train_step runs a loss function's `fused_head` (actor.fused_loss_head) in place of the LM head."""
+    @functools.cached_property
+    def tree_counts(self) -> TreeCounts:
+        """What the prefix trees of its passes computed (share_prefix), until a worker takes them."""
+        return TreeCounts()
+
     sync_view = "all"
     """What the weight sync moves (verl.models.lora.SYNC_VIEWS): every weight, or with LoRA the adapters only
     ("adapter") or the merged weights ("merged")."""
@@ -189,11 +194,14 @@ class ModuleEngine:
     def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, max_tokens: int, padding_free: bool,
                        share_prefix: bool = False):
         """(row slice, micro-batch, its packed form or None) per micro-batch (verl/workers/packing.py);
-        share_prefix: responses of one prompt packed around one copy of it (`pack_shared`)."""
+        share_prefix: the rows' shared prefixes computed once (`pack_tree`; counted in `tree_counts`)."""
         group = self.placement.dp if self.placement.distributed else None
-        for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, group):
+        slices = micro_batch_slices(batch, micro_batch_size, max_tokens, group, tree=share_prefix)
+        if share_prefix and padding_free:
+            self.tree_counts.add(batch, slices)
+        for sl in slices:
             mb = batch.select(sl)
-            yield sl, mb, (pack_shared(mb) if share_prefix else pack(mb)) if padding_free else None
+            yield sl, mb, (pack_tree(mb) if share_prefix else pack(mb)) if padding_free else None
 
     @torch.no_grad()
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,

@@ -10,6 +10,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import functools
 import io
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from verl.errors import VerlConfigError
 from verl.ops.losses import Aggregation
 from verl.workers.batch import MicroLossFn, RolloutBatch
 from verl.workers.engine import OptimizerStep, count_aggregation
-from verl.workers.packing import PackedBatch, block_causal_mask, micro_batch_slices, pack
+from verl.workers.packing import PackedBatch, TreeCounts, block_causal_mask, micro_batch_slices, pack, pack_tree
 
 __all__ = ["MegatronEngine"]
 
@@ -121,12 +122,13 @@ class MegatronEngine:
         return head(hidden[:, P - 1:-1], weight[:real], mb["input_ids"][:, P:], temperature, fields=mb, tp=tp)
 
     # -- forward --------------------------------------------------------------------------------------------
-    def _packed_micro_batch(self, mb: RolloutBatch) -> dict:
+    def _packed_micro_batch(self, mb: RolloutBatch, tree: bool = False) -> dict:
         """One packed micro-batch as the dict megatron's forward step reads (verl/workers/packing.py): a single
         row of real tokens, restarting positions, and a block-diagonal causal mask. RoPE here rotates by the
         column index (megatron-core ignores position_ids for rope), which attention scores see only as the
-        query-key distance, the same within each block as in the padded row."""
-        from verl.models import IGNORE_INDEX
+        query-key distance, the same within each block as in the padded row. tree: `pack_tree`'s layout, its
+        dense mask, and RoPE by the position ids (`rope_positions`: a shared prefix's columns are not the
+        positions the tokens after it have in their rows)."""
         if self.model.spec == "te":
             raise VerlConfigError("padding_free with the Transformer Engine layer spec is not supported yet (TE's "
                                   "attention takes no block-diagonal mask; it needs thd PackedSeqParams); set "
@@ -134,17 +136,22 @@ class MegatronEngine:
         p = self.placement
         device = self.model.device
         # sequence parallelism splits the packed row over the TP ranks
-        packed = pack(_to_device(mb, device), multiple=p.tp_size if p.sequence_parallel else 1)
-        labels = torch.full_like(packed.input_ids, IGNORE_INDEX)
-        labels[0, packed.src] = packed.targets
-        return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": labels,
-                "attention_mask": torch.ones_like(packed.input_ids), "mask_4d": block_causal_mask(packed.seq_ids),
-                "max_seqlen": packed.max_seqlen, "packed": packed}
+        packed = (pack_tree if tree else pack)(_to_device(mb, device), multiple=p.tp_size if p.sequence_parallel else 1)
+        mask = ~packed.attention if tree else block_causal_mask(packed.seq_ids)
+        return {"input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                "attention_mask": torch.ones_like(packed.input_ids), "mask_4d": mask,
+                "max_seqlen": packed.max_seqlen, "packed": packed, "rope_positions": tree}
+
+    @functools.cached_property
+    def tree_counts(self) -> TreeCounts:
+        """What the prefix trees of its passes computed (share_prefix), until a worker takes them."""
+        return TreeCounts()
 
     def _micro_batches(self, batch: RolloutBatch, micro_batch_size: int, extra: dict[str, torch.Tensor],
-                       padding_free: bool, max_tokens: int) -> list[dict]:
+                       padding_free: bool, max_tokens: int, share_prefix: bool = False) -> list[dict]:
         """The micro-batch dicts of `batch` (with its response mask and `extra` rows) for megatron's schedule:
-        padded rows of equal count (the original path), or cut by a token budget, or packed."""
+        padded rows of equal count (the original path), or cut by a token budget, or packed (share_prefix: as
+        prefix trees)."""
         from verl.models import make_micro_batches
         routes = self._checked_routes(batch)
         if not padding_free and max_tokens <= 0:
@@ -153,10 +160,14 @@ class MegatronEngine:
                                      **({} if routes is None else {"routes": routes}))
             return [{**mb, "replay_routes": self.replay_routes} for mb in mbs]
         out = []
-        for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, self.placement.dp):
+        tree = share_prefix and padding_free
+        slices = micro_batch_slices(batch, micro_batch_size, max_tokens, self.placement.dp, tree=tree)
+        if tree:
+            self.tree_counts.add(batch, slices)
+        for sl in slices:
             mb = batch.select(sl)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
-            base = (self._packed_micro_batch(mb) if padding_free
+            base = (self._packed_micro_batch(mb, tree) if padding_free
                     else make_micro_batches(mb.input_ids, mb.attention_mask, len(mb))[0])
             if routes is not None:
                 base["routes"] = self._packed_routes(routes[sl], mb, base) if padding_free else routes[sl]
@@ -174,14 +185,17 @@ class MegatronEngine:
         return batch.routes
 
     def _packed_routes(self, routes: torch.Tensor, mb: RolloutBatch, packed_mb: dict) -> torch.Tensor:
-        """[1, T, L, K]: the routes of the packed row's tokens (-1 for the padding sequence sequence parallelism
-        appends)."""
+        """[1, T, L, K]: the routes of the packed row's tokens, each from the row it came from at its position
+        there (a prefix tree's shared token: the first row through it), -1 for the padding sequence sequence
+        parallelism appends."""
+        packed: PackedBatch = packed_mb["packed"]
         keep = mb.attention_mask.bool().to(routes.device)
-        flat = routes[keep]
-        extra = packed_mb["input_ids"].shape[1] - flat.shape[0]
-        if extra:
-            flat = torch.cat([flat, flat.new_full((extra, *flat.shape[1:]), -1)])
-        return flat[None]
+        real = torch.full_like(routes, -1)  # each row's routes moved to the front, in its real tokens' order
+        for r in range(len(mb)):
+            real[r, :int(keep[r].sum())] = routes[r][keep[r]]
+        rows, pos = packed.seq_ids.to(routes.device), packed.position_ids[0].to(routes.device)
+        real = torch.cat([real, real.new_full((1, *real.shape[1:]), -1)])  # row b: the padding sequence
+        return real[rows, pos.clamp(max=real.shape[1] - 1)][None]
 
     def _response_outputs(self, output: torch.Tensor, mb: dict, prompt_length: int,
                           temperature: float) -> dict[str, torch.Tensor]:
@@ -200,20 +214,22 @@ class MegatronEngine:
 
     def _packed_outputs(self, output: torch.Tensor, mb: dict, packed: PackedBatch,
                         temperature: float) -> dict[str, torch.Tensor]:
+        """The outputs at the positions that predict response tokens, each against its own target (a prefix tree's
+        shared position predicts a token of every row through it)."""
         if self.model.options.value_head:
             return {"values": packed.unpack(output[0, packed.src].float())}
-        from verl.models import IGNORE_INDEX, masked_vocab_logits
+        from verl.models import masked_vocab_logits
         from verl.ops import vocab_parallel_logprob_entropy
-        lp, ent = vocab_parallel_logprob_entropy(masked_vocab_logits(output, self.model), mb["labels"], temperature,
-                                                 self.placement.tp, ignore_index=IGNORE_INDEX)
-        return {"log_probs": packed.unpack(lp[0, packed.src]), "entropy": packed.unpack(ent[0, packed.src])}
+        logits = masked_vocab_logits(output[:, packed.src], self.model)
+        lp, ent = vocab_parallel_logprob_entropy(logits, packed.targets[None], temperature, self.placement.tp)
+        return {"log_probs": packed.unpack(lp[0]), "entropy": packed.unpack(ent[0])}
 
     @torch.no_grad()
     def _forward_micro_batches(self, batch: RolloutBatch, micro_batch_size: int, temperature: float,
-                               padding_free: bool, max_tokens: int) -> dict[str, torch.Tensor]:
+                               padding_free: bool, max_tokens: int, share_prefix: bool) -> dict[str, torch.Tensor]:
         """`forward` over packed or token-budget micro-batches: [B, R] outputs from the last stage, on every rank."""
         from verl.models.forward import _broadcast_from_last_stage, forward_backward
-        mbs = self._micro_batches(batch, micro_batch_size, {}, padding_free, max_tokens)
+        mbs = self._micro_batches(batch, micro_batch_size, {}, padding_free, max_tokens, share_prefix)
         P = batch.prompt_length
 
         def collect(output, mb):
@@ -229,12 +245,13 @@ class MegatronEngine:
 
     @torch.no_grad()
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,
-                padding_free: bool = False, max_tokens: int = 0) -> dict[str, torch.Tensor]:
+                padding_free: bool = False, max_tokens: int = 0, share_prefix: bool = False) -> dict[str, torch.Tensor]:
         """Response-token outputs [B, R] on every rank (0 on padding): log-probs and entropy, or values."""
         from verl.models import compute_log_probs, compute_values
         batch.check_token_ids(self.model.arch.vocab_size, "MegatronEngine.forward")
         if padding_free or max_tokens > 0 or self._checked_routes(batch) is not None:
-            return self._forward_micro_batches(batch, micro_batch_size, temperature, padding_free, max_tokens)
+            return self._forward_micro_batches(batch, micro_batch_size, temperature, padding_free, max_tokens,
+                                               share_prefix)
         micro = _micro_size(len(batch), micro_batch_size)
         P, mask = batch.prompt_length, batch.response_mask
         if self.model.options.value_head:
@@ -246,13 +263,13 @@ class MegatronEngine:
 
     def train_step(self, batch: RolloutBatch, micro_batch_size: int, loss_fn: MicroLossFn,
                    extra: dict[str, torch.Tensor], *, temperature: float = 1.0, padding_free: bool = False,
-                   max_tokens: int = 0) -> tuple[list[dict], OptimizerStep]:
+                   max_tokens: int = 0, share_prefix: bool = False) -> tuple[list[dict], OptimizerStep]:
         """Forward/backward of the micro-batches through megatron's schedule, then one optimizer step, skipped on
         every rank when the loss or the gradient norm is not finite on any (`apply_update`). Returns each
         micro-batch's statistics (on every rank) and what the step did."""
         from verl.models.optimizer import accumulate_grads, apply_update
         batch.check_token_ids(self.model.arch.vocab_size, "MegatronEngine.train_step")
-        mbs = self._micro_batches(batch, micro_batch_size, extra, padding_free, max_tokens)
+        mbs = self._micro_batches(batch, micro_batch_size, extra, padding_free, max_tokens, share_prefix)
         n, P = len(mbs), batch.prompt_length
         head = getattr(loss_fn, "fused_head", None) if self.supports_fused_head else None
         losses = []

@@ -11,8 +11,9 @@ within a row:
     forward, by verl's per-sequence SDPA (verl/workers/varlen_attention.py, fed the row's `cu_seqlens`), so no
     [T, T] mask is built; where that cannot stand in (soft-capped or sink logits, gradient checkpointing,
     composite models) and for flex attention, transformers (`masking_utils.find_packed_sequence_indices`)
-    builds a block-diagonal causal mask from the position ids. `pack_shared`'s layout is not one causal block
-    per sequence: its own [T, T] mask goes to the model as given.
+    builds a block-diagonal causal mask from the position ids. `pack_tree`'s layout (a prefix tree: rows
+    share the tokens of their common prefixes) is not one causal block per sequence: `VARLEN` runs it segment by
+    segment (each against its context), other attention takes its dense [T, T] mask.
   - megatron gets a block-diagonal causal `[1, 1, T, T]` mask (`block_causal_mask`) for its local attention
     (megatron-core's `PackedSeqParams` / thd format needs Transformer Engine's attention; the local
     DotProductAttention refuses it).
@@ -41,8 +42,20 @@ from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch, micro_slices
 from verl.workers.varlen_attention import VARLEN, varlen_attention, varlen_unsupported
 
-__all__ = ["PackedBatch", "block_causal_mask", "check_varlen_attention", "micro_batch_slices", "pack",
-           "pack_shared", "packed_attention", "padded_token_share", "token_budget_slices"]
+__all__ = ["PackedBatch", "TreeSegment", "block_causal_mask", "check_varlen_attention", "common_prefix",
+           "micro_batch_slices", "pack", "pack_tree", "TreeCounts", "packed_attention", "padded_token_share", "token_budget_slices",
+           "tree_metrics", "tree_tokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSegment:
+    """One run of tokens of a prefix tree (`pack_tree`): packed positions [start, end), which attend causally to
+    each other and to every token of `context` (the packed positions of the prefix they continue, in order)."""
+
+    start: int
+    end: int
+    context: torch.Tensor
+    """[A] long: the tokens before this segment on its path from the root (empty for a root segment)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,13 +82,28 @@ class PackedBatch:
     """[N] long, the response token it predicts."""
     shape: tuple[int, int]
     """(b, R): the response layout `unpack` fills."""
-    attention: torch.Tensor | None = None
-    """[1, 1, T, T] bool (True = attends) when the layout is not one causal block per sequence (`pack_shared`:
-    responses of one prompt share its tokens); None: the position ids say where sequences start."""
+    tree: tuple[TreeSegment, ...] | None = None
+    """`pack_tree`'s layout (rows share the tokens of their common prefixes): the segments, in packed order, and
+    what each attends to; None: one causal block per sequence, where the position ids say sequences start."""
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+    @property
+    def attention(self) -> torch.Tensor | None:
+        """[1, 1, T, T] bool (True = attends) of a `tree` layout, for attention that takes a dense mask; None
+        without a tree."""
+        if self.tree is None:
+            return None
+        T = self.num_tokens
+        allowed = torch.zeros(T, T, dtype=torch.bool, device=self.input_ids.device)
+        for seg in self.tree:
+            allowed[seg.start:seg.end, seg.context] = True
+            n = seg.end - seg.start
+            allowed[seg.start:seg.end, seg.start:seg.end] = torch.ones(n, n, dtype=torch.bool,
+                                                                       device=allowed.device).tril()
+        return allowed[None, None]
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """[N, ...] per-response-token values → [b, R, ...] (0 elsewhere); differentiable."""
@@ -110,46 +138,78 @@ def pack(mb: RolloutBatch, multiple: int = 1) -> PackedBatch:
                        rows=rows, cols=cols, targets=mb.input_ids[rows, P + cols], shape=(b, S - P))
 
 
-def pack_shared(mb: RolloutBatch) -> PackedBatch:
-    """`pack` with each run of consecutive rows that have the same real prompt tokens (a GRPO group: rollout
-    output is prompt-major) sharing one copy of the prompt: [prompt, response 1, response 2, ...], every response
-    at the positions it has in its own row, attending to the prompt and to itself (`attention`), so the prompt's
-    forward and backward run once per group instead of once per response. Outputs, losses and gradients are the
-    padded batch's up to float rounding; the prompt's last output predicts every response's first token."""
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens the 1-D token tensors `a` and `b` share."""
+    m = min(len(a), len(b))
+    differ = (a[:m] != b[:m]).nonzero()
+    return int(differ[0]) if len(differ) else m
+
+
+def _real_tokens(mb: RolloutBatch) -> list[torch.Tensor]:
+    keep = mb.attention_mask.bool()
+    return [mb.input_ids[r][keep[r]] for r in range(len(mb))]
+
+
+def pack_tree(mb: RolloutBatch, multiple: int = 1) -> PackedBatch:
+    """`pack` with the rows' shared prefixes computed once: each row's real tokens (prompt and response as one
+    sequence) are laid out as a prefix tree, a row sharing its first k tokens with an earlier row reusing that
+    row's packed tokens for them and adding only the rest (a `TreeSegment` that attends to the shared k). A GRPO
+    group's prompt is computed once for its rollout.n responses, the chat template's common opening once for the
+    micro-batch, the earlier turns of multi-turn rows that continue one another once. Every token keeps the
+    position it has in its own row, so its output is the padded batch's up to float rounding; a shared token's
+    output predicts the next token of every row through it. `multiple`: as in `pack` (a padding segment)."""
     keep = mb.attention_mask.bool()
     b, S = keep.shape
     P = mb.prompt_length
     running = keep.long().cumsum(-1) - 1
+    seqs = _real_tokens(mb)
     index = torch.zeros(b, S, dtype=torch.long, device=keep.device)
-    ids, pos, group, seq = [], [], [], []
-    n, prompt, g = 0, None, -1
-    for r in range(b):
-        row_prompt = mb.input_ids[r, :P][keep[r, :P]]
-        if prompt is None or not torch.equal(row_prompt, prompt):
-            prompt, g, start = row_prompt, g + 1, n
-            ids.append(row_prompt)
-            pos.append(running[r, :P][keep[r, :P]])
-            group.append(torch.full_like(row_prompt, g))
-            seq.append(torch.full_like(row_prompt, -1))  # -1: a prompt token, seen by every response of the group
-            n += len(row_prompt)
-        index[r, :P][keep[r, :P]] = start + torch.arange(len(row_prompt), device=keep.device)
-        real = keep[r, P:]
-        m = int(real.sum())
-        ids.append(mb.input_ids[r, P:][real])
-        pos.append(running[r, P:][real])
-        group.append(torch.full((m,), g, dtype=torch.long, device=keep.device))
-        seq.append(torch.full((m,), r, dtype=torch.long, device=keep.device))
-        index[r, P:][real] = n + torch.arange(m, device=keep.device)
-        n += m
-    group, seq = torch.cat(group), torch.cat(seq)
-    causal = torch.ones(n, n, dtype=torch.bool, device=keep.device).tril()
-    attends = causal & (group[:, None] == group[None, :]) & ((seq[None, :] == -1) | (seq[:, None] == seq[None, :]))
+    rows_index: list[torch.Tensor] = []
+    ids, pos, seq, segments = [], [], [], []
+    n = 0
+    for r, tokens in enumerate(seqs):
+        best, shared = None, 0
+        for q in range(r):
+            if min(len(tokens), len(seqs[q])) > shared:
+                k = common_prefix(tokens, seqs[q])
+                if k > shared:
+                    best, shared = q, k
+        context = rows_index[best][:shared] if best is not None else torch.zeros(0, dtype=torch.long,
+                                                                                  device=keep.device)
+        own = len(tokens) - shared
+        if own:
+            segments.append(TreeSegment(n, n + own, context))
+            ids.append(tokens[shared:])
+            pos.append(running[r][keep[r]][shared:])
+            seq.append(torch.full((own,), r, dtype=torch.long, device=keep.device))
+        rows_index.append(torch.cat([context, n + torch.arange(own, device=keep.device)]))
+        index[r][keep[r]] = rows_index[-1]
+        n += own
+    pad = -n % multiple
+    if pad:
+        segments.append(TreeSegment(n, n + pad, torch.zeros(0, dtype=torch.long, device=keep.device)))
+        ids.append(torch.zeros(pad, dtype=torch.long, device=keep.device))
+        pos.append(torch.arange(pad, device=keep.device))
+        seq.append(torch.full((pad,), b, dtype=torch.long, device=keep.device))
     valid = keep[:, P:] & keep[:, P - 1:S - 1]
     rows, cols = valid.nonzero(as_tuple=True)
-    cu = torch.tensor([0, n], dtype=torch.int32, device=keep.device)
-    return PackedBatch(input_ids=torch.cat(ids)[None], position_ids=torch.cat(pos)[None], seq_ids=seq.clamp(min=0),
-                       cu_seqlens=cu, max_seqlen=n, src=index[rows, P - 1 + cols], rows=rows, cols=cols,
-                       targets=mb.input_ids[rows, P + cols], shape=(b, S - P), attention=attends[None, None])
+    T = n + pad
+    cu = torch.tensor([0, T], dtype=torch.int32, device=keep.device)
+    longest = max((len(s.context) + s.end - s.start for s in segments), default=0)
+    cat = (lambda xs, dtype=torch.long: torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=keep.device))
+    return PackedBatch(input_ids=cat(ids).to(mb.input_ids.dtype)[None], position_ids=cat(pos)[None],
+                       seq_ids=cat(seq), cu_seqlens=cu, max_seqlen=longest, src=index[rows, P - 1 + cols], rows=rows,
+                       cols=cols, targets=mb.input_ids[rows, P + cols], shape=(b, S - P), tree=tuple(segments))
+
+
+def tree_tokens(mb: RolloutBatch) -> tuple[int, int]:
+    """(tokens `pack_tree` lays out, tokens `pack` would) for this micro-batch, without packing it."""
+    seqs = _real_tokens(mb)
+    total = sum(len(s) for s in seqs)
+    saved = 0
+    for r, tokens in enumerate(seqs):
+        saved += max((common_prefix(tokens, seqs[q]) for q in range(r)), default=0)
+    return total - saved, total
 
 
 def block_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
@@ -161,21 +221,61 @@ def block_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
     return ~allowed[None, None]
 
 
-def token_budget_slices(lengths: list[int], max_tokens: int) -> list[slice]:
-    """Consecutive rows per micro-batch, as many as fit in `max_tokens` real tokens (at least one row each)."""
+def token_budget_slices(lengths: list[int], max_tokens: int,
+                        seqs: list[torch.Tensor] | None = None) -> list[slice]:
+    """Consecutive rows per micro-batch, as many as fit in `max_tokens` real tokens (at least one row each). With
+    `seqs` (the rows' real tokens: a `pack_tree` layout) a row costs only the tokens it does not share with a
+    row already in the micro-batch; a prefix tree that does not fit is split there (`tree_metrics` counts it)."""
     slices, start, used = [], 0, 0
     for i, n in enumerate(lengths):
         if n > max_tokens:
             raise VerlConfigError(f"a sequence of {n} tokens (prompt + response) exceeds the micro-batch token budget "
                                   f"max_tokens_per_micro_batch={max_tokens}; raise it to at least "
                                   f"data.max_prompt_length + rollout.max_new_tokens, or set it to 0 (count-based)")
-        if used + n > max_tokens:
+        cost = n if seqs is None else n - max((common_prefix(seqs[i], seqs[q]) for q in range(start, i)), default=0)
+        if used + cost > max_tokens:
             slices.append(slice(start, i))
-            start, used = i, 0
-        used += n
+            start, used, cost = i, 0, n
+        used += cost
     if start < len(lengths):
         slices.append(slice(start, len(lengths)))
     return slices
+
+
+def tree_metrics(batch: RolloutBatch, slices: list[slice]) -> dict[str, int]:
+    """What `pack_tree` over these micro-batches computes: tokens laid out (`tree_tokens`), tokens plain packing
+    would lay out (`plain_tokens`), boundaries between micro-batches that cut a group of rows with the same prompt
+    (`splits`: its prompt is computed once per side), and the tokens computed again at the cuts (`split_tokens`:
+    against one tree over the whole batch)."""
+    per = [tree_tokens(batch.select(sl))[0] for sl in slices]
+    whole, plain = tree_tokens(batch)
+    keep = batch.attention_mask.bool()
+    P = batch.prompt_length
+
+    def prompt(r: int) -> torch.Tensor:
+        return batch.input_ids[r, :P][keep[r, :P]]
+    splits = sum(1 for a in slices[1:] if torch.equal(prompt(a.start), prompt(a.start - 1)))
+    return {"tree_tokens": sum(per), "plain_tokens": plain, "splits": splits, "split_tokens": sum(per) - whole}
+
+
+class TreeCounts:
+    """`tree_metrics` summed over an engine's passes until a worker takes them as metrics."""
+
+    def __init__(self):
+        self.sums: dict[str, int] = {}
+
+    def add(self, batch: RolloutBatch, slices: list[slice]) -> None:
+        for k, v in tree_metrics(batch, slices).items():
+            self.sums[k] = self.sums.get(k, 0) + v
+
+    def take(self, role: str) -> dict[str, float]:
+        """{role}/tree_token_ratio (tokens plain packing lays out per token the trees do: 1 = nothing shared),
+        {role}/tree_splits and {role}/tree_split_tokens since the last call; {} without tree passes."""
+        sums, self.sums = self.sums, {}
+        if not sums.get("tree_tokens"):
+            return {}
+        return {f"{role}/tree_token_ratio": sums["plain_tokens"] / sums["tree_tokens"],
+                f"{role}/tree_splits": float(sums["splits"]), f"{role}/tree_split_tokens": float(sums["split_tokens"])}
 
 
 def _split_to(slices: list[slice], count: int) -> list[slice]:
@@ -194,12 +294,14 @@ def _split_to(slices: list[slice], count: int) -> list[slice]:
 
 
 def micro_batch_slices(batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
-                       group: dist.ProcessGroup | None = None) -> list[slice]:
+                       group: dist.ProcessGroup | None = None, tree: bool = False) -> list[slice]:
     """Row ranges of the micro-batches: `micro_batch_size` rows each, or (max_tokens > 0) filled by real tokens
-    up to `max_tokens`, with the same number of micro-batches on every rank of `group` (collective then)."""
+    up to `max_tokens` (tree: counted as `pack_tree` lays them out), with the same number of micro-batches on
+    every rank of `group` (collective then)."""
     if max_tokens <= 0:
         return micro_slices(len(batch), micro_batch_size)
-    slices = token_budget_slices(batch.attention_mask.sum(-1).tolist(), max_tokens)
+    slices = token_budget_slices(batch.attention_mask.sum(-1).tolist(), max_tokens,
+                                 _real_tokens(batch) if tree else None)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         from verl.distributed.placement import comm_device
         count = torch.tensor([len(slices)], dtype=torch.long, device=comm_device())
@@ -258,14 +360,32 @@ def check_varlen_attention(module: torch.nn.Module) -> str:
 @contextmanager
 def packed_attention(module: torch.nn.Module, packed: PackedBatch) -> Iterator[dict]:
     """The attention arguments of a packed forward of `module` (a Hugging Face model or `ValueModel`), to be run
-    inside the block: `VARLEN` attention from the row's `cu_seqlens` where `check_varlen_attention` chooses it,
-    else the position ids alone (flash-attention, or transformers' block mask); `pack_shared`'s mask as given."""
+    inside the block: `VARLEN` attention from the row's `cu_seqlens` (or `pack_tree`'s segments) where
+    `check_varlen_attention` chooses it, else the position ids alone (flash-attention, or transformers' block
+    mask), or a tree's dense mask."""
     impl = check_varlen_attention(module)
-    if impl != VARLEN or packed.attention is not None:
-        yield {"attention_mask": packed.attention}
+    trunk = getattr(module, "trunk", module)
+    if packed.tree is not None:
+        window = next((m.sliding_window for m in trunk.modules() if getattr(m, "sliding_window", None)), None)
+        if window is not None:
+            raise VerlConfigError(f"actor.share_prompt_prefix: {type(trunk).__name__} has sliding-window attention "
+                                  f"(sliding_window={window}), which a prefix tree's attention does not apply; set "
+                                  f"actor.share_prompt_prefix=false for this model")
+        if impl.startswith("flash"):
+            raise VerlConfigError(f"actor.share_prompt_prefix: attn_implementation={impl!r} runs causal sequences "
+                                  f"only, not a prefix tree; load the model with attn_implementation='sdpa', or set "
+                                  f"actor.share_prompt_prefix=false")
+        if impl != VARLEN:
+            yield {"attention_mask": packed.attention}
+            return
+        with varlen_attention(trunk):
+            yield {"attention_mask": None, "verl_tree": packed.tree}
+        return
+    if impl != VARLEN:
+        yield {"attention_mask": None}
         return
     # host-side boundaries: the attention slices the row by them in every layer without a device sync
     cu = packed.cu_seqlens.cpu()
-    with varlen_attention(getattr(module, "trunk", module)):
+    with varlen_attention(trunk):
         yield {"attention_mask": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": packed.max_seqlen,
                "max_length_k": packed.max_seqlen}

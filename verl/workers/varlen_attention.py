@@ -48,13 +48,18 @@ def _band(length: int, window: int | None, device: torch.device) -> torch.Tensor
 def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           sliding_window: int | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                          cu_seq_lens_k: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                          cu_seq_lens_k: torch.Tensor | None = None, verl_tree=None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
     """Causal attention within each packed sequence. query [1, H, T, D], key / value [1, Hkv, T, D] (grouped-query:
     H a multiple of Hkv); cu_seq_lens [n + 1] (host-side, so slicing needs no device sync) the sequences'
-    boundaries. Returns [1, T, H, D], as transformers' SDPA integration does."""
+    boundaries, or `verl_tree` the segments of a prefix tree (verl.workers.packing.pack_tree: each attends to its
+    context and causally to itself). Returns [1, T, H, D], as transformers' SDPA integration does."""
     unsupported = {k: kwargs[k] for k in ("softcap", "s_aux", "position_bias") if kwargs.get(k) is not None}
     if not getattr(module, "is_causal", True):
         unsupported["is_causal"] = False
+    if verl_tree is not None and not unsupported and attention_mask is None and query.shape[0] == 1 \
+            and sliding_window is None:
+        return _tree_attention(module, query, key, value, verl_tree, dropout, scaling), None
     if attention_mask is not None or cu_seq_lens_q is None or unsupported or query.shape[0] != 1:
         raise ValueError(f"{VARLEN} attention runs one packed row ([1, H, T, D], got {tuple(query.shape)}) of "
                          f"causal sequences from cu_seq_lens_q, with no attention mask "
@@ -78,6 +83,29 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         out.append(sdpa(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=band,
                         is_causal=band is None))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tree,
+                    dropout: float, scaling: float | None) -> torch.Tensor:
+    """[1, T, H, D]: each tree segment's queries against its context's keys and its own (causal), one SDPA call per
+    segment: Σ L·(A + L) per layer instead of the dense mask's T²."""
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout if module.training else 0.0,
+                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = []
+    for seg in tree:
+        s, e = seg.start, seg.end
+        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+        A = len(seg.context)
+        if A == 0:
+            out.append(sdpa(q, k, v, is_causal=True))
+            continue
+        k = torch.cat([key[:, :, seg.context], k], dim=2)
+        v = torch.cat([value[:, :, seg.context], v], dim=2)
+        mask = torch.ones(e - s, A + e - s, dtype=torch.bool, device=query.device).tril(diagonal=A)
+        out.append(sdpa(q, k, v, attn_mask=mask))
+    if not out:
+        return query.transpose(1, 2).contiguous()
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
 
 def batch_sequences(lengths: list[int]) -> bool:
