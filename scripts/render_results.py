@@ -52,7 +52,7 @@ PRE_PROVENANCE: dict[str, str] = {
         "bench_async_p2_len24.json", "bench_async_p2_len24_idle.json", "bench_async_p2_len96_idle.json",
         "bench_async_p2_stream.json", "bench_async_p4_stream.json", "bench_async_smollm2_p2.json",
         "bench_engines.json", "bench_engines_smollm2.json", "bench_reshard.json", "bench_scaling_grpo.json",
-        "bench_shared_prefix.json", "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
+        "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
         "validation_default_job.json", "validation_default_job_seed2.json", "validation_default_job_seed3.json",
         "verl_key_coverage.json", "bench_delta_sync.json", "bench_delta_sync_1000.json", "bench_lora_sync.json",
         "bench_lora_vs_full.json",
@@ -261,7 +261,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("GRPO end to end: verl vs TRL", "e2e_grpo_vs_trl", e2e),
     ("Kernels", "bench_rl", generic), ("Kernels", "bench_logprob", logprob), ("Kernels", "bench_loss_head", logprob),
     ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
-    ("Generation engines", "bench_shared_prefix", generic), ("Generation engines", "bench_quant", generic),
+    ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_quant", generic),
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
@@ -695,8 +695,22 @@ def fig_quant_job(res) -> str:
             f"response length {phase('int8', 'response/length'):.0f} vs {phase('none', 'response/length'):.0f})")
 
 
+def fig_prefix_tree(res) -> str:
+    d = res["bench_prefix_tree.json"]
+    f, t, p = d["forward_tokens"], d["tree"], d["packed"]
+    wall = {k: sum(r["wall_s"] for r in v) / len(v) for k, v in (("tree", t), ("packed", p))}
+    return (f"on real rollouts of the example at rollout.n={d['n']} ({d['responses']} responses, prompts "
+            f"{d['prompt_tokens_mean']:.0f} and responses {d['response_tokens_mean']:.0f} tokens on average; "
+            f"micro-batches of one group; `{d['meta']['command']}`) the update's forward computed "
+            f"{f['tree_per_group']} tokens as prefix trees against {f['packed']} plainly packed "
+            f"(**{d['token_ratio']:.2f}x fewer**; sharing each prompt alone bounds this at "
+            f"{d['token_ratio_bound_prompt_only']:.2f}x at this shape) and took {wall['tree']:.0f} s against "
+            f"{wall['packed']:.0f} s (**{d['update_speedup_wall']:.2f}x**, CPU time "
+            f"{d['update_speedup_cpu']:.2f}x; {d['threads']} threads)")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "quant": fig_quant, "quant_job": fig_quant_job,
+    "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "snapshot_smollm2": fig_snapshot_smollm2,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_bench_exp": fig_agent_bench_exp, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,

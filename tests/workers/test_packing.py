@@ -5,6 +5,7 @@ megatron engines, for batches with empty and single-token responses and holes in
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -192,6 +193,17 @@ def _dp_body(rank, world):
                    for name, overrides in {"padded": dict(padding_free=False), **CONFIGS}.items()}
         out[engine] = _compare(results)
         out[f"{engine}_grads"] = results["packed"]["grads"]
+    # FSDP2 with prefix trees (each rank its own rows: make_tree_batch, rank 1's responses shifted)
+    tree_batch = make_tree_batch(shift=rank)
+    tree_inputs = _inputs(tree_batch, rank)
+    def make():
+        return engines["fsdp"](copy.deepcopy(model), "lm")
+    padded = _run_tree_actor(make, tree_batch, tree_inputs, 3, dict(padding_free=False))
+    tree = _run_tree_actor(make, tree_batch, tree_inputs, 3, dict(padding_free=True, share_prompt_prefix=True))
+    out["fsdp_tree"] = [k for k, a, b in (("lp", tree[0], padded[0]), ("ent", tree[1], padded[1]))
+                        if not torch.allclose(a, b, **TOL)]
+    out["fsdp_tree"] += [n for n in padded[3] if not torch.allclose(tree[3][n], padded[3][n], **TOL)]
+    out["fsdp_tree_ratio"] = tree[2]["actor/tree_token_ratio"]
     return out
 
 
@@ -200,6 +212,7 @@ def test_torch_and_fsdp_engines_packed_equal_padded_over_two_ranks():
     from verl.testing import run_distributed
     r0, r1 = run_distributed(_dp_body, 2, timeout=500)
     assert r0["torch"] == [] and r1["torch"] == [] and r0["fsdp"] == [] and r1["fsdp"] == []
+    assert r0["fsdp_tree"] == [] and r1["fsdp_tree"] == [] and r0["fsdp_tree_ratio"] > 1.3
     # the budget cut the ranks' batches into different counts, equalised to the larger one
     assert r0["counts"][1] != r1["counts"][1] and r0["counts"][0] == r1["counts"][0] == max(r0["counts"][1],
                                                                                          r1["counts"][1])
@@ -504,11 +517,12 @@ def make_group_batch(prompt_lengths: list[int], response_lengths: list[int], n: 
     return batch
 
 
-def make_tree_batch() -> RolloutBatch:
+def make_tree_batch(shift: int = 0) -> RolloutBatch:
     """Two GRPO groups of four whose prompts open with the same 2 tokens (a chat template's opening); in group 1
     rows 1 and 2 share their first 3 response tokens and row 3 repeats row 2 whole (a response that is a prefix
     of another's is laid out inside it); row 5's response is empty."""
-    batch = make_group_batch([5, 4], [6, 7, 5, 5, 3, 0, 12, 1], n=4, seed=4)
+    batch = make_group_batch([5, 4], [6, 7, 5, 5, 3, 0, 12, 1][shift:] + [6, 7, 5, 5, 3, 0, 12, 1][:shift], n=4,
+                             seed=4 + shift)
     P = batch.prompt_length
     batch.input_ids[4:, P - 4:P - 2] = batch.input_ids[0, P - 5:P - 3]
     batch.input_ids[2, P:P + 3] = batch.input_ids[1, P:P + 3]
@@ -561,12 +575,18 @@ def pack_tree_tokens(batch, sl) -> int:
     return pack_tree(batch.select(sl)).num_tokens
 
 
-def _run_tree_actor(model, batch, inputs, micro: int, overrides: dict):
+def _torch_engine(model):
     from verl.distributed import init_placement
-    from verl.workers import ActorWorker, TorchEngine
+    from verl.workers import TorchEngine
+    return TorchEngine(copy.deepcopy(model), OptimConfig(lr=1e-2), init_placement("cpu"), head="lm", total_steps=5)
+
+
+def _run_tree_actor(make_engine, batch, inputs, micro: int, overrides: dict):
+    """(log-probs, entropy, update statistics, averaged gradients) of the actor on a fresh engine."""
+    from verl.workers import ActorWorker
     cfg = ActorConfig(micro_batch_size=micro, optim=OptimConfig(lr=1e-2), use_kl_loss=True, entropy_coeff=0.01,
                       **overrides)
-    engine = TorchEngine(copy.deepcopy(model), OptimConfig(lr=1e-2), init_placement("cpu"), head="lm", total_steps=5)
+    engine = make_engine()
     actor = ActorWorker(engine, cfg, temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
     grads = _capture_grads(actor.engine)
     lp, ent = actor.compute_log_probs(batch)
@@ -585,9 +605,10 @@ def test_actor_prefix_tree_equals_padded_log_probs_losses_and_gradients(micro, b
         monkeypatch.setattr(packing, "check_varlen_attention", lambda module: "sdpa")
     model, batch = _model(), make_tree_batch()
     inputs = _inputs(batch, 0)
-    lp, ent, stats, grads = _run_tree_actor(model, batch, inputs, micro, dict(padding_free=False))
+    make = functools.partial(_torch_engine, model)
+    lp, ent, stats, grads = _run_tree_actor(make, batch, inputs, micro, dict(padding_free=False))
     tree = dict(padding_free=True, share_prompt_prefix=True, max_tokens_per_micro_batch=budget)
-    lp2, ent2, stats2, grads2 = _run_tree_actor(model, batch, inputs, micro, tree)
+    lp2, ent2, stats2, grads2 = _run_tree_actor(make, batch, inputs, micro, tree)
     torch.testing.assert_close(lp2, lp, **TOL)
     torch.testing.assert_close(ent2, ent, **TOL)
     assert stats2["actor/pg_loss"] == pytest.approx(stats["actor/pg_loss"], rel=1e-5, abs=1e-7)
