@@ -261,7 +261,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("GRPO end to end: verl vs TRL", "e2e_grpo_vs_trl", e2e),
     ("Kernels", "bench_rl", generic), ("Kernels", "bench_logprob", logprob), ("Kernels", "bench_loss_head", logprob),
     ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
-    ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_quant", generic),
+    ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_cores", generic), ("Generation engines", "bench_quant", generic),
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
@@ -709,8 +709,18 @@ def fig_prefix_tree(res) -> str:
             f"{d['update_speedup_cpu']:.2f}x; {d['threads']} threads)")
 
 
+def fig_cores(res) -> str:
+    d = res["bench_cores.json"]
+    sides = "; ".join(f"{r['side']}: {r['tokens_per_s']:.1f} trained tokens/s, {r['step_time_s']:.0f} s/step "
+                      f"(**{r['vs_first']:.2f}x**; generation {r['phases_s'].get('timing/generate_s', 0):.0f} s, update "
+                      f"{r['phases_s'].get('timing/update_actor_s', 0):.0f} s; load average after it "
+                      f"{r['load_avg_1min_after']:.1f})" for r in d["sides"])
+    return (f"{sides}, over {d['sides'][0]['steps_measured']} steps after the first of "
+            f"`{d['meta']['command']}`")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree,
+    "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree, "cores": fig_cores,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "snapshot_smollm2": fig_snapshot_smollm2,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_bench_exp": fig_agent_bench_exp, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,

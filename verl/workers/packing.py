@@ -203,13 +203,18 @@ def pack_tree(mb: RolloutBatch, multiple: int = 1) -> PackedBatch:
 
 
 def tree_tokens(mb: RolloutBatch) -> tuple[int, int]:
-    """(tokens `pack_tree` lays out, tokens `pack` would) for this micro-batch, without packing it."""
-    seqs = _real_tokens(mb)
+    """(tokens `pack_tree` lays out, tokens `pack` would) for these rows, without packing them: the distinct
+    prefixes of the rows' real tokens, counted over the rows in lexicographic order (each adds what it does not
+    share with the row before it), so a whole batch costs b log b comparisons, not b²."""
+    seqs = [s.tolist() for s in _real_tokens(mb)]
     total = sum(len(s) for s in seqs)
-    saved = 0
-    for r, tokens in enumerate(seqs):
-        saved += max((common_prefix(tokens, seqs[q]) for q in range(r)), default=0)
-    return total - saved, total
+    ordered = sorted(seqs)
+    shared = 0
+    for a, b in zip(ordered, ordered[1:]):
+        m = min(len(a), len(b))
+        k = next((i for i in range(m) if a[i] != b[i]), m)
+        shared += k
+    return total - shared, total
 
 
 def block_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
