@@ -261,7 +261,8 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("GRPO end to end: verl vs TRL", "e2e_grpo_vs_trl", e2e),
     ("Kernels", "bench_rl", generic), ("Kernels", "bench_logprob", logprob), ("Kernels", "bench_loss_head", logprob),
     ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
-    ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_cores", generic), ("Generation engines", "bench_quant", generic),
+    ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_cores", generic),
+    ("Generation engines", "bench_quant", generic),
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
@@ -711,9 +712,10 @@ def fig_prefix_tree(res) -> str:
 
 def fig_cores(res) -> str:
     d = res["bench_cores.json"]
+    phase = lambda r, k: r["phases_s"].get(f"timing/{k}_s", 0.0)  # noqa: E731
     sides = "; ".join(f"{r['side']}: {r['tokens_per_s']:.1f} trained tokens/s, {r['step_time_s']:.0f} s/step "
-                      f"(**{r['vs_first']:.2f}x**; generation {r['phases_s'].get('timing/generate_s', 0):.0f} s, update "
-                      f"{r['phases_s'].get('timing/update_actor_s', 0):.0f} s; load average after it "
+                      f"(**{r['vs_first']:.2f}x**; generation {phase(r, 'generate'):.0f} s, update "
+                      f"{phase(r, 'update_actor'):.0f} s; load average after it "
                       f"{r['load_avg_1min_after']:.1f})" for r in d["sides"])
     return (f"{sides}, over {d['sides'][0]['steps_measured']} steps after the first of "
             f"`{d['meta']['command']}`")

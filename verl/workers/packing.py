@@ -42,9 +42,9 @@ from verl.errors import VerlConfigError
 from verl.workers.batch import RolloutBatch, micro_slices
 from verl.workers.varlen_attention import VARLEN, varlen_attention, varlen_unsupported
 
-__all__ = ["PackedBatch", "TreeSegment", "block_causal_mask", "check_varlen_attention", "common_prefix",
-           "micro_batch_slices", "pack", "pack_tree", "TreeCounts", "packed_attention", "padded_token_share", "token_budget_slices",
-           "tree_metrics", "tree_tokens"]
+__all__ = ["PackedBatch", "TreeCounts", "TreeSegment", "block_causal_mask", "check_varlen_attention",
+           "common_prefix", "micro_batch_slices", "pack", "pack_tree", "packed_attention", "padded_token_share",
+           "token_budget_slices", "tree_metrics", "tree_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
