@@ -221,6 +221,14 @@ def e2e(data: dict) -> list[str]:
                   f"{fmt(data['ratio_tokens_per_s_best'])}x"
                   + (f"; per CPU second {fmt(data['ratio_tokens_per_cpu_s'])}x" if "ratio_tokens_per_cpu_s" in data
                      else "") + "."]
+    floor = data.get("compute_floor", {})
+    if "floor_update_s" in floor:  # per phase: seconds, the floor's seconds, and the share of it
+        phases = [{"side": side, "phase": phase, "s/step": data[side]["split"].get(f"{phase}_s"),
+                   "floor s": floor.get(f"floor_{phase}_s"),
+                   "share of the floor": data[side]["split"].get(f"floor_share_{phase}"),
+                   "padded share": data[side]["split"].get(f"padded_share_{phase}")}
+                  for side in ("verl", "trl") for phase in ("generate", "log_prob", "update", "sync")]
+        lines += [""] + table(phases, [(k, k) for k in phases[0]])
     return lines
 
 

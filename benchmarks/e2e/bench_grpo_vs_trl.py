@@ -267,7 +267,7 @@ def step_split(runs: list[dict], side: str, packed: bool = True) -> dict:
         return out
     timings = {k[len("timing/"):-2]: mean(k) for k in recs[0] if k.startswith("timing/")}
     out = {"generate_s": timings.pop("generate", 0.0), "log_prob_s": timings.pop("old_log_prob", 0.0),
-           "update_s": timings.pop("update_actor", 0.0)}
+           "update_s": timings.pop("update_actor", 0.0), "sync_s": timings.pop("sync_weights", 0.0)}
     out["other_s"] = sum(timings.values())
     if "rollout/padded_share" in recs[0]:
         out["padded_share_generate"] = mean("rollout/padded_share")
@@ -309,7 +309,11 @@ def compute_floor(model_dir: Path, prompt_ids: list[list[int]], response_length:
     return {"body_matmul_params": body_params, "lm_head_params": head_params, "prompt_tokens": prompt_tokens,
             "response_tokens": response_tokens, "gflop_per_step": flops / 1e9, "gemm_gflops_1thread": rate / 1e9,
             "floor_s_per_step": flops / rate, "floor_tokens_per_s": response_tokens * rate / flops,
-            "prompt_share_of_training_flops": body_params * prompt_tokens / (per_pass / 2)}
+            "prompt_share_of_training_flops": body_params * prompt_tokens / (per_pass / 2),
+            # per phase: generation is one forward of every token, the update forward + backward (3 forwards);
+            # the on-policy jobs here run no separate log-prob pass (its floor would be one forward)
+            "gflop_generate": per_pass / 1e9, "gflop_update": 3 * per_pass / 1e9,
+            "floor_generate_s": per_pass / rate, "floor_update_s": 3 * per_pass / rate}
 
 
 def markdown(result: dict) -> str:
@@ -333,6 +337,17 @@ def markdown(result: dict) -> str:
                   f"{result['verl']['tokens_per_cpu_s']:.1f}, TRL {result['trl']['tokens_per_cpu_s']:.1f} "
                   f"tokens/CPU-s, "
                   f"ratio {result['ratio_tokens_per_cpu_s']:.2f}x"]
+    if "floor_generate_s" in f:
+        lines += ["", "| side | phase | s/step | GFLOP (floor's count) | floor s | share of the floor |",
+                  "|---" * 6 + "|"]
+        for side in ("verl", "trl"):
+            sp = result[side].get("split", {})
+            for phase in ("generate", "log_prob", "update", "sync"):
+                secs = sp.get(f"{phase}_s", 0.0)
+                gf, fs = f.get(f"gflop_{phase}"), f.get(f"floor_{phase}_s")
+                share = f"{fs / secs:.0%}" if fs and secs else "-"
+                lines.append(f"| {side} | {phase} | {secs:.1f} | {'-' if gf is None else f'{gf:.0f}'} | "
+                             f"{'-' if fs is None else f'{fs:.1f}'} | {share} |")
     lines += ["",
               f"Compute floor: {f['gflop_per_step']:.0f} GFLOP/step of matmuls at {f['gemm_gflops_1thread']:.0f} "
               f"GFLOP/s (1 thread) = {f['floor_s_per_step']:.1f} s/step = {f['floor_tokens_per_s']:.1f} tokens/s; "
@@ -387,6 +402,11 @@ def report(wl: Workload, args, assets, runs: list[tuple[dict, dict]], steps: int
     floor = compute_floor(assets[0], assets[2], length)
     floor["max_ratio_vs_trl"] = floor["floor_tokens_per_s"] / result["trl"]["tokens_per_s"]
     floor["verl_fraction_of_floor"] = result["verl"]["tokens_per_s"] / floor["floor_tokens_per_s"]
+    for side in ("verl", "trl"):  # each phase's share of its own floor (1 = at the floor)
+        sp = result[side]["split"]
+        for phase in ("generate", "update"):
+            if sp.get(f"{phase}_s"):
+                sp[f"floor_share_{phase}"] = floor[f"floor_{phase}_s"] / sp[f"{phase}_s"]
     result["compute_floor"] = floor
     return result
 
