@@ -17,7 +17,10 @@ from tests.trainer.conftest import TINY
 
 BASE = [*TINY, "reward.name=tests.trainer.test_multiprocess:length_reward", "trainer.export_hf=false",
         "trainer.plot=false", "actor.optim.lr=1e-2", "warmup.steps=0", "trainer.placement=split",
-        "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]", "trainer.total_steps=4"]
+        "actor.ranks=[0]", "rollout.ranks=[1]", "reward.ranks=[0]", "trainer.total_steps=4",
+        # responses long enough that a generation outlasts the actor's start of its step: 4 tokens took 8 ms, which
+        # a loaded machine could fit entirely before the actor's first node, so the overlap check was a race
+        "rollout.max_new_tokens=96", "rollout.ignore_eos=true"]
 COMPARED = ("reward/mean", "actor/pg_loss", "advantage/mean", "response/length", "actor/entropy",
             "rollout/staleness_mean")
 
