@@ -37,10 +37,6 @@ LEGACY = {
     "bench_logprob.json": "rows of two runs merged by the removed --append option",
     "bench_loss_head.json": "rows of several runs merged by hand (meta.command is a list, `rows` holds superseded "
                             "rows); re-run `python benchmarks/kernels/bench_logprob.py --loss --full`",
-    "e2e_grpo_vs_trl_smollm2.json": "reported with the removed --collect option from a run stopped by hand; its "
-                                    "per-CPU-second figures came from a sampler that is not in the repository (its "
-                                    "hand-annotated .md, with ratios read from chosen time windows, is removed); "
-                                    "re-run `python benchmarks/e2e/bench_grpo_vs_trl.py --workload smollm2-gsm8k`",
 }
 """Results files that do not reproduce from one command (kept until re-measured; see the section's note)."""
 
