@@ -21,7 +21,7 @@ Losses are pluggable: a `LossFn` gets the last stage's output for one micro-batc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -127,10 +127,7 @@ def _forward_step(model: MegatronGPT, loss_fn: LossFn):
             pg = model.pg
             set_route_contexts(model.gpt, arch, mb, ids.shape[1], sequence_parallel=pg.sequence_parallel,
                                tp_rank=pg.tp_rank, tp=pg.tp_size)
-        if mb.get("rope_positions"):
-            with rope_at_positions(model.gpt, pos):
-                out = module(ids, pos, attention_mask=mask_4d)
-        else:
+        with rope_at_positions(model.gpt, pos) if mb.get("rope_positions") else nullcontext():
             out = module(ids, pos, attention_mask=mask_4d)
         return out, partial(_loss_adapter, loss_fn, model, mb)
     return step

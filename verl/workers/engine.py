@@ -196,12 +196,10 @@ class ModuleEngine:
         """(row slice, micro-batch, its packed form or None) per micro-batch (verl/workers/packing.py);
         share_prefix: the rows' shared prefixes computed once (`pack_tree`; counted in `tree_counts`)."""
         group = self.placement.dp if self.placement.distributed else None
-        slices = micro_batch_slices(batch, micro_batch_size, max_tokens, group, tree=share_prefix)
-        if share_prefix and padding_free:
-            self.tree_counts.add(batch, slices)
-        for sl in slices:
+        tree = self.tree_counts if share_prefix and padding_free else None
+        for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, group, tree=tree):
             mb = batch.select(sl)
-            yield sl, mb, (pack_tree(mb) if share_prefix else pack(mb)) if padding_free else None
+            yield sl, mb, (pack(mb) if tree is None else pack_tree(mb)) if padding_free else None
 
     @torch.no_grad()
     def forward(self, batch: RolloutBatch, micro_batch_size: int, *, temperature: float = 1.0,

@@ -161,10 +161,8 @@ class MegatronEngine:
             return [{**mb, "replay_routes": self.replay_routes} for mb in mbs]
         out = []
         tree = share_prefix and padding_free
-        slices = micro_batch_slices(batch, micro_batch_size, max_tokens, self.placement.dp, tree=tree)
-        if tree:
-            self.tree_counts.add(batch, slices)
-        for sl in slices:
+        for sl in micro_batch_slices(batch, micro_batch_size, max_tokens, self.placement.dp,
+                                     tree=self.tree_counts if tree else None):
             mb = batch.select(sl)
             fields = {"response_mask": mb.response_mask, **{k: v[sl] for k, v in extra.items()}}
             base = (self._packed_micro_batch(mb, tree) if padding_free

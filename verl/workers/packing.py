@@ -206,15 +206,9 @@ def tree_tokens(mb: RolloutBatch) -> tuple[int, int]:
     """(tokens `pack_tree` lays out, tokens `pack` would) for these rows, without packing them: the distinct
     prefixes of the rows' real tokens, counted over the rows in lexicographic order (each adds what it does not
     share with the row before it), so a whole batch costs b log b comparisons, not b²."""
-    seqs = [s.tolist() for s in _real_tokens(mb)]
-    total = sum(len(s) for s in seqs)
-    ordered = sorted(seqs)
-    shared = 0
-    for a, b in zip(ordered, ordered[1:]):
-        m = min(len(a), len(b))
-        k = next((i for i in range(m) if a[i] != b[i]), m)
-        shared += k
-    return total - shared, total
+    ordered = sorted(_real_tokens(mb), key=lambda t: t.tolist())
+    total = sum(len(s) for s in ordered)
+    return total - sum(common_prefix(a, b) for a, b in zip(ordered, ordered[1:])), total
 
 
 def block_causal_mask(seq_ids: torch.Tensor) -> torch.Tensor:
@@ -299,19 +293,22 @@ def _split_to(slices: list[slice], count: int) -> list[slice]:
 
 
 def micro_batch_slices(batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0,
-                       group: dist.ProcessGroup | None = None, tree: bool = False) -> list[slice]:
+                       group: dist.ProcessGroup | None = None, tree: TreeCounts | None = None) -> list[slice]:
     """Row ranges of the micro-batches: `micro_batch_size` rows each, or (max_tokens > 0) filled by real tokens
-    up to `max_tokens` (tree: counted as `pack_tree` lays them out), with the same number of micro-batches on
-    every rank of `group` (collective then)."""
+    up to `max_tokens`, with the same number of micro-batches on every rank of `group` (collective then). `tree`:
+    the micro-batches are `pack_tree` layouts, whose tokens the budget counts; what they compute is added to it."""
     if max_tokens <= 0:
-        return micro_slices(len(batch), micro_batch_size)
-    slices = token_budget_slices(batch.attention_mask.sum(-1).tolist(), max_tokens,
-                                 _real_tokens(batch) if tree else None)
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        from verl.distributed.placement import comm_device
-        count = torch.tensor([len(slices)], dtype=torch.long, device=comm_device())
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        slices = _split_to(slices, int(count))
+        slices = micro_slices(len(batch), micro_batch_size)
+    else:
+        slices = token_budget_slices(batch.attention_mask.sum(-1).tolist(), max_tokens,
+                                     None if tree is None else _real_tokens(batch))
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            from verl.distributed.placement import comm_device
+            count = torch.tensor([len(slices)], dtype=torch.long, device=comm_device())
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+            slices = _split_to(slices, int(count))
+    if tree is not None:
+        tree.add(batch, slices)
     return slices
 
 
