@@ -6,6 +6,7 @@ processes.
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny --quick          # ~5 steps each side
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload tiny --full           # + the 1/2/4-process scaling
     python benchmarks/e2e/bench_grpo_vs_trl.py --workload smollm2-gsm8k         # 3 TRL steps (~30-60 min here)
+    verl bench e2e --workload smollm2-gsm8k      # the same: the e2e suite's scripts that take --workload (this one)
 
 Workloads:
 - tiny: a 2.4M-parameter model with a 96-token vocabulary on the arithmetic task; both sides sample exactly

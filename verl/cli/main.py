@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -27,9 +28,11 @@ def _repo_root() -> str:
 
 def _bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="verl bench", description="Run a benchmark suite (results: JSON + PNG "
-                                     "under benchmarks/results/).")
+                                     "under benchmarks/results/). Options after the suite go to the suite's scripts "
+                                     "that take them (e.g. `verl bench e2e --workload smollm2-gsm8k` runs the "
+                                     "scripts that have a --workload option); the others are skipped.")
     parser.add_argument("suite", choices=SUITES)
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to every benchmark script of the suite")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to the suite's scripts that take them")
     args = parser.parse_args(argv)
     folder = os.path.join(_repo_root(), "benchmarks", args.suite)
     scripts = sorted(glob.glob(os.path.join(folder, "bench_*.py")))
@@ -37,11 +40,30 @@ def _bench(argv: list[str]) -> int:
         print(f"verl bench: no benchmark scripts in {folder}; benchmarks run from a source checkout of verl",
               file=sys.stderr)
         return 2
+    wanted = {a.split("=", 1)[0] for a in args.args if a.startswith("--")}
+    chosen = [s for s in scripts if wanted <= script_options(s)]
+    if not chosen:
+        have = sorted(set().union(*(script_options(s) for s in scripts)))
+        print(f"verl bench {args.suite}: no script of the suite takes {' '.join(sorted(wanted))}; its scripts' "
+              f"options: {' '.join(have) or '(none)'}", file=sys.stderr)
+        return 2
     rc = 0
     for script in scripts:
-        print(f"== {os.path.relpath(script, _repo_root())}", flush=True)
+        name = os.path.relpath(script, _repo_root())
+        if script not in chosen:
+            print(f"== {name}: skipped (it takes no {' '.join(sorted(wanted - script_options(script)))})", flush=True)
+            continue
+        print(f"== {name}", flush=True)
         rc |= subprocess.call([sys.executable, script, *args.args], cwd=_repo_root())
     return rc
+
+
+def script_options(path: str) -> set[str]:
+    """The --options a benchmark script's argument parser declares (read from its source: every benchmark script
+    builds its parser with add_argument("--name", ...), and importing them would pull in torch)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return set(re.findall(r"add_argument\(\s*(?:\"-\w\",\s*)?\"(--[A-Za-z0-9][\w-]*)\"", text)) | {"--help"}
 
 
 def _train(argv: list[str]) -> int:
