@@ -280,3 +280,37 @@ def test_int8_is_refused_where_it_cannot_run():
         RolloutConfig(quantization="int8", decoder="model")
     with pytest.raises(VerlConfigError, match="quantization"):
         RolloutConfig(quantization="fp4")
+
+
+@pytest.mark.parametrize("stop", [(), ("e",)])
+def test_more_rows_than_the_batch_decode_continuously_with_the_same_samples(stop):
+    """rollout.max_batch_size below the number of rows: the fast decoder batches continuously (finished rows' slots
+    are taken by pending ones, a group's samples prefilled once) and samples exactly what the model's own forward
+    samples in waves of max_batch_size rows: the same tokens, log-probs, finish reasons and stop-string cuts."""
+    tok = tiny_tokenizer()
+    model = tiny_model(tokenizer=tok, intermediate_size=96, initializer_range=0.2)
+    sp = SamplingParams(max_new_tokens=20, n=3, temperature=1.0, seed=11, logprobs=True,
+                        stop_token_ids=list(range(5, 20)), stop=list(stop))
+    prompts = ["the quick brown", "what", "one two three four five six", "a b", "seven", "x y z"]
+    cfg = dict(max_batch_size=4)
+    fast_engine = TorchRollout(model, tok, RolloutConfig(decoder="fast", **cfg))
+    fast = fast_engine.generate(prompts, sp)
+    slow = TorchRollout(model, tok, RolloutConfig(decoder="model", **cfg)).generate(prompts, sp)
+    assert len(set(len(o.token_ids) for o in slow)) > 3  # rows finish at many different steps
+    ends = set(sp.stop_token_ids) | {tok.eos_token_id}
+    by_string = [o for o in slow if o.finish_reason == "stop" and o.token_ids[-1] not in ends]
+    assert bool(by_string) == bool(stop)  # the stop string ends rows (not only the stop ids)
+    for a, b in zip(fast, slow):
+        assert (a.prompt_index, a.sample_index) == (b.prompt_index, b.sample_index)
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.text == b.text
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    metrics = fast_engine.take_metrics()
+    assert metrics["rollout/continuous_joins"] >= 2  # pending rows joined a running batch, more than once
+    assert fast_engine._fast.rows == 0  # the cache went back
+
+
+def test_generate_with_fewer_rows_than_the_batch_runs_one_wave():
+    tok = tiny_tokenizer()
+    engine = TorchRollout(tiny_model(tokenizer=tok), tok, RolloutConfig(decoder="fast", max_batch_size=8))
+    engine.generate(["the quick brown", "what"], SamplingParams(max_new_tokens=4, n=4, seed=1))
+    assert "rollout/continuous_joins" not in engine.take_metrics()

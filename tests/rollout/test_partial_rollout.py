@@ -32,7 +32,9 @@ def _model(tok, seed: int):
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_hook_that_keeps_its_version_changes_nothing(tok, path):
-    engine = TorchRollout(_model(tok, 0), tok, RolloutConfig(max_batch_size=4, **PATHS[path]))
+    # one wave of all 6 rows on both sides (more rows than max_batch_size would decode continuously without a
+    # hook and in waves with one: equal samples, log-probs equal only to rounding)
+    engine = TorchRollout(_model(tok, 0), tok, RolloutConfig(max_batch_size=8, **PATHS[path]))
     # sampled, n > 1, rows stopping at different steps (so the fast decoder drops finished rows)
     sp = SamplingParams(max_new_tokens=12, n=2, temperature=0.9, seed=4, logprobs=True,
                         stop_token_ids=tuple(range(5, 25)))

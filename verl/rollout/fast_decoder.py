@@ -204,14 +204,16 @@ class LlamaFamilyDecoder:
         return 0 if not self.layers or self.layers[0]["k"] is None else self.layers[0]["k"].shape[0]
 
     @torch.no_grad()
-    def join(self, ids: torch.Tensor, mask: torch.Tensor, reserve: int) -> torch.Tensor:
+    def join(self, ids: torch.Tensor, mask: torch.Tensor, reserve: int,
+             repeat: torch.Tensor | None = None) -> torch.Tensor:
         """Adds rows to a running batch (continuous batching): prefills `ids` ([b, S] left-padded, `mask` [b, S])
         on their own, then puts them below the current rows, every row right-aligned at max(length, S) columns
         with room for `reserve` more. Returns the new rows' last logits [b, V]. A row's positions come from its
         mask, so moving its cache right by some padding columns changes nothing it computes; the padding columns
         hold zeros (never an uninitialised value that attention weights of 0 would still turn into NaN). The
         caller pads the current rows' mask on the left by max(S - length, 0) and the new rows' by
-        max(length - S, 0)."""
+        max(length - S, 0). `repeat` (an index into the rows of `ids`): the rows that join are those prefilled rows
+        in that order (a prompt prefilled once for each of its samples)."""
         old = [(L["k"], L["v"]) for L in self.layers] if self.rows else None
         before, rows = self.length, self.rows
         b, S = ids.shape
@@ -221,9 +223,11 @@ class LlamaFamilyDecoder:
             self._rope(cap)
         self._allocate(b, S)
         logits = self.step(ids, mask)
+        if repeat is not None:
+            logits, b = logits[repeat], len(repeat)
         for i, L in enumerate(self.layers):
             for name in ("k", "v"):
-                new = L[name]
+                new = L[name] if repeat is None else L[name][repeat]
                 merged = new.new_zeros((rows + b, self.n_kv, cap, self.head_dim))
                 merged[rows:, :, width - S:width] = new[:, :, :S]
                 if old is not None:

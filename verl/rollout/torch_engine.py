@@ -20,6 +20,7 @@ kept or computed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import operator
@@ -124,7 +125,7 @@ class TorchRollout(RolloutEngine):
         # the train decoder re-runs the whole buffer at every step: its routes are the actor's own, not recorded
         self._routes = RouteRecorder.attach(model) if config.decoder != "train" else None
         # token positions computed, the non-padding ones, and KV rebuilds after a weight update mid-generation
-        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}
+        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0, "continuous_joins": 0}
         if self.config.decoder == "fast" and self.config.kv_cache:
             from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
             reason = unsupported_reason(model)
@@ -164,12 +165,32 @@ class TorchRollout(RolloutEngine):
         # The train decoder pads every batch to the call's longest prompt: the training batch's layout
         width = max(len(p) for p in prompt_ids) if self.config.decoder == "train" else None
         try:
+            if len(jobs) > self.config.max_batch_size and self._fast is not None and self.pause_hook is None \
+                    and self._routes is None:
+                return self._generate_continuous(jobs, prompt_ids, params)
             for b in range(0, len(jobs), self.config.max_batch_size):
                 batch = jobs[b:b + self.config.max_batch_size]
                 out += self._generate_batch(batch, prompt_ids, params, width)
         finally:
             self.model.train(was_training)
         return out
+
+    def _generate_continuous(self, jobs: list[tuple[int, int]], prompt_ids: list[list[int]],
+                             params: SamplingParams) -> list[GenerationOutput]:
+        """More rows than max_batch_size, with the fast decoder: continuous batching. Once an eighth of the batch
+        has finished, those slots take the next pending rows (a GRPO group's samples are admitted together, so
+        their prompt is prefilled once), instead of the next wave waiting for the last row of this one. Row (i, j)
+        samples from its own `sample_seed(i, j)` stream, as it would in a wave. (A pause hook rebuilds the cache of
+        a fixed batch, and MoE routes are recorded per wave: those run in waves.)"""
+        source = _Jobs([TurnRequest(key=k, prompt_ids=list(prompt_ids[i]), max_new_tokens=params.max_new_tokens,
+                                    seed=params.sample_seed(i, j), turn=0) for k, (i, j) in enumerate(jobs)])
+        try:
+            _Continuous(self, source, params, admit_at=max(1, self.config.max_batch_size // 8)).run()
+        finally:
+            self._fast.finish()
+        self.stats["continuous_joins"] += source.joins
+        return [dataclasses.replace(source.outputs[k], prompt_index=i, sample_index=j)
+                for k, (i, j) in enumerate(jobs)]
 
     # -- multi-turn (verl.agents) ---------------------------------------------------------------------------------
 
@@ -355,12 +376,16 @@ class TorchRollout(RolloutEngine):
     def take_metrics(self) -> dict[str, float]:
         """rollout/padded_share: the share of the positions the decoder computed since the last call that were
         padding or finished rows (prefill, decode and KV rebuilds together); rollout/partial_rebuilds: KV cache
-        rebuilds after a weight update mid-generation (when any). Resets the counts."""
+        rebuilds after a weight update mid-generation (when any); rollout/continuous_joins: times pending rows took
+        the slots of finished ones in a continuous batch (`_generate_continuous`, when any). Resets the counts."""
         pos, valid, rebuilds = self.stats["positions"], self.stats["valid_positions"], self.stats["rebuilds"]
-        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}
+        joins = self.stats["continuous_joins"]
+        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0, "continuous_joins": 0}
         metrics = {"rollout/padded_share": 1.0 - valid / pos} if pos else {}
         if rebuilds:
             metrics["rollout/partial_rebuilds"] = float(rebuilds)
+        if joins:
+            metrics["rollout/continuous_joins"] = float(joins)
         if self.config.quantization != "none":
             metrics.update(self._quant_metrics())
         return metrics
@@ -611,6 +636,28 @@ class _TrainForward:
         return lp[:, self.t].tolist()
 
 
+class _Jobs:
+    """`generate`'s rows as the TurnSource of a continuous batch: all ready from the start, taken in order."""
+
+    def __init__(self, requests: list[TurnRequest]):
+        self.pending = collections.deque(requests)
+        self.total = len(requests)
+        self.outputs: dict[int, GenerationOutput] = {}
+        self.joins = 0
+        """Admissions after the first (slots freed by finished rows taken by pending ones)."""
+
+    def take(self, block: bool, limit: int | None = None) -> list[TurnRequest]:
+        n = len(self.pending) if limit is None else min(limit, len(self.pending))
+        self.joins += n > 0 and len(self.pending) < self.total
+        return [self.pending.popleft() for _ in range(n)]
+
+    def finish(self, request: TurnRequest, output: GenerationOutput) -> None:
+        self.outputs[request.key] = output
+
+    def done(self) -> bool:
+        return len(self.outputs) == self.total
+
+
 @dataclass(slots=True)
 class _Row:
     """A turn in the continuous batch."""
@@ -628,8 +675,10 @@ class _Continuous:
     masked, until they are an eighth of the batch), `mask` [rows, columns] their real positions, `logits` the next
     token's logits of each row."""
 
-    def __init__(self, engine: TorchRollout, source: TurnSource, params: SamplingParams):
+    def __init__(self, engine: TorchRollout, source: TurnSource, params: SamplingParams, admit_at: int = 1):
         self.engine, self.source, self.params = engine, source, params
+        self.admit_at = admit_at
+        """Free slots that make it worth taking new rows while others decode (each admission copies the cache)."""
         self.fast, self.tok = engine._fast, engine.tokenizer
         self.stop_ids = engine._stop_ids(params)
         self.rows: list[_Row] = []
@@ -643,8 +692,9 @@ class _Continuous:
 
     def run(self) -> None:
         while True:
-            ready = self.source.take(block=self.live() == 0,
-                                     limit=self.engine.config.max_batch_size - self.live())
+            free = self.engine.config.max_batch_size - self.live()
+            idle = self.live() == 0
+            ready = self.source.take(block=idle, limit=free) if idle or free >= self.admit_at else []
             if ready:
                 self.engine._check_contexts(ready)
                 self._admit(ready)
@@ -659,12 +709,16 @@ class _Continuous:
         new = [_Row(request=r, gen=None if r.seed is None else torch.Generator().manual_seed(turn_seed(r.seed, r.turn)),
                     limit=min(r.max_new_tokens, self.engine.budget(len(r.prompt_ids), self.params)), tokens=[],
                     logprobs=[]) for r in requests]
-        ids, mask = self.tok.pad([r.prompt_ids for r in requests], side="left")
+        first: dict[tuple[int, ...], int] = {}  # each distinct prompt is prefilled once (a group's samples)
+        which = [first.setdefault(tuple(r.prompt_ids), len(first)) for r in requests]
+        ids, mask = self.tok.pad([list(p) for p in first], side="left")
         ids, mask = ids.to(self.device), mask.to(self.device)
         rows = self.rows + new
         reserve = max(r.limit - len(r.tokens) for r in rows)
-        logits = self.fast.join(ids, mask, reserve)
+        index = None if len(first) == len(requests) else torch.tensor(which, device=self.device)
+        logits = self.fast.join(ids, mask, reserve, repeat=index)
         self.engine._count_prefill(mask)
+        mask = mask if index is None else mask[index]
         width = self.fast.length
         parts = [] if self.mask is None else [_left(self.mask, width)]
         self.mask = torch.cat(parts + [_left(mask, width)])
@@ -684,7 +738,7 @@ class _Continuous:
             row.tokens.append(t)
             if lp is not None:
                 row.logprobs.append(lp[k])
-            stop = t in self.stop_ids
+            stop = t in self.stop_ids or self.engine._hit_stop_string(row.tokens, params)
             if stop or len(row.tokens) >= row.limit:
                 row.done = True
                 finished.append((row, "stop" if stop else "length"))
