@@ -185,7 +185,7 @@ class TorchRollout(RolloutEngine):
         source = _Jobs([TurnRequest(key=k, prompt_ids=list(prompt_ids[i]), max_new_tokens=params.max_new_tokens,
                                     seed=params.sample_seed(i, j), turn=0) for k, (i, j) in enumerate(jobs)])
         try:
-            _Continuous(self, source, params, admit_at=max(1, self.config.max_batch_size // 8)).run()
+            _Continuous(self, source, params, max_wait=None).run()
         finally:
             self._fast.finish()
         self.stats["continuous_joins"] += source.joins
@@ -215,7 +215,8 @@ class TorchRollout(RolloutEngine):
     def serve(self, source: TurnSource, params: SamplingParams) -> None:
         """Continuous batching with the fast decoder: between two tokens the rows that finished their turn leave
         the batch (their trajectory goes to its tools) and the turns that became ready join it (prefilled on their
-        own, then appended to the cache), so no trajectory waits for another's tools or turn. Without the fast
+        own, then appended to the cache), so no trajectory waits for another's tools or turn. A join copies the
+        cache, so ready turns join together: once they are an eighth of the batch, or after 4 decode steps. Without the fast
         decoder, or with a pause hook (partial rollouts rebuild the cache of a fixed batch), it runs waves."""
         if self._fast is None or self.pause_hook is not None:
             return super().serve(source, params)
@@ -675,10 +676,13 @@ class _Continuous:
     masked, until they are an eighth of the batch), `mask` [rows, columns] their real positions, `logits` the next
     token's logits of each row."""
 
-    def __init__(self, engine: TorchRollout, source: TurnSource, params: SamplingParams, admit_at: int = 1):
+    def __init__(self, engine: TorchRollout, source: TurnSource, params: SamplingParams, max_wait: int | None = 4):
         self.engine, self.source, self.params = engine, source, params
-        self.admit_at = admit_at
-        """Free slots that make it worth taking new rows while others decode (each admission copies the cache)."""
+        self.max_wait = max_wait
+        """Decode steps a ready row may wait for others to join with it (None: until they are enough)."""
+        self.held: list[TurnRequest] = []
+        """Ready rows not yet admitted: each admission copies the whole cache, so rows join in groups."""
+        self.waited = 0
         self.fast, self.tok = engine._fast, engine.tokenizer
         self.stop_ids = engine._stop_ids(params)
         self.rows: list[_Row] = []
@@ -692,12 +696,19 @@ class _Continuous:
 
     def run(self) -> None:
         while True:
-            free = self.engine.config.max_batch_size - self.live()
-            idle = self.live() == 0
-            ready = self.source.take(block=idle, limit=free) if idle or free >= self.admit_at else []
-            if ready:
-                self.engine._check_contexts(ready)
-                self._admit(ready)
+            live = self.live()
+            room = self.engine.config.max_batch_size - live - len(self.held)
+            if room > 0:
+                self.held += self.source.take(block=live == 0 and not self.held, limit=room)
+            # ready rows join once they are an eighth of the batch (an admission costs about a decode step), or
+            # after max_wait steps, or at once into an empty batch
+            if self.held and (live == 0 or 8 * len(self.held) >= live or
+                              (self.max_wait is not None and self.waited >= self.max_wait)):
+                self.engine._check_contexts(self.held)
+                self._admit(self.held)
+                self.held, self.waited = [], 0
+            elif self.held:
+                self.waited += 1
             if self.live() == 0:
                 if self.source.done():
                     return
