@@ -446,7 +446,8 @@ def fig_agent_bench(res, name: str = "bench_agent.json") -> str:
         ("agent loop tokens/s", lambda c: c["loop"]["tokens_per_s"]),
         ("vs its 0-latency step", lambda c: c["loop"]["step_vs_first_latency"]),
         ("lockstep step s", lambda c: c["lock"]["step_s"]), ("lockstep tokens/s", lambda c: c["lock"]["tokens_per_s"]),
-        ("agent loop vs lockstep", lambda c: c["loop"]["speedup_vs_lockstep"])])) + "\n"
+        ("agent loop vs lockstep", lambda c: c["loop"]["speedup_vs_lockstep"]),
+        ("tool path s (no step is shorter)", lambda c: c["loop"].get("tool_path_s", ""))])) + "\n"
 
 
 def fig_agent_bench_exp(res) -> str:
