@@ -5,11 +5,13 @@ ends (weights bit for bit, the metrics series timings aside, every data index tr
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -159,6 +161,12 @@ def _torchrun(out: Path, overrides: list[str], kill_after: int | None = None, vi
             time.sleep(0.02)
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
+    # the ranks' warm spares (verl.utils.spare) leave with torchrun's agent, their sockets with them
+    spares = os.path.join(tempfile.gettempdir(), f"verl-spare-{proc.pid}-*.sock")
+    deadline = time.monotonic() + 10
+    while glob.glob(spares) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not glob.glob(spares)
     return text
 
 
@@ -175,6 +183,7 @@ def test_behaves_a_killed_rank_is_recovered_exactly(tmp_path, mode, victim):
     _torchrun(tmp_path / "clean", extra)
     log = _torchrun(tmp_path / "killed", extra, kill_after=5, victim=victim)
     assert "torchrun restart 1 of at most 2: continuing from the snapshot of step" in log, log[-3000:]
+    assert "(the worker started in its rank's warm spare)" in log, log[-3000:]
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     assert _series(killed, "metrics.jsonl") == _series(clean, "metrics.jsonl")  # validations included
     samples = _series(killed, "samples.jsonl")

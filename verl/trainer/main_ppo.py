@@ -33,13 +33,10 @@ import os
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
+from verl.utils.spare import hand_over, start_spare
 
-from verl.config import PPOConfig, describe
-from verl.config.verl_dialect import load_job
-from verl.distributed import destroy_process_groups, init_placement
-from verl.engines import describe_engines
-from verl.trainer.ppo_trainer import PPOTrainer
+# Nothing heavy is imported at module level: a worker that torchrun restarts hands over to its rank's warm spare
+# (verl.utils.spare) before it would import torch; `main` imports the trainer after that.
 
 DEFAULT_CONFIG = Path(__file__).parent / "config" / "default.yaml"
 
@@ -78,6 +75,15 @@ def spawn_world(translation, argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    hand_over(argv)  # a restarted torchrun worker whose rank's spare waits runs there (and never returns)
+    import torch.distributed as dist
+
+    from verl.config import PPOConfig, describe
+    from verl.config.verl_dialect import load_job
+    from verl.distributed import destroy_process_groups, init_placement
+    from verl.engines import describe_engines
+    from verl.trainer.ppo_trainer import PPOTrainer
+    start_spare(_run_restarted)  # the imports done, before anything rank-specific: a spare for the next restart
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         print("\n".join(describe(PPOConfig)))
@@ -119,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
             if dist.is_initialized():
                 dist.destroy_process_group()
     return 0
+
+
+def _run_restarted(argv: list[str]) -> int:
+    """What a spare's child runs for a restarted worker: `main` as the command line runs it."""
+    from verl.errors import run_cli
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":

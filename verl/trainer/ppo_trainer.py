@@ -34,6 +34,7 @@ from verl.distributed.collectives import barrier, gather_lists, reduce_metrics
 from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.utils.run_folder import RunFolder, check_output_dir
+from verl.utils.spare import started_by_spare
 from verl.utils.snapshot import (DEFAULT_ROOT, Snapshots, config_digest, fill, process_start_time, recovery_enabled,
                                  torchrun_restarts)
 from verl.utils.state_check import MAX_STEP, Dict, Int, Json, List, Opt, Spec, validate
@@ -542,7 +543,9 @@ class PPOTrainer:
         if restarts[0] and self.placement.is_main:
             where = (f"the snapshot of step {self.ckpt.from_snapshot}" if self.ckpt.from_snapshot is not None
                      else str(resume) if resume is not None else "the start (nothing saved yet)")
-            print(f"verl: torchrun restart {restarts[0]} of at most {restarts[1]}: continuing from {where}", flush=True)
+            how = " (the worker started in its rank's warm spare)" if started_by_spare() else ""
+            print(f"verl: torchrun restart {restarts[0]} of at most {restarts[1]}: continuing from {where}{how}",
+                  flush=True)
         info: dict[str, float] = {}
         if not resumed and self.cfg.warmup.steps > 0:
             # every rank warms the same policy up, data parallel over the whole world (whatever the roles)
