@@ -216,8 +216,9 @@ class TorchRollout(RolloutEngine):
         """Continuous batching with the fast decoder: between two tokens the rows that finished their turn leave
         the batch (their trajectory goes to its tools) and the turns that became ready join it (prefilled on their
         own, then appended to the cache), so no trajectory waits for another's tools or turn. A join copies the
-        cache, so ready turns join together: once they are an eighth of the batch, or after 4 decode steps. Without the fast
-        decoder, or with a pause hook (partial rollouts rebuild the cache of a fixed batch), it runs waves."""
+        cache, so ready turns join together: once they are an eighth of the batch, or after 4 decode steps.
+        Without the fast decoder, or with a pause hook (partial rollouts rebuild the cache of a fixed batch), it
+        runs waves."""
         if self._fast is None or self.pause_hook is not None:
             return super().serve(source, params)
         if self.released:

@@ -1,9 +1,10 @@
 """Warm spare workers: a worker that torchrun restarts starts in a fraction of a second instead of ~5 s.
 
 Most of a worker's start is importing torch, transformers and the trainer (`python -X importtime -m
-verl.trainer.main_ppo`: ~4.7 s of ~5 s on this machine's 2 cores). Under `torchrun --max-restarts=N`, each local rank's first worker therefore forks a *spare* right after those imports, before it
-reads its config or joins the process group: a process outside torchrun's worker group (its own session, its
-stdio on /dev/null) that waits on a unix socket. When torchrun restarts the group, the new worker process
+verl.trainer.main_ppo`: ~4.7 s of ~5 s on this machine's 2 cores). Under `torchrun --max-restarts=N`, each local
+rank's first worker therefore forks a *spare* right after those imports, before it reads its config or joins the
+process group: a process outside torchrun's worker group (its own session, its stdio on /dev/null) that waits on
+a unix socket. When torchrun restarts the group, the new worker process
 (`python -m verl.trainer.main_ppo`, which imports nothing heavy before `hand_over`) connects to its rank's spare and
 hands over its arguments, environment, working directory and stdio; the spare forks a child that runs the trainer
 with them (its modules already imported), and the new worker stays as that child's proxy: it forwards signals
