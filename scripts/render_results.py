@@ -53,7 +53,7 @@ PRE_PROVENANCE: dict[str, str] = {
         "verl_key_coverage.json", "bench_delta_sync.json", "bench_delta_sync_1000.json", "bench_lora_sync.json",
         "bench_lora_vs_full.json",
         "e2e_grpo_vs_trl_tiny_padded.json", "bench_moe_dispatch.json", "bench_moe_sync.json",
-        "moe_layout_matrix.json", "bench_agent.json", "bench_tito.json")},
+        "moe_layout_matrix.json")},
     "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
                          "script's default run.",
     "bench_padding_free.json": "No command recorded; `args` holds the arguments it ran with.",
@@ -266,7 +266,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("Kernels", "bench_rl", generic), ("Kernels", "bench_logprob", logprob), ("Kernels", "bench_loss_head", logprob),
     ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
     ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_cores", generic),
-    ("Generation engines", "bench_quant", generic),
+    ("Generation engines", "bench_quant", generic), ("Generation engines", "bench_continuous", generic),
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
@@ -726,7 +726,20 @@ def fig_cores(res) -> str:
             f"`{d['meta']['command']}`")
 
 
+def fig_continuous(res) -> str:
+    d = res["bench_continuous.json"]
+    m, (w, c) = d["meta"], d["rows"]
+    lengths = m["response_length"]
+    return (f"{m['prompts']} prompts x {m['n']} samples ({m['model']}, responses of {lengths['min']}..{lengths['max']} "
+            f"tokens, mean {lengths['mean']:.0f}) with rollout.max_batch_size={m['max_batch_size']}: waves "
+            f"{w['seconds']:.1f} s ({w['tokens_per_s']:.0f} tokens/s), continuous {c['seconds']:.1f} s "
+            f"({c['tokens_per_s']:.0f} tokens/s, **{c['speedup']:.2f}x**, {c['joins']:.0f} joins); "
+            f"{m['rows_same_tokens']} of {m['rows']} rows sampled the same tokens on both sides "
+            f"(`{m['command']}`, median of {m['reps']})")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
+    "continuous": fig_continuous,
     "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree, "cores": fig_cores,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "snapshot_smollm2": fig_snapshot_smollm2,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_bench_exp": fig_agent_bench_exp, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
