@@ -10,7 +10,7 @@ hands over its arguments, environment, working directory and stdio; the spare fo
 with them (its modules already imported), and the new worker stays as that child's proxy: it forwards signals
 to it and exits with its exit code, and the child kills itself the moment the proxy dies (their connection
 closes). So torchrun still sees one process per rank, and a rank killed is a rank ended. The spare waits for the
-next restart and exits with torchrun's agent. VERL_SPARE=0 turns it off.
+next restart and exits with torchrun's agent. VERL_SPARE=0 turns it off; CUDA builds of torch do without (`supported`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-__all__ = ["hand_over", "start_spare", "started_by_spare"]
+__all__ = ["hand_over", "start_spare", "started_by_spare", "supported"]
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 _in_child = False  # this process is a spare's child: it neither hands over nor starts another spare
@@ -88,10 +88,17 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
     return data
 
 
+def supported() -> bool:
+    """Spares need a CPU build of torch: with CUDA (or ROCm) the trainer's GPU state would start in a fork of a
+    process that loaded the GPU runtime, which this has not been tested on; those builds start as usual."""
+    import torch
+    return torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+
+
 def start_spare(run: Callable[[list[str]], int]) -> None:
     """In a worker torchrun may restart, once the heavy imports are done: forks this rank's spare (when none is
     waiting), which later runs `run(argv)` for each restarted worker that hands over."""
-    if not _enabled():
+    if not _enabled() or not supported():
         return
     path, agent = _path(), os.getppid()
     if os.path.exists(path):
