@@ -31,7 +31,7 @@ class HFRollout(TorchRollout):
         self.vocab_size = model_vocab_size(model)
         self.model, self.config = model, config
         self._offloaded, self._fast = None, None
-        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0}  # read by take_metrics, as in torch
+        self.stats = self._new_stats()  # read by take_metrics, as in torch
 
     @torch.inference_mode()
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:

@@ -125,7 +125,7 @@ class TorchRollout(RolloutEngine):
         # the train decoder re-runs the whole buffer at every step: its routes are the actor's own, not recorded
         self._routes = RouteRecorder.attach(model) if config.decoder != "train" else None
         # token positions computed, the non-padding ones, and KV rebuilds after a weight update mid-generation
-        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0, "continuous_joins": 0}
+        self.stats = self._new_stats()
         if self.config.decoder == "fast" and self.config.kv_cache:
             from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
             reason = unsupported_reason(model)
@@ -375,6 +375,11 @@ class TorchRollout(RolloutEngine):
         self.stats["positions"] += mask.numel()
         self.stats["valid_positions"] += int(mask.sum())
 
+    @staticmethod
+    def _new_stats() -> dict[str, int]:
+        """The counts take_metrics reads (and resets), zero."""
+        return {"positions": 0, "valid_positions": 0, "rebuilds": 0, "continuous_joins": 0}
+
     def take_metrics(self) -> dict[str, float]:
         """rollout/padded_share: the share of the positions the decoder computed since the last call that were
         padding or finished rows (prefill, decode and KV rebuilds together); rollout/partial_rebuilds: KV cache
@@ -382,7 +387,7 @@ class TorchRollout(RolloutEngine):
         the slots of finished ones in a continuous batch (`_generate_continuous`, when any). Resets the counts."""
         pos, valid, rebuilds = self.stats["positions"], self.stats["valid_positions"], self.stats["rebuilds"]
         joins = self.stats["continuous_joins"]
-        self.stats = {"positions": 0, "valid_positions": 0, "rebuilds": 0, "continuous_joins": 0}
+        self.stats = self._new_stats()
         metrics = {"rollout/padded_share": 1.0 - valid / pos} if pos else {}
         if rebuilds:
             metrics["rollout/partial_rebuilds"] = float(rebuilds)
