@@ -284,9 +284,9 @@ def test_megatron_engine_packed_equals_padded(megatron_dir, monkeypatch):
 
 
 def _megatron_tree_compare(path, placement, batch, monkeypatch_like) -> list[str]:
-    """The actor's log-probs, loss and gradients as prefix trees (one micro-batch cutting a group, RoPE at the
-    position ids) against the padded run."""
-    from verl.workers import ActorWorker
+    """The actor's log-probs, loss and gradients, and the critic's values, loss and gradients, as prefix trees
+    (one micro-batch cutting a group, RoPE at the position ids) against the padded run."""
+    from verl.workers import ActorWorker, CriticWorker
     from verl.workers.megatron import MegatronEngine
     inputs, optim, res = _inputs(batch, 0), OptimConfig(lr=1e-2), {}
     for name, overrides in {"padded": dict(padding_free=False),
@@ -298,10 +298,23 @@ def _megatron_tree_compare(path, placement, batch, monkeypatch_like) -> list[str
                             temperature=0.9, responses_per_mini=len(batch), max_response_length=R)
         lp, ent = actor.compute_log_probs(batch)
         stats = actor.update(batch, lp.detach() - 0.05 * batch.response_mask, inputs["adv"], inputs["ref"])
+        torch.manual_seed(7)  # the value head is not in the HF directory: the same random init in every run
+        critic = CriticWorker(MegatronEngine(path, placement, MegatronConfig(), value_head=True, optim=optim,
+                                             total_steps=5), CriticConfig(micro_batch_size=3, **overrides))
+        values = critic.compute_values(batch)
+        cstats = critic.update(batch, values, inputs["returns"])
         res[name] = (lp, ent, stats, box[False])
+        res["critic_" + name] = (values, cstats, box[True])
+    (values, cstats, cgrads), (values2, cstats2, cgrads2) = res["critic_padded"], res["critic_tree"]
+    bad = [] if torch.allclose(values2, values, **TOL) else [f"values: {float((values2 - values).abs().max()):.3g}"]
+    if cstats2["critic/vf_loss"] != pytest.approx(cstats["critic/vf_loss"], rel=1e-5, abs=1e-7):
+        bad.append(f"vf_loss {cstats2['critic/vf_loss']} vs {cstats['critic/vf_loss']}")
+    bad += [f"critic grad {n}" for n in cgrads if not torch.allclose(cgrads2[n], cgrads[n], **TOL)]
+    if not cgrads or cstats2.get("critic/tree_token_ratio", 0) < 1.3:
+        bad.append(f"no critic gradients or nothing shared: {cstats2.get('critic/tree_token_ratio')}")
     (lp, ent, stats, grads), (lp2, ent2, stats2, grads2) = res["padded"], res["tree"]
-    bad = [f"{k}: {float((a - b).abs().max()):.3g}" for k, a, b in (("lp", lp2, lp), ("ent", ent2, ent))
-           if not torch.allclose(a, b, **TOL)]
+    bad += [f"{k}: {float((a - b).abs().max()):.3g}" for k, a, b in (("lp", lp2, lp), ("ent", ent2, ent))
+            if not torch.allclose(a, b, **TOL)]
     if stats2["actor/pg_loss"] != pytest.approx(stats["actor/pg_loss"], rel=1e-5, abs=1e-7):
         bad.append(f"pg_loss {stats2['actor/pg_loss']} vs {stats['actor/pg_loss']}")
     bad += [f"grad {n}" for n in grads if not torch.allclose(grads2[n], grads[n], **TOL)]
@@ -357,17 +370,22 @@ def test_verl_train_padding_free_matches_padded(tmp_path):
             "trainer.plot=false", "trainer.save_final=false"]
     runs = {"padded": ["actor.padding_free=false", "critic.padding_free=false"],
             "packed": ["actor.padding_free=true", "critic.padding_free=true", "actor.max_tokens_per_micro_batch=40",
-                       "critic.max_tokens_per_micro_batch=40"]}
+                       "critic.max_tokens_per_micro_batch=40"],
+            "trees": ["actor.share_prompt_prefix=true", "critic.share_prompt_prefix=true"]}
     steps = {}
     for name, extra in runs.items():
         assert main([*base, *extra, f"trainer.output_dir={tmp_path / name}"]) == 0
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         steps[name] = [r for r in rows if "reward/mean" in r]
-    assert len(steps["packed"]) == len(steps["padded"]) == 2
-    first_packed, first_padded = steps["packed"][0], steps["padded"][0]
-    for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm",
-                "critic/grad_norm"):
-        assert first_packed[key] == pytest.approx(first_padded[key], rel=1e-4, abs=1e-7), key
+    assert len(steps["packed"]) == len(steps["padded"]) == len(steps["trees"]) == 2
+    first_padded = steps["padded"][0]
+    for name in ("packed", "trees"):
+        for key in ("reward/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm",
+                    "critic/grad_norm"):
+            assert steps[name][0][key] == pytest.approx(first_padded[key], rel=1e-4, abs=1e-7), (name, key)
+    # the trees shared the groups' prompts in both roles' passes
+    assert steps["trees"][0]["critic/tree_token_ratio"] > 1.2 and steps["trees"][0]["actor/tree_token_ratio"] > 1.2
+    assert "critic/tree_token_ratio" not in steps["packed"][0]
 
 
 def test_model_without_masking_utils_is_refused_for_packing():
@@ -621,9 +639,58 @@ def test_actor_prefix_tree_equals_padded_log_probs_losses_and_gradients(micro, b
     assert stats2["actor/tree_splits"] == {3: 4, 8: 2 if budget else 0}[micro]
 
 
-def test_prefix_tree_needs_padding_free():
+def _run_tree_critic(model, batch, inputs, micro: int, overrides: dict):
+    """(values, update statistics, averaged gradients) of the critic on a fresh value model."""
+    from verl.distributed import init_placement
+    from verl.workers import CriticWorker, TorchEngine
+    engine = TorchEngine(_value_model(copy.deepcopy(model)), OptimConfig(lr=1e-2), init_placement("cpu"),
+                         head="value", total_steps=5)
+    critic = CriticWorker(engine, CriticConfig(micro_batch_size=micro, **overrides))
+    grads = _capture_grads(critic.engine)
+    values = critic.compute_values(batch)
+    stats = critic.update(batch, values, inputs["returns"])
+    return values, stats, dict(grads)
+
+
+@pytest.mark.parametrize("micro,budget,attention", [(3, 0, "varlen"), (8, 30, "varlen"), (8, 0, "mask")])
+def test_critic_prefix_tree_equals_padded_values_loss_and_gradients(micro, budget, attention, monkeypatch):
+    """critic.share_prompt_prefix: the values, value loss and gradients with each shared prefix computed once
+    equal the padded path's (a tree split over micro-batches, cut by a token budget, through the dense mask)."""
+    import verl.workers.packing as packing
+    if attention == "mask":
+        monkeypatch.setattr(packing, "check_varlen_attention", lambda module: "sdpa")
+    model, batch = _model(), make_tree_batch()
+    inputs = _inputs(batch, 0)
+    values, stats, grads = _run_tree_critic(model, batch, inputs, micro, dict(padding_free=False))
+    tree = dict(padding_free=True, share_prompt_prefix=True, max_tokens_per_micro_batch=budget)
+    values2, stats2, grads2 = _run_tree_critic(model, batch, inputs, micro, tree)
+    assert float(values.abs().sum()) > 0
+    torch.testing.assert_close(values2, values, **TOL)
+    assert stats2["critic/vf_loss"] == pytest.approx(stats["critic/vf_loss"], rel=1e-5, abs=1e-7)
+    assert grads.keys() == grads2.keys() and grads
+    for n in grads:
+        torch.testing.assert_close(grads2[n], grads[n], **TOL, msg=n)
+    # the value pass and the update each lay the batch out as trees: the same ratio as the actor's passes
+    assert stats2["critic/tree_token_ratio"] > 1.3 and "critic/tree_token_ratio" not in stats
+    assert stats2["critic/tree_splits"] == {3: 4, 8: 2 if budget else 0}[micro]
+
+
+def test_prefix_tree_needs_padding_free(monkeypatch):
+    import dataclasses
+
+    import verl.config.ppo as ppo
     from verl.config.base import ConfigValueError
     with pytest.raises(ConfigValueError, match="padding_free"):
         ActorConfig(padding_free=False, share_prompt_prefix=True).check()
+    with pytest.raises(ConfigValueError, match="critic.padding_free"):
+        CriticConfig(padding_free=False, share_prompt_prefix=True).check()
+    ppo.PPOConfig(critic=CriticConfig(share_prompt_prefix=True)).check()
     for engine in ("torch", "fsdp", "megatron"):
         ActorConfig(engine=engine, share_prompt_prefix=True).check()
+    # a training engine without prefix sharing (every built-in one has it) is refused for the critic's trees
+    real = ppo.engine_spec
+    monkeypatch.setattr(ppo, "engine_spec", lambda kind, name, key=None: dataclasses.replace(
+        real(kind, name, key), prefix_sharing=False) if kind == "training" else real(kind, name, key))
+    with pytest.raises(ConfigValueError, match=r"critic.share_prompt_prefix.*not supported on the critic's engine "
+                                               r"\(torch\)"):
+        ppo.PPOConfig(critic=CriticConfig(share_prompt_prefix=True)).check()

@@ -465,6 +465,11 @@ class CriticConfig:
     """Token budget of a micro-batch on one rank (see actor.max_tokens_per_micro_batch); 0: count-based."""
     padding_free: bool = True
     """Value and update passes on packed micro-batches (see actor.padding_free)."""
+    share_prompt_prefix: bool = False
+    """With padding_free: the value and update passes pack each micro-batch as a prefix tree (see
+    actor.share_prompt_prefix), so a GRPO group's shared prompt goes through the critic once. The same values,
+    loss and gradients as plain packing up to float rounding. Logged: critic/tree_token_ratio, critic/tree_splits,
+    critic/tree_split_tokens."""
     cliprange_value: float = 0.5
     """Clip of the new values around the old ones in the value loss."""
     warmup_steps: Annotated[int, Range(0, 1 << 30)] = 0
@@ -476,6 +481,8 @@ class CriticConfig:
         check_finite(self, allow_inf=("cliprange_value",))  # inf: no value clipping
         require(self.cliprange_value >= 0, "cliprange_value", self.cliprange_value,
                 "must be >= 0 (.inf: no clipping)")
+        require(self.padding_free or not self.share_prompt_prefix, "share_prompt_prefix", self.share_prompt_prefix,
+                "needs critic.padding_free=true (the prefix tree is a packed layout)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -1170,6 +1177,11 @@ class PPOConfig:
                                   f"shards (or, with rollout.sync=delta, the full sync beside the delta); set "
                                   f"actor.engine to one of {list(engines('training', model_parallel=True))} or "
                                   f"rollout.sync=delta, or turn it off")
+        if self.critic.share_prompt_prefix:
+            critic = self.engine_specs()["critic"]
+            require(critic.prefix_sharing, "critic.share_prompt_prefix", True,
+                    f"is not supported on the critic's engine ({self.critic.engine or self.actor.engine}); use one "
+                    f"of {list(engines('training', prefix_sharing=True))}, or set it to false")
         for role in ("actor", "critic"):
             budget = getattr(self, role).max_tokens_per_micro_batch
             longest = self.data.max_prompt_length + self.rollout.max_new_tokens

@@ -96,6 +96,8 @@ class CriticWorker:
         """`responses_per_mini`: this rank's responses per optimizer step (critic.mini_batch_size); 0: all."""
         self.engine, self.cfg, self.responses_per_mini = engine, cfg, responses_per_mini
         self._micro = dict(padding_free=cfg.padding_free, max_tokens=cfg.max_tokens_per_micro_batch)
+        if cfg.share_prompt_prefix:  # engines with EngineSpec.prefix_sharing take it (config check)
+            self._micro["share_prefix"] = True
         self.guard = NonfiniteGuard("critic", max_nonfinite_steps)
 
     def onload(self, device: torch.device) -> None:
@@ -131,4 +133,6 @@ class CriticWorker:
                 record_step(stats, "critic", per_micro, result, self.guard, step)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["critic/nonfinite_steps"] = float(self.guard.skipped - skipped)
+        if "share_prefix" in self._micro:  # this update's passes and the value pass before it
+            out.update(self.engine.tree_counts.take("critic"))
         return out

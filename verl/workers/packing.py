@@ -370,13 +370,14 @@ def packed_attention(module: torch.nn.Module, packed: PackedBatch) -> Iterator[d
     if packed.tree is not None:
         window = next((m.sliding_window for m in trunk.modules() if getattr(m, "sliding_window", None)), None)
         if window is not None:
-            raise VerlConfigError(f"actor.share_prompt_prefix: {type(trunk).__name__} has sliding-window attention "
-                                  f"(sliding_window={window}), which a prefix tree's attention does not apply; set "
-                                  f"actor.share_prompt_prefix=false for this model")
+            raise VerlConfigError(f"share_prompt_prefix (actor or critic): {type(trunk).__name__} has "
+                                  f"sliding-window attention (sliding_window={window}), which a prefix tree's "
+                                  f"attention does not apply; set share_prompt_prefix=false in that role's section")
         if impl.startswith("flash"):
-            raise VerlConfigError(f"actor.share_prompt_prefix: attn_implementation={impl!r} runs causal sequences "
-                                  f"only, not a prefix tree; load the model with attn_implementation='sdpa', or set "
-                                  f"actor.share_prompt_prefix=false")
+            raise VerlConfigError(f"share_prompt_prefix (actor or critic): attn_implementation={impl!r} runs "
+                                  f"causal sequences only, not a prefix tree; load the model with "
+                                  f"attn_implementation='sdpa', or set share_prompt_prefix=false in that role's "
+                                  f"section")
         if impl != VARLEN:
             yield {"attention_mask": packed.attention}
             return
