@@ -712,7 +712,17 @@ def fig_prefix_tree(res) -> str:
             f"(**{d['token_ratio']:.2f}x fewer**; sharing each prompt alone bounds this at "
             f"{d['token_ratio_bound_prompt_only']:.2f}x at this shape) and took {wall['tree']:.0f} s against "
             f"{wall['packed']:.0f} s (**{d['update_speedup_wall']:.2f}x**, CPU time "
-            f"{d['update_speedup_cpu']:.2f}x; {d['threads']} threads)")
+            f"{d['update_speedup_cpu']:.2f}x; {d['threads']} threads)" + _critic_tree(d))
+
+
+def _critic_tree(d) -> str:
+    c = d.get("critic")
+    if c is None:
+        return ""
+    wall = {k: sum(r["wall_s"] for r in c[k]) / len(c[k]) for k in ("tree", "packed")}
+    return (f"; the critic (`critic.share_prompt_prefix`, a value head on the same model; its value pass and "
+            f"update) computed **{c['token_ratio']:.2f}x fewer** tokens and took {wall['tree']:.0f} s against "
+            f"{wall['packed']:.0f} s (**{c['speedup_wall']:.2f}x**, CPU time {c['speedup_cpu']:.2f}x)")
 
 
 def fig_cores(res) -> str:

@@ -204,6 +204,14 @@ def _dp_body(rank, world):
                         if not torch.allclose(a, b, **TOL)]
     out["fsdp_tree"] += [n for n in padded[3] if not torch.allclose(tree[3][n], padded[3][n], **TOL)]
     out["fsdp_tree_ratio"] = tree[2]["actor/tree_token_ratio"]
+    # ... and the critic's (critic.share_prompt_prefix)
+    def make_value():
+        return engines["fsdp"](_value_model(model), "value")
+    padded = _run_tree_critic(make_value, tree_batch, tree_inputs, 3, dict(padding_free=False))
+    tree = _run_tree_critic(make_value, tree_batch, tree_inputs, 3, dict(padding_free=True, share_prompt_prefix=True))
+    out["fsdp_critic_tree"] = ([] if torch.allclose(tree[0], padded[0], **TOL) else ["values"]) + \
+        [n for n in padded[2] if not torch.allclose(tree[2][n], padded[2][n], **TOL)]
+    out["fsdp_critic_tree_ratio"] = tree[1]["critic/tree_token_ratio"]
     return out
 
 
@@ -213,6 +221,7 @@ def test_torch_and_fsdp_engines_packed_equal_padded_over_two_ranks():
     r0, r1 = run_distributed(_dp_body, 2, timeout=500)
     assert r0["torch"] == [] and r1["torch"] == [] and r0["fsdp"] == [] and r1["fsdp"] == []
     assert r0["fsdp_tree"] == [] and r1["fsdp_tree"] == [] and r0["fsdp_tree_ratio"] > 1.3
+    assert r0["fsdp_critic_tree"] == [] and r1["fsdp_critic_tree"] == [] and r0["fsdp_critic_tree_ratio"] > 1.3
     # the budget cut the ranks' batches into different counts, equalised to the larger one
     assert r0["counts"][1] != r1["counts"][1] and r0["counts"][0] == r1["counts"][0] == max(r0["counts"][1],
                                                                                          r1["counts"][1])
@@ -639,13 +648,17 @@ def test_actor_prefix_tree_equals_padded_log_probs_losses_and_gradients(micro, b
     assert stats2["actor/tree_splits"] == {3: 4, 8: 2 if budget else 0}[micro]
 
 
-def _run_tree_critic(model, batch, inputs, micro: int, overrides: dict):
-    """(values, update statistics, averaged gradients) of the critic on a fresh value model."""
+def _torch_value_engine(model):
     from verl.distributed import init_placement
-    from verl.workers import CriticWorker, TorchEngine
-    engine = TorchEngine(_value_model(copy.deepcopy(model)), OptimConfig(lr=1e-2), init_placement("cpu"),
-                         head="value", total_steps=5)
-    critic = CriticWorker(engine, CriticConfig(micro_batch_size=micro, **overrides))
+    from verl.workers import TorchEngine
+    return TorchEngine(_value_model(copy.deepcopy(model)), OptimConfig(lr=1e-2), init_placement("cpu"),
+                       head="value", total_steps=5)
+
+
+def _run_tree_critic(make_engine, batch, inputs, micro: int, overrides: dict):
+    """(values, update statistics, averaged gradients) of the critic on a fresh value model."""
+    from verl.workers import CriticWorker
+    critic = CriticWorker(make_engine(), CriticConfig(micro_batch_size=micro, **overrides))
     grads = _capture_grads(critic.engine)
     values = critic.compute_values(batch)
     stats = critic.update(batch, values, inputs["returns"])
@@ -661,9 +674,10 @@ def test_critic_prefix_tree_equals_padded_values_loss_and_gradients(micro, budge
         monkeypatch.setattr(packing, "check_varlen_attention", lambda module: "sdpa")
     model, batch = _model(), make_tree_batch()
     inputs = _inputs(batch, 0)
-    values, stats, grads = _run_tree_critic(model, batch, inputs, micro, dict(padding_free=False))
+    make = functools.partial(_torch_value_engine, model)
+    values, stats, grads = _run_tree_critic(make, batch, inputs, micro, dict(padding_free=False))
     tree = dict(padding_free=True, share_prompt_prefix=True, max_tokens_per_micro_batch=budget)
-    values2, stats2, grads2 = _run_tree_critic(model, batch, inputs, micro, tree)
+    values2, stats2, grads2 = _run_tree_critic(make, batch, inputs, micro, tree)
     assert float(values.abs().sum()) > 0
     torch.testing.assert_close(values2, values, **TOL)
     assert stats2["critic/vf_loss"] == pytest.approx(stats["critic/vf_loss"], rel=1e-5, abs=1e-7)
