@@ -1,6 +1,7 @@
 """Elastic recovery (trainer.recovery, verl.utils.snapshot): the per-rank snapshot store, and the default job under
 `torchrun --max-restarts` with a worker SIGKILLed mid-run, which must end exactly where the uninterrupted run
-ends (weights bit for bit, the metrics series timings aside, every data index trained once)."""
+ends (weights bit for bit, the metrics series timings aside, every data index trained once), and two torchrun
+agents (--nnodes=1:2) of which one node is lost for good: the job goes on with the node left."""
 
 from __future__ import annotations
 
@@ -254,3 +255,61 @@ def test_behaves_a_new_session_removes_what_a_failed_one_left(tmp_path):
     mine.clear_stale(["run1"])
     assert not (tmp_path / "run1" / "old-w2" / "rank_00001").exists()
     assert (tmp_path / "run1" / "old-w2" / "rank_00000" / "step_000003.pt").exists()  # another rank's: its own
+
+
+# -- a node lost for good: torchrun --nnodes=1:2 goes on with the one left --------------------------------------
+def _descendants(pid: int) -> list[int]:
+    kids = [int(k) for k in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+@pytest.mark.multiprocess
+def test_behaves_a_lost_node_shrinks_the_job_to_the_nodes_left(tmp_path):
+    """Two torchrun agents (two nodes, one process each) with --nnodes=1:2. Node B (its agent and every process
+    under it) is SIGKILLed mid-run and never comes back: node A's worker fails on the dead peer, its agent meets
+    the rendezvous again with the one node left, and the restarted worker continues alone from the newest
+    checkpoint, resharded from 2 processes to 1 (the 2-process snapshots are refused), to the last step, every
+    data index of the first epoch trained exactly once across the two world sizes."""
+    from verl.distributed.placement import free_port
+    port, out = free_port(), tmp_path / "run"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2",
+             "--monitor-interval=0.1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+             f"--rdzv_id=verl-shrink-{port}", "--rdzv_conf=last_call_timeout=5", "-m", "verl.trainer.main_ppo",
+             *TINY_JOB, "trainer.save_every=2", f"trainer.output_dir={out}",
+             f"trainer.snapshot_dir={tmp_path / 'shm'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    logs = [tmp_path / "node_a.log", tmp_path / "node_b.log"]
+    with logs[0].open("w") as fa, logs[1].open("w") as fb:
+        a = subprocess.Popen(agent, env=env, cwd=tmp_path, stdout=fa, stderr=subprocess.STDOUT)
+        time.sleep(1.0)  # node A hosts the rendezvous store (the first agent at the endpoint does)
+        b = subprocess.Popen(agent, env=env, cwd=tmp_path, stdout=fb, stderr=subprocess.STDOUT)
+        deadline, killed = time.monotonic() + 300, False
+        try:
+            while a.poll() is None:
+                assert time.monotonic() < deadline, f"HANG: {logs[0].read_text()[-3000:]}"
+                if not killed and (out / "metrics.jsonl").exists():
+                    done = sum('"reward/mean"' in ln for ln in (out / "metrics.jsonl").read_text().splitlines())
+                    if done >= 5:
+                        for pid in [b.pid, *_descendants(b.pid)]:
+                            try:
+                                os.kill(pid, signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
+                        killed = True
+                time.sleep(0.02)
+        finally:
+            for p in (a, b):
+                if p.poll() is None:
+                    p.kill()
+    text = logs[0].read_text()
+    assert killed and a.returncode == 0, text[-4000:]
+    assert "snapshots taken with 2 processes are not used" in text, text[-4000:]
+    assert "torchrun restart 1 of at most 2: continuing from " in text and "checkpoints/step_0000" in text, text[-4000:]
+    samples = _series(out, "samples.jsonl")
+    assert sorted(samples) == list(range(1, 13)) and sorted(_series(out, "metrics.jsonl")) == list(range(1, 13))
+    first = [i for s in range(1, 10) for i in samples[s]["data_indices"]]
+    assert sorted(first) == list(range(72)), "each index of the first epoch once, across both world sizes"
+    resumed = [r for r in read_metrics(out / "metrics.jsonl") if "resumed_from_step" in r]
+    assert len(resumed) == 1 and resumed[0]["resumed_from_step"] >= 4 and resumed[0]["resumed_from_step"] % 2 == 0
+    manifest = json.loads((out / "verl_run.json").read_text())
+    assert [e["event"] for e in manifest["history"]] == ["fresh", "resume"], manifest["history"]
