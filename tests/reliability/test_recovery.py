@@ -177,10 +177,13 @@ def _series(out: Path, name: str) -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode,victim", [("sync", 1), ("one_step_off", 0)])
-def test_behaves_a_killed_rank_is_recovered_exactly(tmp_path, mode, victim):
+@pytest.mark.parametrize("mode,victim,engine", [("sync", 1, "torch"), ("one_step_off", 0, "torch"),
+                                                ("sync", 0, "fsdp"), ("sync", 1, "megatron")])
+def test_behaves_a_killed_rank_is_recovered_exactly(tmp_path, mode, victim, engine):
+    """The actor's engine's own state in the snapshot: a torch replica, FSDP2's DTensor shards (2 ranks), a
+    megatron engine's model and optimizer (two data-parallel replicas at TP=1 here)."""
     from safetensors.torch import load_file
-    extra = SPLIT if mode == "one_step_off" else []
+    extra = (SPLIT if mode == "one_step_off" else []) + [f"actor.engine={engine}"]
     _torchrun(tmp_path / "clean", extra)
     log = _torchrun(tmp_path / "killed", extra, kill_after=5, victim=victim)
     assert "torchrun restart 1 of at most 2: continuing from the snapshot of step" in log, log[-3000:]
