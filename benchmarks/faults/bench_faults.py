@@ -58,7 +58,8 @@ MODES = {
               "reward.ranks=[0]", "algorithm.max_staleness=1", "algorithm.rollout_correction.is_level=token",
               "val.num_examples=0"],
 }
-VOLATILE = ("perf/", "timing/", "recovery/", "resumed_from_step")
+# rollout/weight_wait_s: seconds async generation waited for a weight version (a timing, like timing/*)
+VOLATILE = ("perf/", "timing/", "recovery/", "resumed_from_step", "rollout/weight_wait_s")
 
 
 def steps_logged(out: Path) -> list[dict]:
