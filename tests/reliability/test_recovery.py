@@ -208,6 +208,39 @@ def test_behaves_a_killed_rank_is_recovered_exactly(tmp_path, mode, victim, engi
     assert [e["event"] for e in manifest["history"]] == ["fresh", "resume"], manifest["history"]
 
 
+ASYNC = ["trainer.mode=async", "trainer.async_versions=pinned", "algorithm.max_staleness=2", *SPLIT[1:],
+         "trainer.save_every=3"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("victim", [0, 1])
+def test_behaves_a_killed_async_run_is_recovered_exactly_from_its_checkpoint(tmp_path, victim):
+    """trainer.mode=async (pinned versions, up to 2 ahead) takes no per-step snapshots: the restarted workers
+    continue from the newest checkpoint, whose queue (the batches generated ahead, with their weight versions)
+    the rollout's rank puts back first, and redo the steps after it. Killed: the actor's rank (0) or the
+    rollout's (1)."""
+    from safetensors.torch import load_file
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    _torchrun(clean, ASYNC)
+    log = _torchrun(killed, ASYNC, kill_after=5, victim=victim)
+    assert "torchrun restart 1 of at most 2: continuing from" in log and "step_00000" in log, log[-3000:]
+    assert "dropping" not in log
+    timing = ("rollout/weight_wait_s",)
+    drop = lambda series: {s: {k: v for k, v in r.items() if k not in timing} for s, r in series.items()}  # noqa
+    assert drop(_series(killed, "metrics.jsonl")) == drop(_series(clean, "metrics.jsonl"))
+    staleness = [r["rollout/staleness_max"] for _, r in sorted(_series(clean, "metrics.jsonl").items())]
+    assert staleness == [0.0, 1.0] + [2.0] * 10
+    samples = _series(killed, "samples.jsonl")
+    assert samples == _series(clean, "samples.jsonl") and sorted(samples) == list(range(1, 13))
+    first = [i for s in range(1, 10) for i in samples[s]["data_indices"]]
+    assert sorted(first) == list(range(72))
+    a, b = load_file(str(clean / "hf_actor" / "model.safetensors")), load_file(str(killed / "hf_actor" /
+                                                                                    "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    manifest = json.loads((killed / "verl_run.json").read_text())
+    assert [e["event"] for e in manifest["history"]] == ["fresh", "resume"], manifest["history"]
+
+
 def _setup_with_seed(rank, world_size, out):
     from verl.config.base import load_config
     from verl.config.ppo import PPOConfig

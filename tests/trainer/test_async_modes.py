@@ -30,6 +30,10 @@ def _cfg(*overrides: str) -> PPOConfig:
     (["rollout.partial=true"], r"rollout.partial=true .* only trainer.mode=async delivers \(trainer.mode=sync"),
     (["trainer.mode=async", "rollout.tp=2", "rollout.engine=vllm"],
      r"trainer.mode=async .* rollout.tp=2 .* set rollout.tp=1"),
+    (["trainer.async_versions=pinned"], r"trainer.async_versions=pinned .* \(trainer.mode=sync generates"),
+    (["trainer.mode=async", "trainer.async_versions=pinned", "rollout.partial=true"],
+     r"trainer.async_versions=pinned .* rollout.partial=true takes newer ones"),
+    (["trainer.async_versions=latest"], r"trainer.async_versions.*latest"),
 ])
 def test_bad_mode_settings_fail_when_the_config_is_read(overrides, match):
     with pytest.raises(VerlConfigError, match=match):

@@ -120,12 +120,51 @@ def test_async_streams_within_the_staleness_bound_and_resumes_from_its_checkpoin
         assert (dev < 1e-4) if s == 0.0 else (dev > 1e-4), (s, dev)
     ckpts = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step_*"))
     assert ckpts == ["step_000002", "step_000004"]
-    # the queue is dropped at a checkpoint: the resumed run regenerates from the restored weights
+    # the run ended with its queue empty: extended, it generates on from the restored weights
     resumed = run_distributed(_run, 2, args=([*ASYNC, "algorithm.max_staleness=2", "trainer.resume=auto",
                                               "trainer.total_steps=6"], str(tmp_path / "a")), timeout=400)
     assert len(resumed[0]["history"]) == 2
     assert resumed[0]["history"][0]["rollout/staleness_max"] == 0.0  # generated with the restored weights
-    assert "dropping the 2 batch(es) generated ahead" in capfd.readouterr().out
+    assert "dropping" not in capfd.readouterr().out
+
+
+_FAIL_AT = [0]
+
+
+def length_reward_failing(response: str, ground_truth: str, prompt: str) -> float:
+    """length_reward, raising on the first sample of step _FAIL_AT[0] when that is set (16 samples per step)."""
+    _CALLS[0] += 1
+    if _FAIL_AT[0] and _CALLS[0] > 16 * (_FAIL_AT[0] - 1):
+        raise ZeroDivisionError("bad sample")
+    return float(len(response))
+
+
+def _run_failing_at(rank, world_size, overrides, out, step):
+    _FAIL_AT[0] = step
+    return _run_catching(rank, world_size, overrides, out)
+
+
+PINNED = [*ASYNC, "algorithm.max_staleness=2", "trainer.async_versions=pinned", "trainer.total_steps=6",
+          "trainer.save_every=2", "reward.name=tests.trainer.test_one_step_off:length_reward_failing"]
+
+
+@pytest.mark.multiprocess
+def test_async_pinned_versions_resume_exactly_with_the_checkpointed_queue(tmp_path):
+    full = run_distributed(_run, 2, args=(PINNED, str(tmp_path / "full")), timeout=400)
+    hist = full[0]["history"]
+    # batch b generated with exactly version max(0, b - 2), trained at version b
+    assert [h["rollout/staleness_max"] for h in hist] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert [h["rollout/staleness_mean"] for h in hist] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    # the job fails in step 4: its newest checkpoint (step 2) holds batches 2-4, generated ahead with versions 0-2
+    errors = run_distributed(_run_failing_at, 2, args=(PINNED, str(tmp_path / "part"), 4), timeout=400)
+    assert errors[0] is not None and "bad sample" in errors[0]
+    resumed = run_distributed(_run, 2, args=([*PINNED, "trainer.resume=auto"], str(tmp_path / "part")),
+                              timeout=400)
+    assert torch.equal(resumed[0]["weights"], full[0]["weights"])
+    assert len(resumed[0]["history"]) == 4
+    for a, b in zip(resumed[0]["history"], hist[2:], strict=True):
+        keys = {k for k in b if not k.startswith(("timing/", "perf/"))} - {"rollout/weight_wait_s"}
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
 
 def _hold_mid_generation(trainer) -> None:

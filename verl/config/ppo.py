@@ -941,14 +941,20 @@ class TrainerConfig:
     async: the rollout's ranks stream batches into a bounded queue (queue_size) at their own pace and the actor's
     ranks train on each as soon as it is there; new weights reach the rollout in the background and it takes
     them between batches (between tokens with rollout.partial), waiting only when a batch would exceed
-    algorithm.max_staleness. A checkpoint drops the queue: the resumed run regenerates those batches from the
-    restored weights. Both modes overlap engines, so they need the rollout on ranks of its own (rollout.ranks
+    algorithm.max_staleness (trainer.async_versions). A checkpoint keeps the queue's batches (generated, not yet
+    trained): a resumed run trains on them, then generates on. Both modes overlap engines, so they need the rollout on ranks of its own (rollout.ranks
     apart from actor.ranks). Each sample carries the version that generated it
     (rollout/staleness_mean, rollout/staleness_max)."""
     queue_size: Annotated[int, Range(0, 1 << 30)] = 0
     """async: responses the queue of generated, not yet trained batches holds; generation runs at most
     min(algorithm.max_staleness, queue_size / (data.train_batch_size x rollout.n)) versions ahead. 0: room for
     max_staleness batches."""
+    async_versions: Literal["newest", "pinned"] = "newest"
+    """async: the weights each batch is generated with. newest: the newest version received when the batch starts
+    (at least the one algorithm.max_staleness asks for; which one depends on timing). pinned: batch b exactly with
+    version b - the generation lag (the oldest the bound allows; newer versions wait staged in memory, at most
+    lag + 1 copies beside the engine's weights): the run is reproducible, and a resumed or recovered run computes
+    exactly what an uninterrupted one does. Generation never waits longer than with newest."""
 
     def check(self) -> None:
         from verl.utils.run_folder import check_output_dir
@@ -1033,6 +1039,14 @@ class PPOConfig:
                                   f"data.train_batch_size x rollout.n = {self.data.train_batch_size} x "
                                   f"{self.rollout.n} = {self.batch_responses}; use >= {self.batch_responses} "
                                   f"(x algorithm.max_staleness={a.max_staleness} to run that far ahead), or 0")
+        if t.async_versions == "pinned" and t.mode != "async":
+            raise VerlConfigError(f"trainer.async_versions=pinned chooses the weight versions of trainer.mode=async "
+                                  f"(trainer.mode={t.mode} generates each batch with a fixed version already); set "
+                                  f"trainer.async_versions=newest or trainer.mode=async")
+        if t.async_versions == "pinned" and self.rollout.partial:
+            raise VerlConfigError("trainer.async_versions=pinned generates each batch with one fixed weight version, "
+                                  "but rollout.partial=true takes newer ones between tokens, whenever they arrive; "
+                                  "set rollout.partial=false, or trainer.async_versions=newest")
         if self.rollout.partial:
             if not rollout_engine(self.rollout.engine).pausable:
                 raise VerlConfigError(f"rollout.partial=true pauses generation at a weight update and resumes it "

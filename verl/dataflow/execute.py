@@ -55,7 +55,7 @@ from verl.dataflow.trace import NodeEvent, TraceRecorder, write_trace
 from verl.dataflow.transfer import move
 from verl.errors import VerlConfigError, VerlRuntimeError
 
-__all__ = ["execute", "flush"]
+__all__ = ["execute", "flush", "queued_values", "requeue"]
 
 _NO_FAILURE = 1 << 30
 
@@ -347,6 +347,39 @@ def flush(df: FlowGraph, timeout_s: float | None = None) -> None:
     for plan in plans.values():
         for ch, _ in plan.queues_out:
             ch.drain(timeout_s)
+
+
+def queued_values(df: FlowGraph, last: int) -> dict[str, list]:
+    """On a queue producer's ranks: this rank's shares of the values its last `last` runs put into each queue,
+    {"producer/key": [oldest, ..., newest]} (what a checkpoint keeps of values the consumer has not used yet);
+    {} elsewhere. `last` is at most the queue's size + 1 (older values are no longer kept)."""
+    out = {}
+    for ch, _ in plan_for(df).queues_out:
+        if last > len(ch.journal) and last > 0:
+            raise VerlRuntimeError(f"{ch.name}: {last} values asked for, but the producer's ranks keep the last "
+                                   f"{ch.journal.maxlen} (and have put {len(ch.journal)})")
+        out[f"{ch.producer}/{ch.key}"] = list(ch.journal)[len(ch.journal) - last:] if last > 0 else []
+    return out
+
+
+def requeue(df: FlowGraph, values: Mapping[str, list]) -> int:
+    """On a queue producer's ranks, before its first run in a resumed process: puts `values` (what `queued_values` gave
+    in the process that saved them, this rank's shares) into their queues again, in order, so the consumer takes
+    them as if the runs that made them had happened. Collective over the producer's ranks (and, on a first use,
+    every rank: the plan is compiled). Returns how many runs' values went in."""
+    chans = {f"{ch.producer}/{ch.key}": ch for ch, _ in plan_for(df).queues_out}
+    if set(values) != set(chans):
+        raise VerlConfigError(f"the saved queue holds {sorted(values)} but this dataflow's producer here puts into "
+                              f"{sorted(chans)}; resume with the dataflow it was saved with")
+    counts = {len(v) for v in values.values()}
+    if len(counts) > 1:
+        raise VerlConfigError(f"the saved queue holds different numbers of values per key: "
+                              f"{ {k: len(v) for k, v in values.items()} }")
+    n = counts.pop() if counts else 0
+    for i in range(n):  # run by run, as the runs put them
+        for name, ch in chans.items():
+            ch.put(values[name][i])
+    return n
 
 
 def _prologue(plan: Plan, state: RunState | None) -> tuple[set[str], set[int]]:

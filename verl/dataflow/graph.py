@@ -17,7 +17,7 @@ from typing import Any
 
 from verl.dataflow.config import NodeConfig, make_config, world_size_now
 from verl.dataflow.node import Node, NodeEntry, as_node
-from verl.dataflow.execute import execute, flush
+from verl.dataflow.execute import execute, flush, queued_values, requeue
 from verl.dataflow.plan import reachable
 from verl.dataflow.state import RunState
 from verl.errors import VerlConfigError, nearest
@@ -216,6 +216,16 @@ class Dataflow:
         """After a queue producer's last run, on its ranks: waits until every value it made has been sent (see
         `NodeConfig.queue`); at most ``timeout_s`` (default: the job's collective timeout)."""
         flush(self, timeout_s)
+
+    def queued_values(self, last: int) -> dict[str, list]:
+        """On a queue producer's ranks: this rank's shares of what its last ``last`` runs put into each queue
+        (``{"producer/key": [oldest, ..., newest]}``), for a checkpoint; ``requeue`` puts them back."""
+        return queued_values(self, last)
+
+    def requeue(self, values: Mapping[str, list]) -> int:
+        """In a resumed producer, before its first run: puts what ``queued_values`` saved into the queues again, in order
+        (collective over the producer's ranks); returns the number of runs' values."""
+        return requeue(self, values)
 
 
 def _missing_key_message(node: str, key: str, produced: Mapping[str, str], available: set[str]) -> str:

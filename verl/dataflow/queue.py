@@ -11,6 +11,10 @@ behind it in the producer's memory, and `put` blocks while they are all there: a
 rank, in order, and joins them. A failure travels in the value's place, so the consumer's run fails on every
 consumer rank, naming the producer's node and rank.
 
+A producer's ranks also keep their shares of the last `size` + 1 values put (`journal`): a checkpoint of the
+producer stores the ones the consumer has not trained on yet, and a resumed producer `put`s them again before its
+next run, so the consumer takes exactly what it would have (the PPO trainer's async mode).
+
 Ends: `drain` waits until everything put has been sent (the producer's last run); a consumer that stops
 taking leaves the producer's sender waiting in a send, which the job's collective timeout ends. A process that
 dies closes its connections, so the peer's next send or receive fails at once (or at the timeout) and names
@@ -19,6 +23,7 @@ the queue.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch.distributed as dist
@@ -38,6 +43,8 @@ class QueueChannel:
         self.group, self.control = group, control
         self.rank = dist.get_rank()
         self._sender: Sender | None = None
+        self.journal: deque = deque(maxlen=size + 1)
+        """This rank's shares of the last values put (oldest first): at most `size` + 1 are ever unconsumed."""
 
     @property
     def name(self) -> str:
@@ -58,6 +65,8 @@ class QueueChannel:
             infos = [None] * len(self.src)
             dist.all_gather_object(infos, info, group=self.control)
         messages = self._messages(value, infos)
+        if failure is None:
+            self.journal.append(value)
         if self._sender is None:
             self._sender = Sender(self._send, self.size, f"verl-queue-{self.key}", self._send_failed)
         self._sender.hand(messages)

@@ -174,9 +174,12 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(cfg.algorithm.kl_ctrl)
         self.flow = build_ppo_dataflow(cfg, placement.world_size)
         # one_step_off: the generated batches waiting to be trained on, kept between the flow's runs and in
-        # checkpoints. async: the flow's queue holds them, and the rollout's ranks run their own stage
+        # checkpoints. async: the flow's queue holds them, and the rollout's ranks run their own stage (their
+        # checkpoints keep what the queue holds: `_requeue` is what a resumed rollout puts back first)
         self.lag = cfg.generation_lag
         self.flow_state = self.flow.new_state() if self.lag and not cfg.streaming else None
+        self._queue_saved: tuple[int, dict] | None = None  # async, rollout ranks: (batches made, unconsumed ones)
+        self._requeue: dict | None = None
         self.produces_only, self.metrics_world = False, placement
         if cfg.streaming:
             self._split_stages()
@@ -194,7 +197,7 @@ class PPOTrainer:
         self._snapshot_payload: dict | None = None
         if recovery_enabled(cfg.trainer.recovery) and cfg.streaming and placement.is_main:
             print("verl: trainer.recovery in async mode restarts from the newest checkpoint (trainer.save_every), "
-                  "its queue regenerated: no per-step snapshots", flush=True)
+                  "and the batches its queue held then: no per-step snapshots", flush=True)
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -418,6 +421,11 @@ class PPOTrainer:
         mode's prologue generates afresh with the restored weights."""
         saved_lag, saved_world = int(state.get("generation_lag", 0)), self.ckpt.saved_world_size
         resharded = saved_world != self.placement.world_size
+        if self.cfg.streaming and saved_lag == self.lag and not resharded:
+            mine = state["flow_state"][self.placement.global_rank]
+            if self.produces_only and mine is not None:  # the rollout's ranks queue them again (`_produce`)
+                self._requeue = decode_state(mine)
+            return
         if self.flow_state is None or saved_lag != self.lag or resharded:
             if saved_lag and self.placement.is_main:
                 why = (f"saved by {saved_world} processes, resumed by {self.placement.world_size}" if resharded
@@ -450,8 +458,17 @@ class PPOTrainer:
         """This rank's part of the trainer state: a snapshot is per rank, taken without a collective."""
         return {"step": self.step, "sampler": self.sampler.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
                 "actor_sched": self._sched_state(self.actor), "critic_sched": self._sched_state(self.critic),
-                "generation_lag": self.lag,
-                "flow_state": None if self.flow_state is None else encode_state(self.flow_state.state_dict())}
+                "generation_lag": self.lag, "flow_state": self._carried_state()}
+
+    def _carried_state(self) -> dict | None:
+        """The batches generated ahead that this rank holds: one_step_off's run state, or in async on the
+        rollout's ranks their shares of the values still in the queue (in the flow state's format)."""
+        if self.flow_state is not None:
+            return encode_state(self.flow_state.state_dict())
+        if self._queue_saved is not None:
+            runs, values = self._queue_saved
+            return encode_state({"runs": runs, "carried": values})
+        return None
 
     def _own_state_spec(self) -> Spec:
         return Dict({**_state_fields(self.sampler, self.kl_ctrl), "generation_lag": Int(self.lag, self.lag),
@@ -653,7 +670,8 @@ class PPOTrainer:
         if self.actor is not None:
             self.actor.weight_stream = WeightStream(link, self.actor, None, self.step)
         if self.rollout is not None:
-            stream = self.rollout.stream = WeightStream(link, None, self.rollout, self.step)
+            stream = self.rollout.stream = WeightStream(link, None, self.rollout, self.step,
+                                                        pinned=self.cfg.trainer.async_versions == "pinned")
             if self.cfg.rollout.partial:  # new weights between tokens: the torch engine rebuilds its KV cache
                 self.rollout.engine.pause_hook = lambda: stream.take(self.rollout)
 
@@ -713,12 +731,20 @@ class PPOTrainer:
         every, total = cfg.trainer.save_every, cfg.trainer.total_steps
         saves = [k for k in range(self.step + 1, total + 1)
                  if (every and k % every == 0) or (k == total and cfg.trainer.save_final)]
+        start = self.step
+        if self._requeue is not None:  # a resumed run: the checkpoint's queued batches go first, as they were
+            start = self._requeue["runs"]
+            self.flow.requeue(self._requeue["carried"])
+            for _ in range(start - self.step):  # their prompts were drawn before the save
+                self.sampler.next_batch()
+            self._requeue = None
+        pinned = cfg.trainer.async_versions == "pinned"
         idle = None
-        for b in range(self.step, total):
+        for b in range(start, total):
             t0 = time.perf_counter()
             self.watchdog.step = b + 1
             with self.watchdog.phase(f"waiting for weights version {b - lag} (batch {b + 1})"):
-                waited = stream.wait_for(self.rollout, b - lag, timeout)
+                waited = stream.wait_for(self.rollout, b - lag, timeout, exact=pinned)
             stats = {"rollout/weight_wait_s": waited, "rollout/lead": float(b - stream.version)}
             if idle is not None:  # the previous batch's cycle: this one's ends only after the batch has left
                 stats["perf/idle_share_rollout"] = idle
@@ -730,11 +756,20 @@ class PPOTrainer:
             cycle = time.perf_counter() - t0
             idle = max(0.0, 1.0 - self.node_seconds.get("generate", 0.0) / cycle)
             while saves and min(saves[0] + lag, total - 1) <= b:
-                self.save(saves.pop(0))
+                self._save_produced(saves.pop(0), b + 1)
         self.flow.flush(timeout)
         for k in saves:
-            self.save(k)
+            self._save_produced(k, total)
         stream.close(self.rollout, timeout)
+
+    def _save_produced(self, step: int, made: int) -> None:
+        """async, on the rollout's ranks: joins the checkpoint of training step `step` once `made` batches are
+        generated; the ones training has not taken yet (batches step .. made - 1) go into it."""
+        self._queue_saved = (made, self.flow.queued_values(made - step))
+        try:
+            self.save(step)
+        finally:
+            self._queue_saved = None
 
     def _metrics(self, out: dict, elapsed: float) -> dict[str, float]:
         """The step's metrics, the same on every rank: each rank reports what its roles computed (the actor's

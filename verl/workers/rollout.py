@@ -315,10 +315,12 @@ class WeightStream:
     Each version is announced by a one-int broadcast from the actor's first rank (-1 ends the stream), then moved
     like a sync. Each rollout rank takes versions on its own, so a generation replica must be one rank
     (rollout.tp=1). A failure on one side surfaces on the other at its next publish / take, or when the link's
-    group times out."""
+    group times out. `pinned` (trainer.async_versions=pinned): every version received stays staged until the
+    generating thread asks for it by number (`wait_for(..., exact=True)`), so each batch gets exactly the version
+    the schedule names."""
 
-    def __init__(self, link: WeightLink, actor, rollout: RolloutWorker | None, version: int):
-        self.link, self.version = link, version
+    def __init__(self, link: WeightLink, actor, rollout: RolloutWorker | None, version: int, pinned: bool = False):
+        self.link, self.version, self.pinned = link, version, pinned
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._staged: dict[int, list] = {}
@@ -356,7 +358,10 @@ class WeightStream:
                 staged = _Staged(names)
                 self.link._hybrid.sync({}, staged)
                 with self._cond:  # `take` loads only the newest: an older one not yet taken is dropped now
-                    self._staged = {version: staged.tensors}
+                    if self.pinned:  # unless the generating thread will ask for it by number
+                        self._staged[version] = staged.tensors
+                    else:
+                        self._staged = {version: staged.tensors}
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - raised by the next take in the main thread
             self._error = exc
@@ -399,10 +404,26 @@ class WeightStream:
         self._check()
         return self.version
 
-    def wait_for(self, rollout: RolloutWorker, version: int, timeout_s: float) -> float:
-        """Takes the newest version, first waiting (at most `timeout_s`) until one >= `version` has arrived;
-        returns the seconds waited."""
+    def _take_exactly(self, rollout: RolloutWorker, version: int) -> None:
+        """Loads staged version `version` (when it arrived) and drops the older staged ones."""
+        with self._cond:
+            tensors = self._staged.pop(version, None)
+            self._staged = {v: t for v, t in self._staged.items() if v > version}
+        if tensors is not None:
+            if rollout.engine.released:
+                rollout.engine.resume()
+            rollout.engine.update_weights(iter(tensors))
+            self.version = version
+        self._check()
+
+    def wait_for(self, rollout: RolloutWorker, version: int, timeout_s: float, exact: bool = False) -> float:
+        """Takes the newest version, first waiting (at most `timeout_s`) until one >= `version` has arrived
+        (`exact`: takes version `version` itself, newer ones staying staged; none when the engine holds it or a
+        newer one already); returns the seconds waited."""
         t0 = time.perf_counter()
+        if exact and version <= self.version:
+            self._check()
+            return 0.0
         with self._cond:
             while max(self._staged, default=self.version) < version and self._error is None \
                     and self._thread.is_alive():
@@ -411,7 +432,10 @@ class WeightStream:
                                            f"holds {self.version}); the actor's ranks stopped publishing",
                                            rank=dist.get_rank())
                 self._cond.wait(0.2)
-        self.take(rollout)
+        if exact:
+            self._take_exactly(rollout, version)
+        else:
+            self.take(rollout)
         if self.version < version:
             self._check()
             raise VerlRuntimeError(f"the weight stream ended at version {self.version} while the rollout needed "
