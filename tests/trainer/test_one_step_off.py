@@ -126,6 +126,13 @@ def test_async_streams_within_the_staleness_bound_and_resumes_from_its_checkpoin
     assert len(resumed[0]["history"]) == 2
     assert resumed[0]["history"][0]["rollout/staleness_max"] == 0.0  # generated with the restored weights
     assert "dropping" not in capfd.readouterr().out
+    # resumed in lockstep, the streaming run's carried batches are dropped, saying why
+    again = run_distributed(_run, 2, args=(["trainer.mode=one_step_off", "trainer.save_final=false",
+                                            "algorithm.rollout_correction.is_level=token", "trainer.resume=auto",
+                                            "trainer.total_steps=5"], str(tmp_path / "a")), timeout=400)
+    assert len(again[0]["history"]) == 1
+    assert "dropping the batch(es) generated ahead before the checkpoint (saved with generation lag 2, resumed " \
+           "with 1)" in capfd.readouterr().out
 
 
 _FAIL_AT = [0]

@@ -914,7 +914,8 @@ class TrainerConfig:
     batches in flight) into memory in the background (perf/snapshot_s: the time it took from the step), and a run
     that torchrun restarts after a rank died (`torchrun --max-restarts=N`) continues by itself from the newest
     snapshot every rank holds, or the newest checkpoint when that is newer, exactly as if uninterrupted (sync and
-    one_step_off; async resumes from its newest checkpoint, its queue regenerated). auto: on when torchrun may
+    one_step_off; async resumes from its newest checkpoint with the batches its queue held, exactly with
+    trainer.async_versions=pinned). auto: on when torchrun may
     restart the workers; on: snapshots in any case; off: none (a restarted run then follows trainer.resume).
     docs/RELIABILITY.md."""
     snapshot_dir: str | None = None

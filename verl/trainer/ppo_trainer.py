@@ -416,24 +416,28 @@ class PPOTrainer:
                 worker.engine.scheduler.load_state_dict(state[key])
 
     def _restore_carried(self, state: dict) -> None:
-        """The batches in flight at the save come back, so a one_step_off / async run resumes exactly. Resumed in
-        another mode (another generation lag), they are dropped: their prompts count as used, and the new
-        mode's prologue generates afresh with the restored weights."""
+        """The batches in flight at the save come back, so a one_step_off / async run resumes exactly (async: the
+        rollout's ranks put the queue's batches back first, `_produce`). Resumed in another mode (another
+        generation lag, or lockstep against streaming) or world size, they are dropped: their prompts count as
+        used, and the new mode's prologue generates afresh with the restored weights."""
         saved_lag, saved_world = int(state.get("generation_lag", 0)), self.ckpt.saved_world_size
+        saved_mode = (state.get("config") or {}).get("trainer", {}).get("mode", "sync")
         resharded = saved_world != self.placement.world_size
-        if self.cfg.streaming and saved_lag == self.lag and not resharded:
-            mine = state["flow_state"][self.placement.global_rank]
-            if self.produces_only and mine is not None:  # the rollout's ranks queue them again (`_produce`)
-                self._requeue = decode_state(mine)
-            return
-        if self.flow_state is None or saved_lag != self.lag or resharded:
+        if saved_lag != self.lag or resharded or (saved_mode == "async") != self.cfg.streaming:
             if saved_lag and self.placement.is_main:
                 why = (f"saved by {saved_world} processes, resumed by {self.placement.world_size}" if resharded
-                       else f"saved with generation lag {saved_lag}, resumed with {self.lag}")
-                print(f"verl: dropping the {saved_lag} batch(es) generated ahead before the checkpoint ({why}); "
-                      f"their prompts count as used", flush=True)
+                       else f"saved with generation lag {saved_lag}, resumed with {self.lag}" if saved_lag != self.lag
+                       else f"saved in trainer.mode={saved_mode}, resumed in {self.cfg.trainer.mode}")
+                print(f"verl: dropping the batch(es) generated ahead before the checkpoint ({why}); their prompts "
+                      f"count as used", flush=True)
             return
-        self.flow_state.load_state_dict(decode_state(state["flow_state"][self.placement.global_rank]))
+        carried, rank = state.get("flow_state") or [], self.placement.global_rank
+        mine = carried[rank] if rank < len(carried) else None
+        if self.cfg.streaming:
+            if self.produces_only and mine is not None:  # the rollout's ranks queue them again (`_produce`)
+                self._requeue = decode_state(mine)
+        elif self.flow_state is not None and mine is not None:
+            self.flow_state.load_state_dict(decode_state(mine))
 
     def save(self, step: int | None = None) -> Path:
         """Collective over every rank (`step`: the training step saved, when a streaming rollout joins)."""
