@@ -755,7 +755,8 @@ def fig_continuous(res) -> str:
 FIGURES: dict[str, Callable[[dict], str]] = {
     "continuous": fig_continuous,
     "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree, "cores": fig_cores,
-    "faults": fig_faults, "faults_exact": fig_faults_exact, "faults_async_exact": fig_faults_async_exact, "snapshot_smollm2": fig_snapshot_smollm2,
+    "faults": fig_faults, "faults_exact": fig_faults_exact, "faults_async_exact": fig_faults_async_exact,
+    "snapshot_smollm2": fig_snapshot_smollm2,
     "tito": fig_tito, "agent_bench": fig_agent_bench, "agent_bench_exp": fig_agent_bench_exp, "agent_job": fig_agent_job, "agent_trace": fig_agent_trace, "moe_dispatch": fig_moe_dispatch, "moe_sync": fig_moe_sync,
     "lora_sync": fig_lora_sync, "lora_memory": fig_lora_memory, "lora_vs_full": fig_lora_vs_full,
     "delta_sync": fig_delta_sync, "delta_1000": fig_delta_1000,

@@ -915,9 +915,8 @@ class TrainerConfig:
     that torchrun restarts after a rank died (`torchrun --max-restarts=N`) continues by itself from the newest
     snapshot every rank holds, or the newest checkpoint when that is newer, exactly as if uninterrupted (sync and
     one_step_off; async resumes from its newest checkpoint with the batches its queue held, exactly with
-    trainer.async_versions=pinned). auto: on when torchrun may
-    restart the workers; on: snapshots in any case; off: none (a restarted run then follows trainer.resume).
-    docs/RELIABILITY.md."""
+    trainer.async_versions=pinned). auto: on when torchrun may restart the workers; on: snapshots in any case;
+    off: none (a restarted run then follows trainer.resume). docs/RELIABILITY.md."""
     snapshot_dir: str | None = None
     """Where the recovery snapshots go (under <dir>/<run id>/): None is /dev/shm/verl, memory on the node, or
     output_dir/.snapshots where /dev/shm is absent; a full directory sends later ones to output_dir/.snapshots
@@ -943,9 +942,9 @@ class TrainerConfig:
     ranks train on each as soon as it is there; new weights reach the rollout in the background and it takes
     them between batches (between tokens with rollout.partial), waiting only when a batch would exceed
     algorithm.max_staleness (trainer.async_versions). A checkpoint keeps the queue's batches (generated, not yet
-    trained): a resumed run trains on them, then generates on. Both modes overlap engines, so they need the rollout on ranks of its own (rollout.ranks
-    apart from actor.ranks). Each sample carries the version that generated it
-    (rollout/staleness_mean, rollout/staleness_max)."""
+    trained): a resumed run trains on them, then generates on. Both modes overlap engines, so they need the
+    rollout on ranks of its own (rollout.ranks apart from actor.ranks). Each sample carries the version that
+    generated it (rollout/staleness_mean, rollout/staleness_max)."""
     queue_size: Annotated[int, Range(0, 1 << 30)] = 0
     """async: responses the queue of generated, not yet trained batches holds; generation runs at most
     min(algorithm.max_staleness, queue_size / (data.train_batch_size x rollout.n)) versions ahead. 0: room for

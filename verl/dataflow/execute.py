@@ -363,8 +363,8 @@ def queued_values(df: FlowGraph, last: int) -> dict[str, list]:
 
 
 def requeue(df: FlowGraph, values: Mapping[str, list]) -> int:
-    """On a queue producer's ranks, before its first run in a resumed process: puts `values` (what `queued_values` gave
-    in the process that saved them, this rank's shares) into their queues again, in order, so the consumer takes
+    """On a queue producer's ranks, before its first run in a resumed process: puts `values` (what `queued_values`
+    gave in the process that saved them, this rank's shares) into their queues again, in order, so the consumer takes
     them as if the runs that made them had happened. Collective over the producer's ranks (and, on a first use,
     every rank: the plan is compiled). Returns how many runs' values went in."""
     chans = {f"{ch.producer}/{ch.key}": ch for ch, _ in plan_for(df).queues_out}

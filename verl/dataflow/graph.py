@@ -223,8 +223,8 @@ class Dataflow:
         return queued_values(self, last)
 
     def requeue(self, values: Mapping[str, list]) -> int:
-        """In a resumed producer, before its first run: puts what ``queued_values`` saved into the queues again, in order
-        (collective over the producer's ranks); returns the number of runs' values."""
+        """In a resumed producer, before its first run: puts what ``queued_values`` saved into the queues again, in
+        order (collective over the producer's ranks); returns the number of runs' values."""
         return requeue(self, values)
 
 
