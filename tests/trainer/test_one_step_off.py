@@ -165,6 +165,10 @@ def test_async_pinned_versions_resume_exactly_with_the_checkpointed_queue(tmp_pa
     # the job fails in step 4: its newest checkpoint (step 2) holds batches 2-4, generated ahead with versions 0-2
     errors = run_distributed(_run_failing_at, 2, args=(PINNED, str(tmp_path / "part"), 4), timeout=400)
     assert errors[0] is not None and "bad sample" in errors[0]
+    # resumed for fewer steps than the queue holds batches for: it trains what it needs and ends (no checkpoint)
+    short = run_distributed(_run, 2, args=([*PINNED, "trainer.resume=auto", "trainer.total_steps=3"],
+                                           str(tmp_path / "part")), timeout=400)
+    assert len(short[0]["history"]) == 1 and short[0]["history"][0]["reward/mean"] == hist[2]["reward/mean"]
     resumed = run_distributed(_run, 2, args=([*PINNED, "trainer.resume=auto"], str(tmp_path / "part")),
                               timeout=400)
     assert torch.equal(resumed[0]["weights"], full[0]["weights"])

@@ -737,8 +737,10 @@ class PPOTrainer:
                  if (every and k % every == 0) or (k == total and cfg.trainer.save_final)]
         start = self.step
         if self._requeue is not None:  # a resumed run: the checkpoint's queued batches go first, as they were
-            start = self._requeue["runs"]
-            self.flow.requeue(self._requeue["carried"])
+            keep = max(0, total - self.step)  # (up to the last step: a run resumed with fewer steps trains fewer)
+            carried = {k: v[:keep] for k, v in self._requeue["carried"].items()}
+            start = self.step + max((len(v) for v in carried.values()), default=0)
+            self.flow.requeue(carried)
             for _ in range(start - self.step):  # their prompts were drawn before the save
                 self.sampler.next_batch()
             self._requeue = None
