@@ -389,32 +389,21 @@ class WeightStream:
                 "perf/publish_bytes": float(sum(t.nbytes for t in params.values()))}
 
     # -- the rollout's side -------------------------------------------------------------------------------------
-    def take(self, rollout: RolloutWorker) -> int:
-        """Loads the newest version received since the last take into the engine (older ones are skipped);
-        returns the version the engine now holds. Never waits."""
+    def take(self, rollout: RolloutWorker, version: int | None = None) -> int:
+        """Loads the newest version received since the last take into the engine (older ones are skipped), or
+        staged version `version` itself (pinned: newer ones stay staged); returns the version the engine now
+        holds. Never waits."""
         with self._cond:
-            newest = max(self._staged, default=-1)
-            tensors = self._staged.pop(newest) if newest > self.version else None
-            self._staged = {v: t for v, t in self._staged.items() if v > newest}
+            want = max(self._staged, default=-1) if version is None else version
+            tensors = self._staged.pop(want) if want > self.version and want in self._staged else None
+            self._staged = {v: t for v, t in self._staged.items() if v > want}
         if tensors is not None:
             if rollout.engine.released:
                 rollout.engine.resume()
             rollout.engine.update_weights(iter(tensors))
-            self.version = newest
+            self.version = want
         self._check()
         return self.version
-
-    def _take_exactly(self, rollout: RolloutWorker, version: int) -> None:
-        """Loads staged version `version` (when it arrived) and drops the older staged ones."""
-        with self._cond:
-            tensors = self._staged.pop(version, None)
-            self._staged = {v: t for v, t in self._staged.items() if v > version}
-        if tensors is not None:
-            if rollout.engine.released:
-                rollout.engine.resume()
-            rollout.engine.update_weights(iter(tensors))
-            self.version = version
-        self._check()
 
     def wait_for(self, rollout: RolloutWorker, version: int, timeout_s: float, exact: bool = False) -> float:
         """Takes the newest version, first waiting (at most `timeout_s`) until one >= `version` has arrived
@@ -432,10 +421,7 @@ class WeightStream:
                                            f"holds {self.version}); the actor's ranks stopped publishing",
                                            rank=dist.get_rank())
                 self._cond.wait(0.2)
-        if exact:
-            self._take_exactly(rollout, version)
-        else:
-            self.take(rollout)
+        self.take(rollout, version if exact else None)
         if self.version < version:
             self._check()
             raise VerlRuntimeError(f"the weight stream ended at version {self.version} while the rollout needed "
