@@ -17,8 +17,8 @@ queue's transfer, or a restart's setup. torchrun restarts the worker group and t
 - whether the final weights (hf_actor) equal the uninterrupted run's bit for bit, whether the metrics series
   (timings aside) are equal, and the exactly-once check on samples.jsonl: per epoch, data indices trained twice
   and indices the uninterrupted run trained that this one skipped. Async runs with trainer.async_versions=pinned
-  (batch b generated with exactly version b - lag; with `newest` the version can depend on timing), and recover
-  from their newest checkpoint with the batches its queue held; two uninterrupted runs are compared as a control.
+  (batch b generated with exactly version b - lag; with `newest` the version can depend on timing); their rollout's
+  rank snapshots the batches its queue holds with each batch; two uninterrupted runs are compared as a control.
 
 The work is equal on both sides: the same config, seed, data order and steps; only the kills differ.
 
@@ -54,11 +54,10 @@ MODES = {
     # validate in sync mode only
     "one_step_off": ["trainer.mode=one_step_off", "trainer.placement=split", "actor.ranks=[0]", "rollout.ranks=[1]",
                      "reward.ranks=[0]", "algorithm.rollout_correction.is_level=token", "val.num_examples=0"],
-    # async: each batch with exactly the weight version the schedule names (reproducible); no per-step
-    # snapshots in this mode, so it recovers from checkpoints, taken every 5 steps here (the others every 20)
+    # async: each batch with exactly the weight version the schedule names (reproducible)
     "async": ["trainer.mode=async", "trainer.placement=split", "actor.ranks=[0]", "rollout.ranks=[1]",
               "reward.ranks=[0]", "algorithm.max_staleness=1", "algorithm.rollout_correction.is_level=token",
-              "val.num_examples=0", "trainer.async_versions=pinned", "trainer.save_every=5"],
+              "val.num_examples=0", "trainer.async_versions=pinned"],
 }
 # rollout/weight_wait_s: seconds async generation waited for a weight version (a timing, like timing/*)
 VOLATILE = ("perf/", "timing/", "recovery/", "resumed_from_step", "rollout/weight_wait_s")

@@ -9,6 +9,7 @@ import errno
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,13 @@ def test_behaves_snapshots_keep_the_two_newest_and_restore_in_place(tmp_path):
     store.wait()
     assert sorted(store.available()) == [3, 4]
     assert store.common_steps(distributed=False) == [4, 3]
+    more = snap.Snapshots(tmp_path / "more", tmp_path / "more", "run1", 0, 1, "abc", keep=3)  # async actor ranks
+    for step in range(1, 6):
+        more.save(step, {}, {"step": step}, {})
+    more.wait()
+    assert more.common_steps(distributed=False) == [5, 4, 3]
+    with pytest.raises(VerlConfigError, match="1 to 8 snapshots, not 9"):
+        snap.Snapshots(tmp_path, tmp_path, "run1", 0, 1, "abc", keep=9)
     payload = store.load(4)
     assert payload["trainer"] == {"step": 4} and payload["rng"] == {"rng": 4}
     target = _state(0.0)
@@ -214,16 +222,18 @@ ASYNC = ["trainer.mode=async", "trainer.async_versions=pinned", "algorithm.max_s
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("victim", [0, 1])
-def test_behaves_a_killed_async_run_is_recovered_exactly_from_its_checkpoint(tmp_path, victim):
-    """trainer.mode=async (pinned versions, up to 2 ahead) takes no per-step snapshots: the restarted workers
-    continue from the newest checkpoint, whose queue (the batches generated ahead, with their weight versions)
-    the rollout's rank puts back first, and redo the steps after it. Killed: the actor's rank (0) or the
-    rollout's (1)."""
+def test_behaves_a_killed_async_run_is_recovered_exactly_from_its_snapshots(tmp_path, victim):
+    """trainer.mode=async (pinned versions, up to 2 ahead): the actor's rank snapshots its state after each step,
+    the rollout's rank after each batch the state a restore at each step it fits needs (the sampler before that
+    step's batch, the batches generated ahead of it, with their weight versions); the restarted workers continue
+    from the newest step both hold, newer than the last checkpoint (step 3), the rollout's rank putting its
+    queued batches back first. Killed: the actor's rank (0) or the rollout's (1)."""
     from safetensors.torch import load_file
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     _torchrun(clean, ASYNC)
     log = _torchrun(killed, ASYNC, kill_after=5, victim=victim)
-    assert "torchrun restart 1 of at most 2: continuing from" in log and "step_00000" in log, log[-3000:]
+    restored = re.search(r"torchrun restart 1 of at most 2: continuing from the snapshot of step (\d+)", log)
+    assert restored is not None and int(restored.group(1)) >= 4, log[-3000:]
     assert "dropping" not in log
     timing = ("rollout/weight_wait_s",)
     drop = lambda series: {s: {k: v for k, v in r.items() if k not in timing} for s, r in series.items()}  # noqa

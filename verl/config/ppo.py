@@ -913,9 +913,9 @@ class TrainerConfig:
     """Elastic recovery: after every step each rank snapshots its state (model, optimizer, RNG, data position, the
     batches in flight) into memory in the background (perf/snapshot_s: the time it took from the step), and a run
     that torchrun restarts after a rank died (`torchrun --max-restarts=N`) continues by itself from the newest
-    snapshot every rank holds, or the newest checkpoint when that is newer, exactly as if uninterrupted (sync and
-    one_step_off; async resumes from its newest checkpoint with the batches its queue held, exactly with
-    trainer.async_versions=pinned). auto: on when torchrun may restart the workers; on: snapshots in any case;
+    snapshot every rank holds, or the newest checkpoint when that is newer, exactly as if uninterrupted (sync,
+    one_step_off, and async with trainer.async_versions=pinned: there the rollout's ranks snapshot the batches
+    its queue holds after each batch). auto: on when torchrun may restart the workers; on: snapshots in any case;
     off: none (a restarted run then follows trainer.resume). docs/RELIABILITY.md."""
     snapshot_dir: str | None = None
     """Where the recovery snapshots go (under <dir>/<run id>/): None is /dev/shm/verl, memory on the node, or

@@ -35,8 +35,8 @@ from verl.utils.hf import export_hf
 from verl.utils.metrics import MetricsLogger, peak_memory_mb, plot_curves
 from verl.utils.run_folder import RunFolder, check_output_dir
 from verl.utils.spare import started_by_spare
-from verl.utils.snapshot import (DEFAULT_ROOT, Snapshots, config_digest, fill, process_start_time, recovery_enabled,
-                                 torchrun_restarts)
+from verl.utils.snapshot import (DEFAULT_ROOT, MAX_KEEP, Snapshots, config_digest, fill, process_start_time,
+                                 recovery_enabled, torchrun_restarts)
 from verl.utils.state_check import MAX_STEP, Dict, Int, Json, List, Opt, Spec, validate
 from verl.utils.watchdog import STUCK_FILE, Watchdog, rank_file
 from verl.workers import ActorWorker, CriticWorker, RolloutWorker, TorchEngine, build_reward
@@ -190,14 +190,11 @@ class PPOTrainer:
                                       max_state_bytes=int(cfg.trainer.max_state_mb * 2**20))
         self.trace_stem: str | None = None  # trace_step_N, or trace_step_N-2, ... when that name is taken
         self.watchdog = Watchdog(cfg.trainer.hang_timeout_s, self.out_dir, placement.global_rank, placement.world_size)
-        # elastic recovery: per-step snapshots (async runs recover from their newest checkpoint instead)
+        # elastic recovery: per-step snapshots (async: the rollout's ranks label theirs with training steps)
         self.snapshots: Snapshots | None = None
         self.restarted = False
         self.snapshot_s: float | None = None
         self._snapshot_payload: dict | None = None
-        if recovery_enabled(cfg.trainer.recovery) and cfg.streaming and placement.is_main:
-            print("verl: trainer.recovery in async mode restarts from the newest checkpoint (trainer.save_every), "
-                  "and the batches its queue held then: no per-step snapshots", flush=True)
         self.actor = self.ref = self.critic = self.rollout = None
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -448,15 +445,21 @@ class PPOTrainer:
     # -- recovery snapshots (verl.utils.snapshot) ----------------------------------------------------------------
     @property
     def _snapshots_on(self) -> bool:
-        """trainer.recovery takes per-step snapshots (not in async mode: it recovers from checkpoints)."""
-        return recovery_enabled(self.cfg.trainer.recovery) and not self.cfg.streaming
+        """trainer.recovery takes per-step snapshots."""
+        return recovery_enabled(self.cfg.trainer.recovery)
 
     def _snapshot_store(self, run_id: str) -> Snapshots:
+        """This rank's store. async: the actor's ranks keep `lag + 1` snapshots (the trainer runs up to that many
+        steps past the rollout's newest label); the rollout's ranks label each batch's snapshot with up to
+        `lag + 2` steps (`_snapshot_produced`) and keep one more, their snapshots holding no weights."""
         t, disk = self.cfg.trainer, self.out_dir / SNAPSHOTS
         shm = DEFAULT_ROOT.parent.is_dir() and os.access(DEFAULT_ROOT.parent, os.W_OK)
         root = Path(t.snapshot_dir) if t.snapshot_dir else DEFAULT_ROOT if shm else disk
+        keep = 2
+        if self.cfg.streaming:
+            keep = min(MAX_KEEP, self.lag + (3 if self.produces_only else 1))
         return Snapshots(root, disk, run_id, self.placement.global_rank, self.placement.world_size,
-                         config_digest(to_dict(self.cfg)))
+                         config_digest(to_dict(self.cfg)), keep=max(2, keep))
 
     def _own_state(self) -> dict:
         """This rank's part of the trainer state: a snapshot is per rank, taken without a collective."""
@@ -484,6 +487,20 @@ class PPOTrainer:
         with self.watchdog.phase(f"the snapshot of step {self.step}"):
             self.snapshot_s = self.snapshots.save(self.step, checkpoint_tensors(modules, sharded, for_load=False),
                                                   self._own_state(), rng_state())
+
+    def _snapshot_produced(self, made: int, steps: range, drawn: dict[int, dict]) -> None:
+        """async, on the rollout's ranks, once `made` batches are generated: a snapshot for each training step k
+        of `steps`, the state a run restored at step k needs here (what the checkpoint of step k holds: the
+        sampler as it was before batch k was drawn, the batches k .. made - 1 the queue holds). Each k is one
+        the actor's ranks may be restored at with this rollout state: the next batch, `made`, is generated with
+        version `made - lag`, which is k or the next one the actor publishes (`drawn`: position -> sampler
+        state before drawing it)."""
+        own = self._own_state()
+        with self.watchdog.phase(f"the rollout's snapshots of steps {steps.start}..{steps.stop - 1}"):
+            for k in steps:
+                carried = encode_state({"runs": made, "carried": self.flow.queued_values(made - k)})
+                self.snapshots.save(k, checkpoint_tensors(*self._checkpointed(), for_load=False),
+                                    {**own, "step": k, "sampler": drawn[k], "flow_state": carried}, rng_state())
 
     def _recoverable_snapshot(self) -> int | None:
         """Collective, in a worker group torchrun restarted: the newest step of the folder's run that every rank
@@ -523,7 +540,11 @@ class PPOTrainer:
         set_rng_state(payload["rng"])
         state = payload["trainer"]
         self._apply_trainer_state(state)
-        if self.flow_state is not None and state["flow_state"] is not None:
+        if state["flow_state"] is None:
+            return
+        if self.cfg.streaming:  # the rollout's ranks queue the batches again first (`_produce`)
+            self._requeue = decode_state(state["flow_state"])
+        elif self.flow_state is not None:
             self.flow_state.load_state_dict(decode_state(state["flow_state"]))
 
     def _check_same_config(self) -> None:
@@ -736,13 +757,15 @@ class PPOTrainer:
         saves = [k for k in range(self.step + 1, total + 1)
                  if (every and k % every == 0) or (k == total and cfg.trainer.save_final)]
         start = self.step
+        drawn = {start: self.sampler.state_dict()}  # batch b -> the sampler before it drew b (snapshots)
         if self._requeue is not None:  # a resumed run: the checkpoint's queued batches go first, as they were
             keep = max(0, total - self.step)  # (up to the last step: a run resumed with fewer steps trains fewer)
             carried = {k: v[:keep] for k, v in self._requeue["carried"].items()}
             start = self.step + max((len(v) for v in carried.values()), default=0)
             self.flow.requeue(carried)
-            for _ in range(start - self.step):  # their prompts were drawn before the save
+            for b in range(self.step, start):  # their prompts were drawn before the save
                 self.sampler.next_batch()
+                drawn[b + 1] = self.sampler.state_dict()
             self._requeue = None
         pinned = cfg.trainer.async_versions == "pinned"
         idle = None
@@ -759,10 +782,16 @@ class PPOTrainer:
                 trace = str(self.out_dir / f"{self.trace_stem}_rollout.json")
             self.node_seconds.clear()
             self._run(trace, b, stream.version, stats)
+            drawn[b + 1] = self.sampler.state_dict()
             cycle = time.perf_counter() - t0
             idle = max(0.0, 1.0 - self.node_seconds.get("generate", 0.0) / cycle)
             while saves and min(saves[0] + lag, total - 1) <= b:
                 self._save_produced(saves.pop(0), b + 1)
+            if self.snapshots is not None:  # steps b - lag and b - lag + 1 (the last batch: every step left)
+                first = max(b - lag, self.step, 1)
+                self._snapshot_produced(b + 1, range(first, total + 1 if b == total - 1 else b - lag + 2), drawn)
+                for old in [k for k in drawn if k < first]:
+                    del drawn[old]
         self.flow.flush(timeout)
         for k in saves:
             self._save_produced(k, total)

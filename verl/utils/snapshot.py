@@ -11,9 +11,12 @@ background thread writes it to `<root>/<run id>/<config digest>-w<world>/rank_<r
 /dev/shm/verl (memory on the node, readable by a restarted process on it) unless `trainer.snapshot_dir` says
 otherwise. A full root makes later snapshots go to output_dir/.snapshots (disk), with a warning.
 
-Each rank keeps its two newest snapshots. The steps are collective, so ranks are at most one step apart, and the
-newest step every rank holds exists whatever the moment of the kill; a restarted run takes it when it is newer
-than the newest checkpoint (else the checkpoint: a node replaced since, another world size or another config).
+Each rank keeps its `keep` newest snapshots (two by default). In lockstep the steps are collective, so ranks are at
+most one step apart, and the newest step every rank holds exists whatever the moment of the kill; a restarted run
+takes it when it is newer than the newest checkpoint (else the checkpoint: a node replaced since, another world
+size or another config). In async mode the rollout's ranks label theirs with the training steps they fit (the
+batches generated ahead of step k go in the snapshot labelled k) and the actor's ranks keep `lag + 1`, as the
+trainer can be up to that many steps past the rollout's newest label.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ FORMAT = "verl-snapshot-v1"
 DEFAULT_ROOT = Path("/dev/shm/verl")
 _FILE = re.compile(r"^step_(\d+)\.pt$")
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM)
+MAX_KEEP = 8  # the most snapshots a rank keeps (`common_steps` gathers this many steps from each rank)
 
 
 def torchrun_restarts() -> tuple[int, int]:
@@ -115,7 +119,11 @@ def fill(target: Any, saved: Any, where: str = "") -> Any:
 class Snapshots:
     """This rank's snapshots of run `run_id` (see the module docstring)."""
 
-    def __init__(self, root: Path, fallback: Path, run_id: str, rank: int, world_size: int, digest: str):
+    def __init__(self, root: Path, fallback: Path, run_id: str, rank: int, world_size: int, digest: str,
+                 keep: int = 2):
+        if not 1 <= keep <= MAX_KEEP:
+            raise VerlConfigError(f"a rank keeps 1 to {MAX_KEEP} snapshots, not {keep}")
+        self.keep = keep
         self.roots = [root] if fallback == root else [root, fallback]
         self.run_id, self.rank, self.world_size, self.digest = run_id, rank, world_size, digest
         self._thread: threading.Thread | None = None
@@ -160,7 +168,7 @@ class Snapshots:
                 d.mkdir(parents=True, exist_ok=True)
                 torch.save(payload, tmp)
                 os.replace(tmp, d / f"step_{step:06d}.pt")
-                for old in sorted(self._steps_in(d))[:-2]:
+                for old in sorted(self._steps_in(d))[:-self.keep]:
                     (d / f"step_{old:06d}.pt").unlink(missing_ok=True)
                 self.last_write_s = time.perf_counter() - t0
                 return
@@ -206,11 +214,11 @@ class Snapshots:
     def common_steps(self, distributed: bool) -> list[int]:
         """Collective: the steps every rank holds a snapshot of, newest first (as a tensor: no pickle between
         ranks)."""
-        mine = sorted(self.available())[-4:]
+        mine = sorted(self.available())[-MAX_KEEP:]
         if not distributed:
             return mine[::-1]
         from verl.distributed.placement import comm_device
-        t = torch.full((4,), -1, dtype=torch.int64, device=comm_device())
+        t = torch.full((MAX_KEEP,), -1, dtype=torch.int64, device=comm_device())
         t[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
         everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, t)
