@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA compile check (no GPU needed): in a second environment with the CUDA 13 build of torch, build
-# verl._C with nvcc (sm_90 by default), import it, check that the dispatcher has CPU and CUDA kernels for every
+# verl._C with nvcc (sm_90 by default; the cached build of the same sources and toolchain when there is one,
+# scripts/setup_env.sh), import it, check that the dispatcher has CPU and CUDA kernels for every
 # op, and run the ops' CPU tests against that build. The kernels cannot run without a GPU; compiling, linking
 # and registering them is the check.
 set -euo pipefail

@@ -74,6 +74,27 @@ echo "[setup_env] $kind environment: $((SECONDS - t_install))s" >&2
 t_build=$SECONDS
 cd "$root"
 export MAX_JOBS=${MAX_JOBS:-2}
+# A build of verl._C is reused, like the environments, when nothing it is made from changed: its key hashes
+# every file under csrc/, setup.py, the environment (its folder's key: the pins and Python), the compiler's and
+# nvcc's versions and the build's variables (a ccache for the whole extension). VERL_REBUILD=1 builds anyway.
+build_key() {
+  (echo "$kind $venv ${TORCH_CUDA_ARCH_LIST:-} ${CUDA_HOME:-} ${CXX:-}"
+   "${CXX:-c++}" --version 2>/dev/null | head -n1
+   [ "$kind" != cuda ] || "$CUDA_HOME/bin/nvcc" --version | tail -n2
+   sha256sum setup.py
+   find csrc -type f | LC_ALL=C sort | xargs sha256sum) | sha256sum | cut -c1-12
+}
+# reuse_build DEST: copies a cached build of this key into DEST (true), or false; store_build DEST caches it.
+reuse_build() {
+  built="$cache/build-$kind-$(build_key)"
+  [ -z "${VERL_REBUILD:-}" ] && [ -f "$built/.complete" ] || return 1
+  mkdir -p "$1" && rm -f "$1"/_C*.so && cp "$built"/_C*.so "$1"/
+  echo "[setup_env] reusing the build of verl._C in $built (the same sources, toolchain and environment)" >&2
+}
+store_build() {
+  rm -rf "$built.tmp" && mkdir -p "$built.tmp" && cp "$1"/_C*.so "$built.tmp"/ && touch "$built.tmp/.complete"
+  rm -rf "$built" && mv "$built.tmp" "$built"
+}
 if [ "$kind" = cuda ]; then
   # The CUDA build goes to build/cuda/lib (not in place): the in-place verl/_C*.so belongs to the dev env's torch.
   if [ -z "${CUDA_HOME:-}" ]; then
@@ -83,14 +104,20 @@ if [ "$kind" = cuda ]; then
     CUDA_HOME=$(dirname "$(dirname "$(readlink -f "${real:-$nvcc_path}")")")
   fi
   export CUDA_HOME VERL_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-  echo "[setup_env] building verl._C with CUDA (CUDA_HOME=$CUDA_HOME, archs $TORCH_CUDA_ARCH_LIST)" >&2
-  "$venv/bin/python" setup.py -q build_ext --build-temp build/cuda/temp --build-lib build/cuda/lib >&2
+  if ! reuse_build build/cuda/lib/verl; then
+    echo "[setup_env] building verl._C with CUDA (CUDA_HOME=$CUDA_HOME, archs $TORCH_CUDA_ARCH_LIST)" >&2
+    "$venv/bin/python" setup.py -q build_ext --build-temp build/cuda/temp --build-lib build/cuda/lib >&2
+    store_build build/cuda/lib/verl
+  fi
 elif [ "$kind" = vllm ] || [ "$kind" = trl ]; then
   # Same torch as the dev environment, so the in-place CPU build of verl._C serves both.
   ls verl/_C*.so >/dev/null 2>&1 || { echo "setup_env: build the dev environment first (bash scripts/setup_env.sh dev)" >&2; exit 2; }
 else
-  echo "[setup_env] building verl._C (CPU)" >&2
-  VERL_BUILD_CUDA=0 "$venv/bin/python" setup.py -q build_ext --inplace --build-temp build/cpu/temp >&2
+  if ! reuse_build verl; then
+    echo "[setup_env] building verl._C (CPU)" >&2
+    VERL_BUILD_CUDA=0 "$venv/bin/python" setup.py -q build_ext --inplace --build-temp build/cpu/temp >&2
+    store_build verl
+  fi
   # The package itself (console script `verl`), editable, without building the extension a second time.
   VERL_SKIP_EXT=1 "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps -e . >&2
 fi
