@@ -488,19 +488,20 @@ class PPOTrainer:
             self.snapshot_s = self.snapshots.save(self.step, checkpoint_tensors(modules, sharded, for_load=False),
                                                   self._own_state(), rng_state())
 
-    def _snapshot_produced(self, made: int, steps: range, drawn: dict[int, dict]) -> None:
+    def _snapshot_produced(self, made: int, steps: range, drawn: dict[int, dict]) -> float:
         """async, on the rollout's ranks, once `made` batches are generated: a snapshot for each training step k
         of `steps`, the state a run restored at step k needs here (what the checkpoint of step k holds: the
         sampler as it was before batch k was drawn, the batches k .. made - 1 the queue holds). Each k is one
         the actor's ranks may be restored at with this rollout state: the next batch, `made`, is generated with
         version `made - lag`, which is k or the next one the actor publishes (`drawn`: position -> sampler
-        state before drawing it)."""
-        own = self._own_state()
+        state before drawing it). Returns the seconds it took from generation (perf/snapshot_rollout_s)."""
+        t0, own = time.perf_counter(), self._own_state()
         with self.watchdog.phase(f"the rollout's snapshots of steps {steps.start}..{steps.stop - 1}"):
             for k in steps:
                 carried = encode_state({"runs": made, "carried": self.flow.queued_values(made - k)})
                 self.snapshots.save(k, checkpoint_tensors(*self._checkpointed(), for_load=False),
                                     {**own, "step": k, "sampler": drawn[k], "flow_state": carried}, rng_state())
+        return time.perf_counter() - t0
 
     def _recoverable_snapshot(self) -> int | None:
         """Collective, in a worker group torchrun restarted: the newest step of the folder's run that every rank
@@ -768,7 +769,7 @@ class PPOTrainer:
                 drawn[b + 1] = self.sampler.state_dict()
             self._requeue = None
         pinned = cfg.trainer.async_versions == "pinned"
-        idle = None
+        idle = snap_s = None
         for b in range(start, total):
             t0 = time.perf_counter()
             self.watchdog.step = b + 1
@@ -777,6 +778,8 @@ class PPOTrainer:
             stats = {"rollout/weight_wait_s": waited, "rollout/lead": float(b - stream.version)}
             if idle is not None:  # the previous batch's cycle: this one's ends only after the batch has left
                 stats["perf/idle_share_rollout"] = idle
+            if snap_s is not None:  # and the previous batch's snapshots
+                stats["perf/snapshot_rollout_s"] = snap_s
             trace = None
             if self.trace_stem and b == min(cfg.trainer.trace_step - 1 + lag, total - 1):  # about then
                 trace = str(self.out_dir / f"{self.trace_stem}_rollout.json")
@@ -789,7 +792,8 @@ class PPOTrainer:
                 self._save_produced(saves.pop(0), b + 1)
             if self.snapshots is not None:  # steps b - lag and b - lag + 1 (the last batch: every step left)
                 first = max(b - lag, self.step, 1)
-                self._snapshot_produced(b + 1, range(first, total + 1 if b == total - 1 else b - lag + 2), drawn)
+                snap_s = self._snapshot_produced(b + 1, range(first, total + 1 if b == total - 1 else b - lag + 2),
+                                                 drawn)
                 for old in [k for k in drawn if k < first]:
                     del drawn[old]
         self.flow.flush(timeout)
