@@ -11,7 +11,7 @@ venv=$(bash scripts/setup_env.sh dev | tail -n1)
 echo "[test] environment + CPU build: $((SECONDS - t0))s ($venv)"
 t1=$SECONDS
 set +e
-VERL_TEST_ENV=dev "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 "$@"
+VERL_TEST_ENV=dev "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=900 --durations=25 "$@"
 rc=$?
 set -e
 echo "[test] tests: $((SECONDS - t1))s (pytest exit $rc)"
