@@ -14,7 +14,8 @@ t1=$SECONDS
 set +e
 # the engine matrix's vllm and sglang cells (its other cells run in the dev environment's suite)
 VERL_TEST_ENV=vllm PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  --durations=15 --timeout=900 tests/rollout/test_vllm_engine.py tests/rollout/test_sglang_engine.py tests/trainer/test_vllm_train.py \
+  --durations=15 --timeout=900 tests/rollout/test_vllm_engine.py tests/rollout/test_sglang_engine.py \
+  tests/trainer/test_vllm_train.py \
   tests/trainer/test_engine_matrix.py -k "not test_engine_matrix or vllm- or sglang-"
 rc=$?
 set -e
