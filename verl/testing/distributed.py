@@ -9,6 +9,11 @@
 
     results = run_distributed(body, world_size=2, args=(3.0,))   # [rank0_result, rank1_result]
 
+The ranks are forked from a fork server that imported torch, transformers and megatron-core once for the whole
+process (~5-10 s of imports a spawned rank would pay each time); each rank starts with the caller's current
+environment, `sys.path` and stdout / stderr (pytest's capfd sees what ranks print), as a spawned one would.
+VERL_TEST_SPAWN=1 spawns them instead.
+
 A rank that raises makes `run_distributed` raise `RankFailure` naming the rank, with the rank's own
 traceback in the message; the other ranks are then stopped instead of waiting in a collective. A run
 that outlives `timeout` is killed and reported the same way (gloo would otherwise hang a healthy rank for
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import reduction
 
 from verl.distributed.placement import free_port
 
@@ -42,9 +48,45 @@ class RankFailure(RuntimeError):
         self.rank = rank
 
 
+# imported by the fork server before it forks any rank: the heavy, import-time-only part of a rank's start
+PRELOAD = ["torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.parallel_state"]
+_context = None
+
+
+def _ranks_context():
+    """The fork server's context (started on first use, with PRELOAD imported), or spawn's with VERL_TEST_SPAWN."""
+    global _context
+    if os.environ.get("VERL_TEST_SPAWN"):
+        return mp.get_context("spawn")
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+class _Fd:
+    """One of the caller's file descriptors, duplicated into a rank as it starts (pickled while the rank is
+    launched, so the fd travels with it): a rank forked by the server does not inherit the caller's."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[Any], kwargs: dict,
-            results: "mp.Queue", pg_timeout_s: float, threads: int, env: dict[str, str]) -> None:
+            results: "mp.Queue", pg_timeout_s: float, threads: int, env: dict[str, str],
+            stdio: tuple[int, int]) -> None:
+    os.environ.clear()  # the caller's environment and stdout / stderr (a forked rank holds the fork server's)
     os.environ.update(env)
+    for fd, target in zip(stdio, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
     torch.set_num_threads(threads)
@@ -70,14 +112,15 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwargs: dict | None = None, *,
                     timeout: float = 120.0, threads: int = 1, env: dict[str, str] | None = None) -> list[Any]:
-    """Runs `fn(rank, world_size, *args, **kwargs)` on `world_size` spawned gloo ranks.
+    """Runs `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks (`env`: variables set on top of
+    the caller's environment there).
 
     Returns the results ordered by rank. Raises `RankFailure` when a rank raises (the first failing rank's
     traceback is in the message) or when the whole run exceeds `timeout` seconds.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _ranks_context()
     results = ctx.Queue()
     port = free_port()
     # The process group's own timeout is shorter than ours, so a rank stuck in a collective whose peer died
@@ -85,7 +128,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
     pg_timeout = max(5.0, timeout * 0.8)
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), results, pg_timeout, threads,
-                               dict(env or {})))
+                               {**os.environ, **(env or {})}, (_Fd(1), _Fd(2))))
              for r in range(world_size)]
     for p in procs:
         p.start()
