@@ -355,7 +355,7 @@ def _tp2_body(rank, world, model_dir):
 def test_torchrun_tp2_one_engine_over_two_ranks(model_dir):
     from verl.rollout.tokenizer import Tokenizer
     from verl.testing import run_distributed
-    got = run_distributed(_tp2_body, 2, args=(model_dir,), timeout=500)
+    got = run_distributed(_tp2_body, 2, args=(model_dir,), timeout=500, spawn=True)
     ids = [Tokenizer.from_pretrained(model_dir).encode_prompt(p) for p in PROMPTS]
     assert [g["tp_rank"] for g in got] == [0, 1]
     # Each rank received its own shard: half the fused q/k/v rows (4 query + 2 KV heads of 32 over TP=2).

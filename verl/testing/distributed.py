@@ -53,10 +53,11 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "megatron.core", "megat
 _context = None
 
 
-def _ranks_context():
-    """The fork server's context (started on first use, with PRELOAD imported), or spawn's with VERL_TEST_SPAWN."""
+def _ranks_context(spawn: bool):
+    """The fork server's context (started on first use, with PRELOAD imported), or spawn's (`spawn`, or
+    VERL_TEST_SPAWN)."""
     global _context
-    if os.environ.get("VERL_TEST_SPAWN"):
+    if spawn or os.environ.get("VERL_TEST_SPAWN"):
         return mp.get_context("spawn")
     if _context is None:
         _context = mp.get_context("forkserver")
@@ -85,8 +86,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
     os.environ.clear()  # the caller's environment and stdout / stderr (a forked rank holds the fork server's)
     os.environ.update(env)
     for fd, target in zip(stdio, (1, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
+        if fd != target:  # (a spawned rank receives the caller's fd under the same number)
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
     torch.set_num_threads(threads)
@@ -111,16 +113,19 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
 
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwargs: dict | None = None, *,
-                    timeout: float = 120.0, threads: int = 1, env: dict[str, str] | None = None) -> list[Any]:
+                    timeout: float = 120.0, threads: int = 1, env: dict[str, str] | None = None,
+                    spawn: bool = False) -> list[Any]:
     """Runs `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks (`env`: variables set on top of
-    the caller's environment there).
+    the caller's environment there; `spawn`: each rank a new interpreter, finalized at its exit, which engines
+    that clean up in destructors need: a forked rank ends in os._exit, and vLLM's CPU workers then leave their
+    shared-memory segments in /dev/shm, whose fixed names the next engine fails to create).
 
     Returns the results ordered by rank. Raises `RankFailure` when a rank raises (the first failing rank's
     traceback is in the message) or when the whole run exceeds `timeout` seconds.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _ranks_context()
+    ctx = _ranks_context(spawn)
     results = ctx.Queue()
     port = free_port()
     # The process group's own timeout is shorter than ours, so a rank stuck in a collective whose peer died
