@@ -455,11 +455,9 @@ class PPOTrainer:
         t, disk = self.cfg.trainer, self.out_dir / SNAPSHOTS
         shm = DEFAULT_ROOT.parent.is_dir() and os.access(DEFAULT_ROOT.parent, os.W_OK)
         root = Path(t.snapshot_dir) if t.snapshot_dir else DEFAULT_ROOT if shm else disk
-        keep = 2
-        if self.cfg.streaming:
-            keep = min(MAX_KEEP, self.lag + (3 if self.produces_only else 1))
+        keep = max(2, min(MAX_KEEP, self.lag + (3 if self.produces_only else 1))) if self.cfg.streaming else 2
         return Snapshots(root, disk, run_id, self.placement.global_rank, self.placement.world_size,
-                         config_digest(to_dict(self.cfg)), keep=max(2, keep))
+                         config_digest(to_dict(self.cfg)), keep=keep)
 
     def _own_state(self) -> dict:
         """This rank's part of the trainer state: a snapshot is per rank, taken without a collective."""
@@ -495,12 +493,12 @@ class PPOTrainer:
         the actor's ranks may be restored at with this rollout state: the next batch, `made`, is generated with
         version `made - lag`, which is k or the next one the actor publishes (`drawn`: position -> sampler
         state before drawing it). Returns the seconds it took from generation (perf/snapshot_rollout_s)."""
-        t0, own = time.perf_counter(), self._own_state()
+        t0, own, rng = time.perf_counter(), self._own_state(), rng_state()
+        tensors = checkpoint_tensors(*self._checkpointed(), for_load=False)  # the same for every label
         with self.watchdog.phase(f"the rollout's snapshots of steps {steps.start}..{steps.stop - 1}"):
             for k in steps:
                 carried = encode_state({"runs": made, "carried": self.flow.queued_values(made - k)})
-                self.snapshots.save(k, checkpoint_tensors(*self._checkpointed(), for_load=False),
-                                    {**own, "step": k, "sampler": drawn[k], "flow_state": carried}, rng_state())
+                self.snapshots.save(k, tensors, {**own, "step": k, "sampler": drawn[k], "flow_state": carried}, rng)
         return time.perf_counter() - t0
 
     def _recoverable_snapshot(self) -> int | None:
