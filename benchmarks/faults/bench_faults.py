@@ -1,11 +1,12 @@
 """Elastic recovery under faults: the default job on 2 processes under `torchrun --max-restarts`, with a fault
 injector that SIGKILLs a random worker at random times, against the same job uninterrupted, side by side.
 
-Per mode (sync, one_step_off, async): one uninterrupted run, then --runs runs with faults. The injector starts
-once the first step is logged and kills a random rank (a child of torchrun's agent) every --fault-every seconds
-(uniform in [0.5, 1.5] x that), wherever the job is: in a step, in the weight sync, a checkpoint save, the async
-queue's transfer, or a restart's setup. torchrun restarts the worker group and the trainer continues by itself
-(trainer.recovery=auto: the newest snapshot every rank holds, else the newest checkpoint). Reported per mode:
+Per mode (sync, one_step_off, async, async_partial): one uninterrupted run, then --runs runs with faults. The
+injector starts once the first step is logged and kills a random rank (a child of torchrun's agent) every
+--fault-every seconds (uniform in [0.5, 1.5] x that), wherever the job is: in a step, in the weight sync, a
+checkpoint save, the async queue's transfer, or a restart's setup. torchrun restarts the worker group and the
+trainer continues by itself (trainer.recovery=auto: the newest snapshot every rank holds, else the newest
+checkpoint). Reported per mode:
 
 - goodput: the uninterrupted run's wall time over the faulty run's (the share of the time that went into work
   that counts), beside each run's step-time share (the final metrics series' step times over the wall time: the
@@ -19,10 +20,12 @@ queue's transfer, or a restart's setup. torchrun restarts the worker group and t
   and indices the uninterrupted run trained that this one skipped. Async runs with trainer.async_versions=pinned
   (batch b generated with exactly version b - lag; with `newest` the version can depend on timing); their rollout's
   rank snapshots the batches its queue holds with each batch; two uninterrupted runs are compared as a control.
+  async_partial: async with partial rollouts (rollout.partial=true), pinned too: batch b's tokens switch from
+  version b - lag to b - lag + 1 at a fixed token (rollout.partial_switch_token).
 
 The work is equal on both sides: the same config, seed, data order and steps; only the kills differ.
 
-    verl bench faults                                               # all three modes, 1 faulty run each
+    verl bench faults                                               # all four modes, 1 faulty run each
     python benchmarks/faults/bench_faults.py --modes sync --runs 4 --fault-every 8 --steps 60 --out X.json
 
 Writes benchmarks/results/bench_faults.json (meta.command) and prints the table.
@@ -59,6 +62,9 @@ MODES = {
               "reward.ranks=[0]", "algorithm.max_staleness=1", "algorithm.rollout_correction.is_level=token",
               "val.num_examples=0", "trainer.async_versions=pinned"],
 }
+# async with partial rollouts, pinned too: each batch's tokens switch to the next version at a fixed token (half of
+# the default job's 6), so a rollout killed mid-batch regenerates it with the same versions
+MODES["async_partial"] = [*MODES["async"], "rollout.partial=true"]
 # rollout/weight_wait_s: seconds async generation waited for a weight version (a timing, like timing/*)
 VOLATILE = ("perf/", "timing/", "recovery/", "resumed_from_step", "rollout/weight_wait_s")
 
@@ -198,7 +204,7 @@ def exactly_once(clean: Path, faulty: Path, batch: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="sync,one_step_off,async")
+    ap.add_argument("--modes", default="sync,one_step_off,async,async_partial")
     ap.add_argument("--steps", type=int, default=200, help="trainer.total_steps (the default job's)")
     ap.add_argument("--runs", type=int, default=1, help="runs with faults per mode")
     ap.add_argument("--fault-every", type=float, default=30.0, help="mean seconds between kills")
@@ -226,7 +232,7 @@ def main() -> int:
             print(f"{mode}: uninterrupted {base['wall_s']:.1f} s, {base['steps']} steps, step time share "
                   f"{base['step_time_share']:.1%}, {snap}", flush=True)
             control = None
-            if mode == "async":  # which weight version generates a batch depends on timing: run it twice
+            if mode.startswith("async"):  # pinned versions make the run reproducible: two clean runs check it
                 again = work / f"{mode}_clean_again"
                 run_job(again, overrides, faults=False, rng=rng, fault_every=args.fault_every,
                         max_restarts=args.max_restarts, log=work / f"{mode}_clean_again.log")

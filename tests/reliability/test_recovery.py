@@ -220,24 +220,34 @@ ASYNC = ["trainer.mode=async", "trainer.async_versions=pinned", "algorithm.max_s
          "trainer.save_every=3"]
 
 
+# the rollout's rank killed with partial rollouts on a schedule: batch b's first 2 tokens with version b - 2, its
+# last 2 with version b - 1 (every response 4 tokens long)
+PARTIAL = ["rollout.partial=true", "rollout.partial_switch_token=2", "rollout.ignore_eos=true"]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("victim", [0, 1])
-def test_behaves_a_killed_async_run_is_recovered_exactly_from_its_snapshots(tmp_path, victim):
+@pytest.mark.parametrize("victim,partial", [(0, []), (1, PARTIAL)], ids=["actor", "rollout-partial"])
+def test_behaves_a_killed_async_run_is_recovered_exactly_from_its_snapshots(tmp_path, victim, partial):
     """trainer.mode=async (pinned versions, up to 2 ahead): the actor's rank snapshots its state after each step,
     the rollout's rank after each batch the state a restore at each step it fits needs (the sampler before that
     step's batch, the batches generated ahead of it, with their weight versions); the restarted workers continue
     from the newest step both hold, newer than the last checkpoint (step 3), the rollout's rank putting its
-    queued batches back first. Killed: the actor's rank (0) or the rollout's (1)."""
+    queued batches back first. Killed: the actor's rank (0), or the rollout's (1) with partial rollouts whose
+    tokens switch weight versions at a fixed token, so that the batch it was generating is made again exactly."""
     from safetensors.torch import load_file
     clean, killed = tmp_path / "clean", tmp_path / "killed"
-    _torchrun(clean, ASYNC)
-    log = _torchrun(killed, ASYNC, kill_after=5, victim=victim)
+    _torchrun(clean, [*ASYNC, *partial])
+    log = _torchrun(killed, [*ASYNC, *partial], kill_after=5, victim=victim)
     restored = re.search(r"torchrun restart 1 of at most 2: continuing from the snapshot of step (\d+)", log)
     assert restored is not None and int(restored.group(1)) >= 4, log[-3000:]
     assert "dropping" not in log
     timing = ("rollout/weight_wait_s",)
     drop = lambda series: {s: {k: v for k, v in r.items() if k not in timing} for s, r in series.items()}  # noqa
     assert drop(_series(killed, "metrics.jsonl")) == drop(_series(clean, "metrics.jsonl"))
+    if partial:  # each token's version as scheduled: batches 0 and 1 on version 0 throughout
+        series = [r for _, r in sorted(_series(clean, "metrics.jsonl").items())]
+        assert [r["rollout/token_staleness_mean"] for r in series] == [0.0, 1.0] + [1.5] * 10
+        assert [r["rollout/mixed_version_share"] for r in series] == [0.0, 0.0] + [1.0] * 10
     staleness = [r["rollout/staleness_max"] for _, r in sorted(_series(clean, "metrics.jsonl").items())]
     assert staleness == [0.0, 1.0] + [2.0] * 10
     samples = _series(killed, "samples.jsonl")

@@ -31,8 +31,10 @@ def _cfg(*overrides: str) -> PPOConfig:
     (["trainer.mode=async", "rollout.tp=2", "rollout.engine=vllm"],
      r"trainer.mode=async .* rollout.tp=2 .* set rollout.tp=1"),
     (["trainer.async_versions=pinned"], r"trainer.async_versions=pinned .* \(trainer.mode=sync generates"),
-    (["trainer.mode=async", "trainer.async_versions=pinned", "rollout.partial=true"],
-     r"trainer.async_versions=pinned .* rollout.partial=true takes newer ones"),
+    (["trainer.mode=async", "trainer.async_versions=pinned", "rollout.partial=true", "algorithm.max_staleness=0"],
+     r"rollout.partial=true with trainer.async_versions=pinned .* generation lag is 0 \(algorithm.max_staleness=0"),
+    (["trainer.mode=async", "rollout.partial=true", "rollout.partial_switch_token=3"],
+     r"rollout.partial_switch_token=3 schedules .* \(rollout.partial=true, trainer.async_versions=newest\)"),
     (["trainer.async_versions=latest"], r"trainer.async_versions.*latest"),
 ])
 def test_bad_mode_settings_fail_when_the_config_is_read(overrides, match):

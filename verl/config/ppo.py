@@ -954,7 +954,9 @@ class TrainerConfig:
     (at least the one algorithm.max_staleness asks for; which one depends on timing). pinned: batch b exactly with
     version b - the generation lag (the oldest the bound allows; newer versions wait staged in memory, at most
     lag + 1 copies beside the engine's weights): the run is reproducible, and a resumed or recovered run computes
-    exactly what an uninterrupted one does. Generation never waits longer than with newest."""
+    exactly what an uninterrupted one does. Generation never waits longer than with newest. With rollout.partial,
+    batch b switches to version b - lag + 1 at a fixed token (rollout.partial_switch_token), waiting for it there
+    if it has not arrived."""
 
     def check(self) -> None:
         from verl.utils.run_folder import check_output_dir
@@ -1043,10 +1045,17 @@ class PPOConfig:
             raise VerlConfigError(f"trainer.async_versions=pinned chooses the weight versions of trainer.mode=async "
                                   f"(trainer.mode={t.mode} generates each batch with a fixed version already); set "
                                   f"trainer.async_versions=newest or trainer.mode=async")
-        if t.async_versions == "pinned" and self.rollout.partial:
-            raise VerlConfigError("trainer.async_versions=pinned generates each batch with one fixed weight version, "
-                                  "but rollout.partial=true takes newer ones between tokens, whenever they arrive; "
-                                  "set rollout.partial=false, or trainer.async_versions=newest")
+        if self.rollout.partial_switch_token and not (t.async_versions == "pinned" and self.rollout.partial):
+            raise VerlConfigError(f"rollout.partial_switch_token={self.rollout.partial_switch_token} schedules the "
+                                  f"weight switch of partial rollouts under pinned versions (rollout.partial="
+                                  f"{str(self.rollout.partial).lower()}, trainer.async_versions={t.async_versions}); "
+                                  f"set rollout.partial=true and trainer.async_versions=pinned, or leave it at 0")
+        if self.rollout.partial and t.async_versions == "pinned" and t.mode == "async" and not self.generation_lag:
+            raise VerlConfigError(f"rollout.partial=true with trainer.async_versions=pinned switches batch b to "
+                                  f"version b - lag + 1 mid-way, but the generation lag is 0 (algorithm."
+                                  f"max_staleness={self.algorithm.max_staleness}, trainer.queue_size={t.queue_size}): "
+                                  f"that version is trained from batch b itself; raise algorithm.max_staleness "
+                                  f"(and the queue) to 1 or more, or set rollout.partial=false")
         if self.rollout.partial:
             if not rollout_engine(self.rollout.engine).pausable:
                 raise VerlConfigError(f"rollout.partial=true pauses generation at a weight update and resumes it "

@@ -66,7 +66,14 @@ class RolloutConfig:
     and resumed with the new weights, recording per token the version that produced it. It needs an engine
     that can pause (`EngineSpec.pausable` in `verl.engines`): the torch engine calls its pause hook between
     tokens, rebuilds the KV cache from the tokens so far when the weights moved, and records per-token versions
-    (vllm, sglang and hf cannot pause, so true with them is refused before step 1)."""
+    (vllm, sglang and hf cannot pause, so true with them is refused before step 1). With
+    trainer.async_versions=pinned the switch is scheduled instead (partial_switch_token)."""
+    partial_switch_token: Annotated[int, Range(0, 1 << 20)] = 0
+    """rollout.partial with trainer.async_versions=pinned: batch b (lag L) generates its first this many decode
+    steps on a rank with version b - L and the rest with version b - L + 1, waiting for that version when it has
+    not arrived yet (the actor makes it from batch b - L, already generated), so each token's version is fixed
+    by the schedule and the run is reproducible and recovered exactly, as with pinned whole batches. 0: half of
+    max_new_tokens. Only with partial and pinned versions (newest takes each version whenever it arrives)."""
     seed: Annotated[int, Range(0, (1 << 32) - 1)] = 0
     """Seed of the sampling streams (sample j of a prompt uses seed + j; see verl.rollout.base)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -697,7 +697,24 @@ class PPOTrainer:
             stream = self.rollout.stream = WeightStream(link, None, self.rollout, self.step,
                                                         pinned=self.cfg.trainer.async_versions == "pinned")
             if self.cfg.rollout.partial:  # new weights between tokens: the torch engine rebuilds its KV cache
-                self.rollout.engine.pause_hook = lambda: stream.take(self.rollout)
+                self.rollout.engine.pause_hook = (self._pinned_switch if stream.pinned else
+                                                  lambda: stream.take(self.rollout))
+
+    def _pinned_switch(self) -> int:
+        """The pause hook of partial rollouts under pinned versions, called before each decode step: batch b
+        (`self._batch` = {batch: b, steps: steps so far, stats: its gen stats}, set per batch by `_run_flow`)
+        takes version b - lag + 1 from its rollout.partial_switch_token-th step on (0: half of max_new_tokens),
+        waiting for it when needed (the wait adds to the batch's rollout/weight_wait_s)."""
+        now, rollout, stream = self._batch, self.cfg.rollout, self.rollout.stream
+        now["steps"] += 1
+        target = now["batch"] - self.lag + 1
+        switch = rollout.partial_switch_token or max(1, rollout.max_new_tokens // 2)
+        if stream.version < target and now["steps"] > switch:
+            self.watchdog.beat(f"in node 'generate', waiting for weights version {target} at token {switch} of "
+                               f"batch {now['batch'] + 1} (rollout.partial_switch_token)", inside=True)
+            waited = stream.wait_for(self.rollout, target, self.cfg.trainer.collective_timeout_s, exact=True)
+            now["stats"]["rollout/weight_wait_s"] += waited
+        return stream.version
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -767,6 +784,9 @@ class PPOTrainer:
                 drawn[b + 1] = self.sampler.state_dict()
             self._requeue = None
         pinned = cfg.trainer.async_versions == "pinned"
+        # checkpoint k is joined after batch k + lag, or with a scheduled partial switch before batch k + lag (it
+        # takes version k + 1 mid-way, which the actor makes only after that checkpoint)
+        join = lag - 1 if pinned and cfg.rollout.partial else lag
         idle = snap_s = None
         for b in range(start, total):
             t0 = time.perf_counter()
@@ -782,11 +802,12 @@ class PPOTrainer:
             if self.trace_stem and b == min(cfg.trainer.trace_step - 1 + lag, total - 1):  # about then
                 trace = str(self.out_dir / f"{self.trace_stem}_rollout.json")
             self.node_seconds.clear()
+            self._batch = {"batch": b, "steps": 0, "stats": stats}  # for _pinned_switch
             self._run(trace, b, stream.version, stats)
             drawn[b + 1] = self.sampler.state_dict()
             cycle = time.perf_counter() - t0
             idle = max(0.0, 1.0 - self.node_seconds.get("generate", 0.0) / cycle)
-            while saves and min(saves[0] + lag, total - 1) <= b:
+            while saves and min(saves[0] + join, total - 1) <= b:
                 self._save_produced(saves.pop(0), b + 1)
             if self.snapshots is not None:  # steps b - lag and b - lag + 1 (the last batch: every step left)
                 first = max(b - lag, self.step, 1)
