@@ -221,19 +221,20 @@ ASYNC = ["trainer.mode=async", "trainer.async_versions=pinned", "algorithm.max_s
 
 
 # the rollout's rank killed with partial rollouts on a schedule: batch b's first 2 tokens with version b - 2, its
-# last 2 with version b - 1 (every response 4 tokens long)
-PARTIAL = ["rollout.partial=true", "rollout.partial_switch_token=2", "rollout.ignore_eos=true"]
+# last 2 with version b - 1 (every response 4 tokens long); the actor an FSDP2 engine (on its one rank)
+PARTIAL = ["rollout.partial=true", "rollout.partial_switch_token=2", "rollout.ignore_eos=true", "actor.engine=fsdp"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("victim,partial", [(0, []), (1, PARTIAL)], ids=["actor", "rollout-partial"])
+@pytest.mark.parametrize("victim,partial", [(0, []), (1, PARTIAL)], ids=["actor", "rollout-partial-fsdp"])
 def test_behaves_a_killed_async_run_is_recovered_exactly_from_its_snapshots(tmp_path, victim, partial):
     """trainer.mode=async (pinned versions, up to 2 ahead): the actor's rank snapshots its state after each step,
     the rollout's rank after each batch the state a restore at each step it fits needs (the sampler before that
     step's batch, the batches generated ahead of it, with their weight versions); the restarted workers continue
     from the newest step both hold, newer than the last checkpoint (step 3), the rollout's rank putting its
-    queued batches back first. Killed: the actor's rank (0), or the rollout's (1) with partial rollouts whose
-    tokens switch weight versions at a fixed token, so that the batch it was generating is made again exactly."""
+    queued batches back first. Killed: the actor's rank (0, a torch actor), or the rollout's (1, an FSDP2 actor)
+    with partial rollouts whose tokens switch weight versions at a fixed token, so that the batch it was
+    generating is made again exactly."""
     from safetensors.torch import load_file
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     _torchrun(clean, [*ASYNC, *partial])
