@@ -624,10 +624,15 @@ def _faults_table(d: dict) -> str:
     def split(r):
         p = r.get("split_s_median") or {}
         return " / ".join(s(p.get(k)) for k in ("agent_restart", "start", "restore", "first_step"))
-    rows = [r for r in d["rows"] if r.get("rc") == 0]
+    rows = [r for r in d.get("summary", d["rows"]) if r.get("rc") == 0]  # one row per mode (older files: per run)
+
+    def goodput(r):
+        each = r.get("goodput_runs", [])
+        return f"{100 * r['goodput']:.0f}%" + (f" ({', '.join(f'{100 * g:.0f}%' for g in each)})" if len(each) > 1
+                                               else "")
     lines = table(rows, [
         ("mode", "mode"), ("kills (isolated)", lambda r: f"{r['kills']} ({r['isolated_faults']})"),
-        ("goodput", lambda r: f"{100 * r['goodput']:.0f}%"),
+        ("goodput (each pair)", goodput),
         ("recovery s, median / max", lambda r: f"{s(r['recovery_s_median'])} / {s(r['recovery_s_max'])}"),
         ("split s: agent restart / start / restore / first step", split),
         ("steps redone, max", "redone_steps_max"),
@@ -641,9 +646,12 @@ def _faults_table(d: dict) -> str:
             **r["exactly_once"])),
         ("2 uninterrupted runs equal", lambda r: r.get("uninterrupted_twice_weights_equal", "-"))])
     failed = [r for r in d["rows"] if r.get("rc") != 0]
+    pairs = max((r.get("pairs", 1) for r in rows), default=1)
+    how = (f"{pairs} pairs of an uninterrupted run and a faulty one per mode; goodput: the uninterrupted runs' wall "
+           f"time over the faulty runs', pooled; indices summed over the runs" if pairs > 1 else
+           "goodput: the uninterrupted run's wall time over the faulty run's")
     return (f"\n`{meta['command']}` ({meta['job']}, {meta['steps']} steps, a kill every ~{meta['fault_every_s']:g} s; "
-            f"goodput: the uninterrupted run's wall time over the faulty run's; isolated: kills whose recovery "
-            f"ended before the next kill)\n\n" + "\n".join(lines)
+            f"{how}; isolated: kills whose recovery ended before the next kill)\n\n" + "\n".join(lines)
             + (f"\n\n{len(failed)} run(s) did not finish" if failed else "") + "\n")
 
 

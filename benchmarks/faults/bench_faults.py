@@ -1,16 +1,17 @@
 """Elastic recovery under faults: the default job on 2 processes under `torchrun --max-restarts`, with a fault
 injector that SIGKILLs a random worker at random times, against the same job uninterrupted, side by side.
 
-Per mode (sync, one_step_off, async, async_partial): one uninterrupted run, then --runs runs with faults. The
-injector starts once the first step is logged and kills a random rank (a child of torchrun's agent) every
---fault-every seconds (uniform in [0.5, 1.5] x that), wherever the job is: in a step, in the weight sync, a
-checkpoint save, the async queue's transfer, or a restart's setup. torchrun restarts the worker group and the
-trainer continues by itself (trainer.recovery=auto: the newest snapshot every rank holds, else the newest
-checkpoint). Reported per mode:
+Per mode (sync, one_step_off, async, async_partial): --runs pairs of an uninterrupted run and the same job with
+faults, one after the other, so that the machine's drift over time (a 2-core machine shared by both processes
+varies by 5-10% from run to run) falls on both sides alike. The injector starts once the first step is logged and
+kills a random rank (a child of torchrun's agent) every --fault-every seconds (uniform in [0.5, 1.5] x that),
+wherever the job is: in a step, in the weight sync, a checkpoint save, the async queue's transfer, or a restart's
+setup. torchrun restarts the worker group and the trainer continues by itself (trainer.recovery=auto: the newest
+snapshot every rank holds, else the newest checkpoint). Reported per mode (`summary`, from the pairs in `rows`):
 
-- goodput: the uninterrupted run's wall time over the faulty run's (the share of the time that went into work
-  that counts), beside each run's step-time share (the final metrics series' step times over the wall time: the
-  start and the warm-up are not steps);
+- goodput: the uninterrupted runs' wall time over the faulty runs' (the share of the time that went into work
+  that counts), pooled over the pairs, each pair's beside it, and each run's step-time share (the final metrics
+  series' step times over the wall time: the start and the warm-up are not steps);
 - recovery time per fault (kill -> the next step logged) and its split, from what the restarted rank 0 logs:
   agent restart (kill -> the new process started), start (interpreter, imports, data, tokenizer and model),
   restore (resolving the run, building the workers, loading the snapshot, the first weight sync), first step;
@@ -19,13 +20,14 @@ checkpoint). Reported per mode:
   (timings aside) are equal, and the exactly-once check on samples.jsonl: per epoch, data indices trained twice
   and indices the uninterrupted run trained that this one skipped. Async runs with trainer.async_versions=pinned
   (batch b generated with exactly version b - lag; with `newest` the version can depend on timing); their rollout's
-  rank snapshots the batches its queue holds with each batch; two uninterrupted runs are compared as a control.
+  rank snapshots the batches its queue holds with each batch. With 2 pairs or more the uninterrupted runs of a
+  mode are compared with each other too (the job is reproducible, so their weights are equal).
   async_partial: async with partial rollouts (rollout.partial=true), pinned too: batch b's tokens switch from
   version b - lag to b - lag + 1 at a fixed token (rollout.partial_switch_token).
 
 The work is equal on both sides: the same config, seed, data order and steps; only the kills differ.
 
-    verl bench faults                                               # all four modes, 1 faulty run each
+    verl bench faults                                               # all four modes, 1 pair each
     python benchmarks/faults/bench_faults.py --modes sync --runs 4 --fault-every 8 --steps 60 --out X.json
 
 Writes benchmarks/results/bench_faults.json (meta.command) and prints the table.
@@ -202,11 +204,40 @@ def exactly_once(clean: Path, faulty: Path, batch: int) -> dict:
     return {"indices_trained": trained, "duplicates": dup, "skipped": skipped}
 
 
+def summarize(mode: str, runs: list[dict]) -> dict:
+    """One row per mode over its pairs: goodput pooled (the uninterrupted runs' wall time over the faulty runs'),
+    each pair's beside it, the recoveries of every run together, and the checks of every run."""
+    ok = [r for r in runs if r.get("rc") == 0]
+    isolated = [f for r in ok for f in r["faults"] if "recovery_s" in f]
+    split = {}
+    for part in ("agent_restart", "start", "restore", "first_step"):
+        vals = [f["split_s"][part] for f in isolated if f.get("split_s", {}).get(part) is not None]
+        split[part] = statistics.median(vals) if vals else None
+    shares = [r["uninterrupted"]["snapshot_share"] for r in ok if r["uninterrupted"].get("snapshot_share")]
+    diffs = [r["metrics_first_difference"] for r in ok if r.get("metrics_first_difference")]
+    controls = [r["uninterrupted_twice_weights_equal"] for r in ok if "uninterrupted_twice_weights_equal" in r]
+    return {"mode": mode, "pairs": len(runs), "rc": 0 if ok and len(ok) == len(runs) else 1,
+            "kills": sum(r["kills"] for r in ok), "isolated_faults": len(isolated),
+            "goodput": (sum(r["uninterrupted"]["wall_s"] for r in ok) / sum(r["wall_s"] for r in ok)) if ok else None,
+            "goodput_runs": [r["goodput"] for r in ok],
+            "recovery_s_median": statistics.median([f["recovery_s"] for f in isolated]) if isolated else None,
+            "recovery_s_max": max([f["recovery_s"] for f in isolated]) if isolated else None,
+            "split_s_median": split,
+            "redone_steps_max": max([f.get("redone_steps", 0) for f in isolated], default=None),
+            "uninterrupted": {"snapshot_share": statistics.median(shares) if shares else None},
+            "weights_equal": all(r["weights_equal"] for r in ok), "metrics_equal": not diffs,
+            "metrics_first_difference": diffs[0] if diffs else None,
+            "exactly_once": {k: sum(r["exactly_once"][k] for r in ok) for k in ("indices_trained", "duplicates",
+                                                                                "skipped")},
+            **({"uninterrupted_twice_weights_equal": all(controls)} if controls else {})}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="sync,one_step_off,async,async_partial")
     ap.add_argument("--steps", type=int, default=200, help="trainer.total_steps (the default job's)")
-    ap.add_argument("--runs", type=int, default=1, help="runs with faults per mode")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="pairs per mode: an uninterrupted run, then the same job with faults")
     ap.add_argument("--fault-every", type=float, default=30.0, help="mean seconds between kills")
     ap.add_argument("--max-restarts", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
@@ -218,27 +249,26 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="verl-bench-faults-"))
     common = [f"trainer.total_steps={args.steps}", "trainer.save_every=20", "trainer.tensorboard=false",
               "trainer.plot=false"]
-    rows = []
+    rows, summary = [], []
     meta = {"job": "the default job (verl/trainer/config/default.yaml), 2 processes", "fault_every_s": args.fault_every,
             "steps": args.steps}
     try:
         for mode in args.modes.split(","):
             overrides = [*common, *MODES[mode]]
-            clean = work / f"{mode}_clean"
-            base = analyse(clean, run_job(clean, overrides, faults=False, rng=rng, fault_every=args.fault_every,
-                                          max_restarts=args.max_restarts, log=work / f"{mode}_clean.log"))
-            share = base["snapshot_share"]
-            snap = "no snapshots" if share is None else f"snapshot {share:.1%} of a step"
-            print(f"{mode}: uninterrupted {base['wall_s']:.1f} s, {base['steps']} steps, step time share "
-                  f"{base['step_time_share']:.1%}, {snap}", flush=True)
-            control = None
-            if mode.startswith("async"):  # pinned versions make the run reproducible: two clean runs check it
-                again = work / f"{mode}_clean_again"
-                run_job(again, overrides, faults=False, rng=rng, fault_every=args.fault_every,
-                        max_restarts=args.max_restarts, log=work / f"{mode}_clean_again.log")
-                control = weights_equal(clean, again)
-                print(f"{mode}: a second uninterrupted run's weights equal the first's: {control}", flush=True)
-            for i in range(args.runs):
+            runs, first_clean = [], None
+            for i in range(args.runs):  # pairs: an uninterrupted run, then the same job with faults
+                clean = work / f"{mode}_clean_{i}"
+                base = analyse(clean, run_job(clean, overrides, faults=False, rng=rng, fault_every=args.fault_every,
+                                              max_restarts=args.max_restarts, log=work / f"{mode}_clean_{i}.log"))
+                share = base["snapshot_share"]
+                snap = "no snapshots" if share is None else f"snapshot {share:.1%} of a step"
+                print(f"{mode} pair {i}: uninterrupted {base['wall_s']:.1f} s, {base['steps']} steps, step time "
+                      f"share {base['step_time_share']:.1%}, {snap}", flush=True)
+                control = None
+                if first_clean is None:
+                    first_clean = clean
+                else:  # every mode is reproducible (async with pinned versions): the clean runs agree
+                    control = weights_equal(first_clean, clean)
                 out = work / f"{mode}_faults_{i}"
                 job = run_job(out, overrides, faults=True, rng=rng, fault_every=args.fault_every,
                               max_restarts=args.max_restarts, log=work / f"{mode}_faults_{i}.log")
@@ -252,17 +282,23 @@ def main() -> int:
                     res["exactly_once"] = exactly_once(clean, out, batch=32)  # the default job's prompts per step
                 else:
                     res["log_tail"] = (work / f"{mode}_faults_{i}.log").read_text()[-3000:]
-                rows.append({"mode": mode, "run": i, "uninterrupted": base, **res,
+                runs.append({"mode": mode, "run": i, "uninterrupted": base, **res,
                              **({"uninterrupted_twice_weights_equal": control} if control is not None else {})})
                 print(f"{mode} run {i}: rc {job['rc']}, {len(job['kills'])} kills ({res.get('isolated_faults')} "
                       f"isolated), goodput {res.get('goodput', 0):.1%}, recovery median "
                       f"{res.get('recovery_s_median')} s (split {res.get('split_s_median')}), redone steps max "
                       f"{res.get('redone_steps_max')}, weights equal {res.get('weights_equal')}, metrics equal "
                       f"{res.get('metrics_equal')}, exactly once {res.get('exactly_once')}", flush=True)
-                write_result(args.out, {"rows": rows}, run, partial=True, **meta)  # what is done, if a later run fails
+                for old in (out, clean) if clean != first_clean else (out,):
+                    shutil.rmtree(old, ignore_errors=True)
+            rows += runs
+            summary.append(summarize(mode, runs))
+            print(f"{mode}: goodput {summary[-1]['goodput']:.1%} over {args.runs} pair(s) "
+                  f"({', '.join(f'{g:.1%}' for g in summary[-1]['goodput_runs'])})", flush=True)
+            write_result(args.out, {"summary": summary, "rows": rows}, run, partial=True, **meta)  # so far
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_result(args.out, {"rows": rows}, run, partial=False, **meta)
+    write_result(args.out, {"summary": summary, "rows": rows}, run, partial=False, **meta)
     return 0
 
 
