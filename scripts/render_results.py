@@ -275,6 +275,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("Weight sync: deltas and LoRA adapters", "bench_delta_sync", generic),
     ("Weight sync: deltas and LoRA adapters", "bench_lora_sync", generic),
     ("LoRA vs full fine-tuning", "bench_lora_vs_full", generic),
+    ("Recovery under faults (`verl bench faults`)", "bench_faults", lambda d: faults(d)),  # defined below
     ("Upstream verl's config keys", "verl_key_coverage", generic),
 ]
 
@@ -617,22 +618,44 @@ def fig_moe_layout(res) -> str:
 
 def _faults_table(d: dict) -> str:
     meta = d["meta"]
+    failed = [r for r in d["rows"] if r.get("rc") != 0]
+    pairs = max((r.get("pairs", 1) for r in d.get("summary", [])), default=1)
+    how = (f"{pairs} pairs of an uninterrupted run and a faulty one per mode; goodput: the uninterrupted runs' "
+           f"wall time over the faulty runs', pooled (each pair's in parentheses); indices summed over the runs"
+           if pairs > 1 else "goodput: the uninterrupted run's wall time over the faulty run's")
+    how += "; in recovery: the faulty runs' wall time from each kill to the next step done"
+    return (f"\n`{meta['command']}` ({meta['job']}, {meta['steps']} steps, a kill every ~{meta['fault_every_s']:g} s; "
+            f"{how}; isolated: kills whose recovery ended before the next kill)\n\n" + "\n".join(faults(d))
+            + (f"\n\n{len(failed)} run(s) did not finish" if failed else "") + "\n")
 
+
+def faults(d: dict) -> list[str]:
+    """bench_faults*.json: one row per mode (older files without `summary`: one per faulty run)."""
     def s(v):
         return "-" if v is None else f"{v:.2f}"
 
     def split(r):
         p = r.get("split_s_median") or {}
         return " / ".join(s(p.get(k)) for k in ("agent_restart", "start", "restore", "first_step"))
-    rows = [r for r in d.get("summary", d["rows"]) if r.get("rc") == 0]  # one row per mode (older files: per run)
+    rows = [r for r in d.get("summary", d["rows"]) if r.get("rc") == 0]
 
     def goodput(r):
         each = r.get("goodput_runs", [])
         return f"{100 * r['goodput']:.0f}%" + (f" ({', '.join(f'{100 * g:.0f}%' for g in each)})" if len(each) > 1
                                                else "")
+    def runs_of(r):
+        return [x for x in d["rows"] if x["mode"] == r["mode"] and x.get("rc") == 0] if "summary" in d else [r]
+
+    def clean_walls(r):  # the machine's drift: the same job uninterrupted, run to run
+        return ", ".join(f"{x['uninterrupted']['wall_s']:.0f}" for x in runs_of(r))
+
+    def in_recovery(r):  # measured inside the faulty runs, so the drift between runs does not enter
+        runs = runs_of(r)
+        spent = sum(f.get("recovery_s", 0.0) for x in runs for f in x["faults"])
+        return f"{100 * spent / sum(x['wall_s'] for x in runs):.1f}%"
     lines = table(rows, [
         ("mode", "mode"), ("kills (isolated)", lambda r: f"{r['kills']} ({r['isolated_faults']})"),
-        ("goodput (each pair)", goodput),
+        ("goodput", goodput), ("uninterrupted runs, s", clean_walls), ("in recovery", in_recovery),
         ("recovery s, median / max", lambda r: f"{s(r['recovery_s_median'])} / {s(r['recovery_s_max'])}"),
         ("split s: agent restart / start / restore / first step", split),
         ("steps redone, max", "redone_steps_max"),
@@ -645,14 +668,7 @@ def _faults_table(d: dict) -> str:
         ("indices trained / twice / skipped", lambda r: "{indices_trained} / {duplicates} / {skipped}".format(
             **r["exactly_once"])),
         ("2 uninterrupted runs equal", lambda r: r.get("uninterrupted_twice_weights_equal", "-"))])
-    failed = [r for r in d["rows"] if r.get("rc") != 0]
-    pairs = max((r.get("pairs", 1) for r in rows), default=1)
-    how = (f"{pairs} pairs of an uninterrupted run and a faulty one per mode; goodput: the uninterrupted runs' wall "
-           f"time over the faulty runs', pooled; indices summed over the runs" if pairs > 1 else
-           "goodput: the uninterrupted run's wall time over the faulty run's")
-    return (f"\n`{meta['command']}` ({meta['job']}, {meta['steps']} steps, a kill every ~{meta['fault_every_s']:g} s; "
-            f"{how}; isolated: kills whose recovery ended before the next kill)\n\n" + "\n".join(lines)
-            + (f"\n\n{len(failed)} run(s) did not finish" if failed else "") + "\n")
+    return lines
 
 
 def fig_faults(res) -> str:

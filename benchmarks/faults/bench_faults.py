@@ -127,17 +127,19 @@ def analyse(out: Path, job: dict) -> dict:
     kills = job["kills"]
     faults = []
     for n, k in enumerate(kills):
-        after = [r for r in records if r.get("perf/wall_time", 0) > k["time"] and "reward/mean" in r]
         next_kill = kills[n + 1]["time"] if n + 1 < len(kills) else float("inf")
         row = {"last_step": k["last_step"], "kill_time": k["time"] - job["start"]}
+        before = max((i for i, r in enumerate(records) if r.get("perf/wall_time", float("inf")) < k["time"]),
+                     default=-1)
+        marker = next((r for r in records[before + 1:] if "resumed_from_step" in r), None)
+        restart = next((i for i in range(before + 1, len(records)) if "recovery/ready_time" in records[i]), None)
+        resume = None if restart is None else records[restart]
+        # the first step the restarted workers finished (a rank still alive may log one more step after the kill)
+        after = [] if restart is None else [r for r in records[restart + 1:] if "reward/mean" in r]
         if not after or after[0]["perf/wall_time"] > next_kill:
             row["during_recovery"] = True  # or after the last step: recovered by the next kill's restart
             faults.append(row)
             continue
-        before = max((i for i, r in enumerate(records) if r.get("perf/wall_time", float("inf")) < k["time"]),
-                     default=-1)
-        marker = next((r for r in records[before + 1:] if "resumed_from_step" in r), None)
-        resume = next((r for r in records[before + 1:] if "recovery/ready_time" in r), None)
         row["recovery_s"] = after[0]["perf/wall_time"] - k["time"]
         if marker is not None:
             row["redone_steps"] = k["last_step"] - marker["resumed_from_step"]
