@@ -643,6 +643,7 @@ def faults(d: dict) -> list[str]:
         each = r.get("goodput_runs", [])
         return f"{100 * r['goodput']:.0f}%" + (f" ({', '.join(f'{100 * g:.0f}%' for g in each)})" if len(each) > 1
                                                else "")
+
     def runs_of(r):
         return [x for x in d["rows"] if x["mode"] == r["mode"] and x.get("rc") == 0] if "summary" in d else [r]
 

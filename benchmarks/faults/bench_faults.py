@@ -152,20 +152,26 @@ def analyse(out: Path, job: dict) -> dict:
         faults.append(row)
     snaps = [r["perf/snapshot_s"] for r in series if "perf/snapshot_s" in r]
     steps = [r["perf/step_time_s"] for r in series]
+    return {"steps": len(series), "step_time_share": counted / job["wall_s"], "wall_s": job["wall_s"],
+            "rc": job["rc"], "faults": faults, "kills": len(kills), **recoveries(faults),
+            "snapshot_s_median": statistics.median(snaps) if snaps else None,
+            "step_s_median": statistics.median(steps) if steps else None,
+            "snapshot_share": (statistics.median(snaps) / statistics.median(steps)) if snaps and steps else None}
+
+
+def recoveries(faults: list[dict]) -> dict:
+    """Over the kills whose recovery was measured (isolated): their count, recovery median / max, the median of
+    each part of the split, and the most steps redone."""
     isolated = [f for f in faults if "recovery_s" in f]
     split = {}
     for part in ("agent_restart", "start", "restore", "first_step"):
         vals = [f["split_s"][part] for f in isolated if f.get("split_s", {}).get(part) is not None]
         split[part] = statistics.median(vals) if vals else None
-    return {"steps": len(series), "step_time_share": counted / job["wall_s"], "wall_s": job["wall_s"],
-            "rc": job["rc"], "faults": faults, "kills": len(kills), "isolated_faults": len(isolated),
+    return {"isolated_faults": len(isolated),
             "recovery_s_median": statistics.median([f["recovery_s"] for f in isolated]) if isolated else None,
             "recovery_s_max": max([f["recovery_s"] for f in isolated]) if isolated else None,
             "split_s_median": split,
-            "redone_steps_max": max([f.get("redone_steps", 0) for f in isolated], default=None),
-            "snapshot_s_median": statistics.median(snaps) if snaps else None,
-            "step_s_median": statistics.median(steps) if steps else None,
-            "snapshot_share": (statistics.median(snaps) / statistics.median(steps)) if snaps and steps else None}
+            "redone_steps_max": max([f.get("redone_steps", 0) for f in isolated], default=None)}
 
 
 def first_difference(a: dict, b: dict) -> dict | None:
@@ -210,22 +216,13 @@ def summarize(mode: str, runs: list[dict]) -> dict:
     """One row per mode over its pairs: goodput pooled (the uninterrupted runs' wall time over the faulty runs'),
     each pair's beside it, the recoveries of every run together, and the checks of every run."""
     ok = [r for r in runs if r.get("rc") == 0]
-    isolated = [f for r in ok for f in r["faults"] if "recovery_s" in f]
-    split = {}
-    for part in ("agent_restart", "start", "restore", "first_step"):
-        vals = [f["split_s"][part] for f in isolated if f.get("split_s", {}).get(part) is not None]
-        split[part] = statistics.median(vals) if vals else None
     shares = [r["uninterrupted"]["snapshot_share"] for r in ok if r["uninterrupted"].get("snapshot_share")]
     diffs = [r["metrics_first_difference"] for r in ok if r.get("metrics_first_difference")]
     controls = [r["uninterrupted_twice_weights_equal"] for r in ok if "uninterrupted_twice_weights_equal" in r]
     return {"mode": mode, "pairs": len(runs), "rc": 0 if ok and len(ok) == len(runs) else 1,
-            "kills": sum(r["kills"] for r in ok), "isolated_faults": len(isolated),
+            "kills": sum(r["kills"] for r in ok), **recoveries([f for r in ok for f in r["faults"]]),
             "goodput": (sum(r["uninterrupted"]["wall_s"] for r in ok) / sum(r["wall_s"] for r in ok)) if ok else None,
             "goodput_runs": [r["goodput"] for r in ok],
-            "recovery_s_median": statistics.median([f["recovery_s"] for f in isolated]) if isolated else None,
-            "recovery_s_max": max([f["recovery_s"] for f in isolated]) if isolated else None,
-            "split_s_median": split,
-            "redone_steps_max": max([f.get("redone_steps", 0) for f in isolated], default=None),
             "uninterrupted": {"snapshot_share": statistics.median(shares) if shares else None},
             "weights_equal": all(r["weights_equal"] for r in ok), "metrics_equal": not diffs,
             "metrics_first_difference": diffs[0] if diffs else None,

@@ -89,8 +89,8 @@ def _launch(argv: list[str], world: int) -> list[dict]:
     """The run's step metrics: spawned gloo ranks, or torchrun where the engine starts processes of its own
     (which the spawned ranks, being daemons, may not)."""
     if "rollout.in_process=false" not in argv:
-        vllm = any(a.startswith("rollout.engine=") and a.split("=")[1] in ("vllm", "sglang") for a in argv)
-        return run_distributed(_train, world, args=(argv,), timeout=600, spawn=vllm)[0]
+        spawn = any(a.startswith("rollout.engine=") and a.split("=")[1] in ("vllm", "sglang") for a in argv)
+        return run_distributed(_train, world, args=(argv,), timeout=600, spawn=spawn)[0]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run([str(torchrun), f"--nproc_per_node={world}", "-m", "verl.trainer.main_ppo", *argv],
