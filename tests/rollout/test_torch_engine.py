@@ -295,3 +295,46 @@ def test_hf_engine_stops_at_eos_and_stop_strings(model, tok):
     stop_at = first.token_ids[2]
     out = hf.generate(PROMPTS[:1], SamplingParams(max_new_tokens=6, temperature=0, stop_token_ids=(stop_at,)))[0]
     assert out.token_ids == first.token_ids[:first.token_ids.index(stop_at) + 1] and out.finish_reason == "stop"
+
+
+def _exponential_race(probs, generators):
+    """The sampling convention as written (verl.rollout.base): q ~ Exp(1) by `exponential_`, argmax(p / q)."""
+    q = torch.empty(probs.shape, dtype=torch.float64)
+    for i, g in enumerate(generators):
+        q[i].exponential_(generator=g)
+    return (q.reciprocal_() * probs).argmax(-1)
+
+
+def test_cpu_race_samples_what_the_exponential_draws_give_and_leaves_the_generators_alike():
+    """sample_tokens on CPU draws uniforms and takes the logarithm only where a token can still win: every token
+    and every generator state afterwards equal the plain `exponential_` race's (peaked, flat, masked rows, vocabularies
+    of 5 to SmolLM2's 49152)."""
+    from verl.rollout.torch_engine import _cpu_exponential_is_log1p, _race_cpu
+    assert _cpu_exponential_is_log1p()  # this torch draws Exp(1) as -log1p(-u): the fast race is the one in use
+    gen = torch.Generator().manual_seed(0)
+    for trial, vocab in enumerate([5, 64, 1000, 49152] * 6):
+        logits = torch.randn(6, vocab, generator=gen) * (trial % 5)  # scale 0: every row flat, all ties in p
+        if trial % 3 == 0:
+            logits[:, vocab // 2:] = float("-inf")  # top-k/top-p filtered tokens: p = 0
+        probs = logits.softmax(-1)
+        ours = [torch.Generator().manual_seed(7 * trial + r) for r in range(6)]
+        plain = [torch.Generator().manual_seed(7 * trial + r) for r in range(6)]
+        assert torch.equal(_race_cpu(probs, ours), _exponential_race(probs, plain)), f"trial {trial}, vocab {vocab}"
+        for a, b in zip(ours, plain):
+            assert torch.equal(a.get_state(), b.get_state())
+
+
+def test_cpu_race_keeps_argmax_semantics_at_zero_draws_and_nan():
+    """u = 0 (q = 0: an infinite score, or NaN where p = 0) and NaN probabilities give what the formula's argmax
+    gives (the first maximum; NaN above everything, the first NaN)."""
+    import math
+    from verl.rollout.torch_engine import _race
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.5, 0.0], [0.25, float("nan"), 0.25, float("nan")],
+                          [0.0, 0.0, 1.0, 0.0], [0.4, 0.1, 0.4, 0.1]])
+    u = torch.tensor([[0.5, 0.0, 0.2, 0.0], [0.0, 0.3, 0.3, 0.9], [0.1, 0.2, 0.3, 0.4], [0.5, 0.5, 0.0, 0.0],
+                      [0.3, 0.3, 0.3, 0.3]], dtype=torch.float64)
+    q = torch.tensor([[-math.log1p(-x) for x in row] for row in u.tolist()], dtype=torch.float64)
+    want = (q.reciprocal() * probs).argmax(-1)
+    # two infinite scores (the first wins); p = u = 0 is NaN, which wins; a NaN probability; NaN beats inf; ties
+    assert want.tolist() == [1, 0, 1, 3, 0]
+    assert torch.equal(_race(probs, u), want)

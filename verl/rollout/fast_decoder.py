@@ -9,7 +9,15 @@ back: fused projection weights are rebuilt at every `start`; LoRA adapters are m
 - one preallocated key/value buffer per layer, written in place (no cache objects, no concatenation);
 - q/k/v as one GEMM and gate/up as one GEMM;
 - a cos/sin table for every position of the batch computed once by the model's own rotary module;
-- `scaled_dot_product_attention` with grouped-query heads and a boolean padding mask.
+- `scaled_dot_product_attention` with grouped-query heads and a boolean padding mask;
+- float32 projections on CPU packed once per `start` into MKL's GEMM layout (`cblas_sgemm_pack`, through
+  torch's `mkl::_mkl_reorder_linear_weight` / `_mkl_linear`): an unpacked `F.linear` repacks the whole weight
+  at every call, which at the handful of rows a decode step has costs as much as the multiply (SmolLM2-135M at
+  32 rows: the projections ~1.5x faster packed alone, ~2.5x at 8 rows; a whole decode step ~1.15x). From 16
+  rows on the packed product equals F.linear's bit for bit; below, it is within rounding of it, and a row's
+  result does not depend on how many rows the batch has from 2 rows on (F.linear's changes below 16 rows).
+  Where the packing ops are missing (a torch without MKL) the projections stay on `F.linear`
+  (`pack_unavailable` says why).
 
 Numerically it is the model's forward (checked against it in tests/rollout); models it does not know are
 reported by `unsupported_reason` and keep using their own forward. With `quantization="int8"` every projection
@@ -84,18 +92,39 @@ def _fused(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in pairs])
 
 
+def _pack_unavailable() -> str | None:
+    """None when this torch can pack float32 weights for MKL's GEMM, else why not."""
+    if not torch.backends.mkl.is_available():
+        return "this torch is built without MKL"
+    try:
+        torch.ops.mkl._mkl_reorder_linear_weight, torch.ops.mkl._mkl_linear  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return "this torch has no mkl::_mkl_reorder_linear_weight / mkl::_mkl_linear"
+    return None
+
+
 class _Proj:
-    """One projection as the decoder runs it: float (weight, bias), or int8 (qweight, scale, bias)."""
+    """One projection as the decoder runs it: float (weight, bias), MKL-packed float32 (packed, bias), or int8
+    (qweight, scale, bias)."""
 
-    __slots__ = ("weight", "bias", "q", "scale")
+    __slots__ = ("weight", "bias", "q", "scale", "packed")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool):
-        self.weight, self.bias, self.q, self.scale = weight, bias, None, None
-        if quantize:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str = "float"):
+        self.weight, self.bias, self.q, self.scale, self.packed = weight, bias, None, None, None
+        if mode == "int8":
             self.q, self.scale = quantize_int8(weight)
             self.weight = None  # the fused float copy goes: only the int8 one is read while decoding
+        elif mode == "packed":
+            # The batch size given to the packing is a hint only: the packed weight serves any number of rows
+            # (`_mkl_linear` takes the packed path when its last argument equals the rows it is given).
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 32)
+            # The packed path reads only the original weight's sizes: a stand-in of that shape and no storage
+            # lets the fused float copy go.
+            self.weight = weight.new_empty(()).expand(weight.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.numel() // x.shape[-1])
         if self.q is None:
             return F.linear(x, self.weight, self.bias)
         return int8_linear(x, self.q, self.scale, self.bias)
@@ -116,7 +145,7 @@ class LlamaFamilyDecoder:
     the cache holds (the mask must follow). `finish()` frees the cache.
     """
 
-    def __init__(self, model: torch.nn.Module, quantization: str = "none"):
+    def __init__(self, model: torch.nn.Module, quantization: str = "none", pack: bool = True):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaFamilyDecoder cannot run this model: {reason}")
@@ -130,6 +159,12 @@ class LlamaFamilyDecoder:
         """Projection -> why the int8 kernel does not serve it (after the last `prepare` with quantization)."""
         self.quantize_s = 0.0
         """Seconds the last `prepare` spent quantizing."""
+        self.pack = pack
+        """Pack float32 CPU projections for MKL at `prepare` (see the module docstring); False: `F.linear`."""
+        self.pack_unavailable = _pack_unavailable()
+        """Why this torch cannot pack (None when it can)."""
+        self.packed = 0
+        """Projections running MKL-packed after the last `prepare` (LM head included)."""
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -148,7 +183,7 @@ class LlamaFamilyDecoder:
     def prepare(self, max_len: int) -> None:
         """Fuses the current weights and computes cos/sin for `max_len` positions (no cache yet: `join` adds rows)."""
         t0 = time.perf_counter()
-        self.layers, self.quantized, self.unquantized = [], 0, {}
+        self.layers, self.quantized, self.unquantized, self.packed = [], 0, {}, 0
         for i, layer in enumerate(self.base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             where = f"model.layers.{i}"
@@ -166,7 +201,11 @@ class LlamaFamilyDecoder:
 
     def _proj(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> _Proj:
         if self.quantization == "none":
-            return _Proj(weight, bias, quantize=False)
+            if self.pack and self.pack_unavailable is None and weight.device.type == "cpu" and \
+                    weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
+                self.packed += 1
+                return _Proj(weight, bias, "packed")
+            return _Proj(weight, bias)
         why = None
         if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
             why = f"{weight.dtype} weights (the int8 kernel computes in float32)"
@@ -174,9 +213,9 @@ class LlamaFamilyDecoder:
             why = f"weights on {weight.device.type}"
         if why is not None:
             self.unquantized[name] = why
-            return _Proj(weight, bias, quantize=False)
+            return _Proj(weight, bias)
         self.quantized += 1
-        return _Proj(weight, bias, quantize=True)
+        return _Proj(weight, bias, "int8")
 
     def _rope(self, max_len: int) -> None:
         # the model's own rotary module gives cos/sin for every position a row can reach

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import operator
 import time
 from collections.abc import Iterable
@@ -80,10 +81,65 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams,
     if params.greedy:
         return logits.argmax(-1)
     probs = logits.softmax(-1)
+    if probs.device.type == "cpu" and all(g is None or g.device.type == "cpu" for g in generators) and \
+            _cpu_exponential_is_log1p():
+        return _race_cpu(probs, generators)
     q = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
     for i, g in enumerate(generators):
         q[i].exponential_(generator=g)
     return (q.reciprocal_() * probs).argmax(-1)
+
+
+# The exponential race on CPU without computing most of the exponentials. torch's CPU generator draws an Exp(1)
+# float64 as q = -log1p(-u) from the uniform float64 u that `uniform_` draws from the same generator state (one
+# draw per element, in order), so drawing u with `uniform_` consumes the stream exactly as `exponential_` does,
+# and the q the race needs can be computed from u where needed. Since q >= u, p / u bounds a token's score
+# (1 / q) * p from above: only tokens whose bound reaches the score of the bound's best token can win, a handful
+# per row of a 49k vocabulary, and only theirs take the logarithm (math.log1p: the C library's log1p, which
+# torch's CPU kernel calls). The winner, ties (first index), inf and NaN (first NaN) are those of
+# `(q.reciprocal_() * probs).argmax(-1)`, bit for bit; the logarithm, 2/3 of the draw's time, goes.
+_RACE_SLACK = 1e-12  # >> the rounding of p / u, 1 / q and the product (a few ulps, ~1e-15 relative)
+_exponential_checked: list[bool] = []
+
+
+def _cpu_exponential_is_log1p() -> bool:
+    """Whether this torch's CPU `exponential_` is -log1p(-u) of `uniform_`'s u, bit for bit (checked once on a
+    few thousand draws; False keeps `sample_tokens` on `exponential_` itself)."""
+    if not _exponential_checked:
+        q = torch.empty(4096, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(12345))
+        u = torch.empty(4096, dtype=torch.float64).uniform_(generator=torch.Generator().manual_seed(12345))
+        _exponential_checked.append(all(-math.log1p(-x) == y for x, y in zip(u.tolist(), q.tolist())))
+    return _exponential_checked[0]
+
+
+def _race_score(u: float, p: float) -> float:
+    """(1 / q) * p with q = -log1p(-u), as float64 (torch's `q.reciprocal_() * probs`)."""
+    q = -math.log1p(-u)
+    return (math.inf if q == 0.0 else 1.0 / q) * p
+
+
+def _race_cpu(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    u = torch.empty(probs.shape, dtype=torch.float64)
+    for i, g in enumerate(generators):
+        u[i].uniform_(generator=g)
+    return _race(probs, u)
+
+
+def _race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """argmax over each row of (1 / q) * p, q = -log1p(-u): probs [B, V] float32, u [B, V] float64 in [0, 1)."""
+    p = probs.double()
+    bound = p / u  # >= the score; NaN exactly where the score is NaN (p NaN, or p = u = 0)
+    best = bound.argmax(-1)  # a NaN row: its first NaN, as the score's argmax
+    rows = best.tolist()
+    floor = torch.tensor([_race_score(u[i, j].item(), p[i, j].item()) for i, j in enumerate(rows)],
+                         dtype=torch.float64) * (1.0 - _RACE_SLACK)
+    hits = (bound >= floor[:, None]).nonzero().tolist()  # row-major: each row's candidates in index order
+    top = [math.nan if b != b else -math.inf for b in floor.tolist()]
+    for i, j in hits:
+        score = _race_score(u[i, j].item(), p[i, j].item())
+        if score > top[i]:
+            top[i], rows[i] = score, j
+    return torch.tensor(rows, dtype=best.dtype)
 
 
 class TorchRollout(RolloutEngine):

@@ -1,0 +1,114 @@
+"""The torch engine's decode step before and after MKL-packed projections and the exponential race without most
+logarithms, side by side in one process on the example job's generation.
+
+  before   rollout projections through F.linear (`LlamaFamilyDecoder(pack=False)`), every sampling step's Exp(1)
+           noise drawn with `exponential_` (a logarithm per vocabulary entry)
+  after    the defaults: float32 projections packed for MKL once per generate (verl.rollout.fast_decoder), the race
+           from uniform draws with the logarithm taken only where a token can still win (verl.rollout.torch_engine)
+
+The work: SmolLM2-135M-Instruct (float32), examples/smollm2_gsm8k.yaml's generation (8 gsm_symbolic chat prompts x
+4 samples, temperature 1, seeded, one torch thread, --max-new-tokens 256), on the same loaded weights, the sides
+alternating (before, after, before, ...) so that machine load hits both alike. Two parts:
+
+  equal   `ignore_eos`: every row decodes --max-new-tokens tokens on both sides (32 rows all the way), so both do
+          the same work; the samples must be identical (from 16 rows on the packed product is F.linear's bit for
+          bit, and the race draws what `exponential_` draws)
+  eos     the example as it runs: rows end at <|im_end|> and leave the batch, so the tail decodes fewer rows (where
+          packing gains most); tokens/s of each side and how many samples are identical (below 16 rows the packed
+          product differs from F.linear within rounding, so a long sample may diverge and the work differ)
+
+    python benchmarks/engines/bench_decode.py                     # both parts, 1 repeat
+    python benchmarks/engines/bench_decode.py --parts equal --repeats 2
+
+Writes benchmarks/results/bench_decode.json (meta.command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SIDES = ("before", "after")
+
+
+def run(args) -> dict:
+    import torch
+
+    import verl.rollout.torch_engine as torch_engine
+    from verl.data import make_task
+    from verl.models.pretrained import load_pretrained, resolve_model_path
+    from verl.rollout import RolloutConfig, SamplingParams, build_rollout
+    from verl.rollout.tokenizer import Tokenizer
+    torch.set_num_threads(1)
+    model, hf_tok = load_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    tok = Tokenizer(hf_tok)
+    prompts = [tok.encode_prompt(r["prompt"]) for r in make_task("gsm_symbolic", 8, seed=0)]
+    engine = build_rollout(RolloutConfig(engine="torch", max_batch_size=32), model=model, tokenizer=tok)
+    fast = engine._fast
+    if fast is None:
+        raise SystemExit("the torch engine does not run its fast decoder on this model")
+    race = torch_engine._cpu_exponential_is_log1p()
+    res = {"model": "smollm2-135m-instruct (float32)", "torch": torch.__version__,
+           "mkl_packing": fast.pack_unavailable or "available", "race_from_uniforms": race,
+           "job": {"prompts": len(prompts), "n": 4, "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
+                   "threads": 1, "repeats": args.repeats},
+           "differs": "only the two changes: F.linear vs MKL-packed projections, exponential_ vs the uniform race; "
+                      "same weights, prompts, seeds, sampling settings"}
+
+    def use(side: str) -> None:
+        fast.pack = side == "after"
+        torch_engine._exponential_checked[:] = [race and side == "after"]
+
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
+    for part in args.parts:
+        params = SamplingParams(n=4, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234,
+                                ignore_eos=part == "equal")
+        rows = {s: {"generate_s": [], "tokens": []} for s in SIDES}
+        outs = {}
+        for r in range(args.repeats):
+            for side in SIDES:
+                use(side)
+                t = time.perf_counter()
+                outs[side] = engine.generate(prompts, params)
+                rows[side]["generate_s"].append(time.perf_counter() - t)
+                rows[side]["tokens"].append(sum(len(o.token_ids) for o in outs[side]))
+                print(f"[decode] {part} repeat {r} {side}: {rows[side]['generate_s'][-1]:.1f} s, "
+                      f"{rows[side]['tokens'][-1]} tokens", flush=True)
+        for side in SIDES:
+            row = rows[side]
+            row["tokens_per_s"] = statistics.median(n / s for n, s in zip(row["tokens"], row["generate_s"]))
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs["before"], outs["after"]))
+        res[part] = {"ignore_eos": part == "equal", **rows,
+                     "speedup_tokens_per_s": rows["after"]["tokens_per_s"] / rows["before"]["tokens_per_s"],
+                     "identical_samples": same, "samples": len(outs["after"])}
+        print(f"[decode] {part}: tokens/s before {rows['before']['tokens_per_s']:.1f} after "
+              f"{rows['after']['tokens_per_s']:.1f} ({res[part]['speedup_tokens_per_s']:.2f}x), "
+              f"{same}/{len(outs['after'])} samples identical", flush=True)
+    use("after")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", nargs="+", choices=("equal", "eos"), default=["equal", "eos"])
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_decode.json"))
+    args = ap.parse_args()
+    from verl.utils.results import RunInfo, write_result
+    info = RunInfo.start()
+    res = run(args)
+    write_result(args.out, {"benchmark": "decode", **res}, info)
+    print(f"[decode] wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
