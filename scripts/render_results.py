@@ -267,6 +267,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
     ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_cores", generic),
     ("Generation engines", "bench_quant", generic), ("Generation engines", "bench_continuous", generic),
+    ("Generation engines", "bench_decode", generic),
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
@@ -777,8 +778,23 @@ def fig_continuous(res) -> str:
             f"(`{m['command']}`, median of {m['reps']})")
 
 
+def fig_decode(res) -> str:
+    d = res["bench_decode.json"]
+    job = d["job"]
+
+    def part(name, what):
+        r = d[name]
+        return (f"{what}: {r['after']['tokens_per_s']:.1f} tokens/s against {r['before']['tokens_per_s']:.1f} "
+                f"(**{r['speedup_tokens_per_s']:.2f}x**), {r['identical_samples']} of {r['samples']} samples "
+                f"identical")
+    parts = [part(n, w) for n, w in (("equal", f"EOS ignored ({job['max_new_tokens']} tokens per row on both sides)"),
+                                     ("eos", "rows ending at EOS as in the example")) if n in d]
+    return (f"{d['model']}, {job['prompts']} prompts x {job['n']} samples, one thread, alternating runs "
+            f"(`{d['meta']['command']}`, median of {job['repeats']}); " + "; ".join(parts))
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "continuous": fig_continuous,
+    "continuous": fig_continuous, "decode": fig_decode,
     "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree, "cores": fig_cores,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "faults_async_exact": fig_faults_async_exact,
     "snapshot_smollm2": fig_snapshot_smollm2,
