@@ -63,7 +63,7 @@ def _env(tree: str) -> dict:
 
 
 def _check_import(tree: str) -> None:
-    where = subprocess.run([sys.executable, "-c", "import verl, verl._C; print(verl.__file__)"], cwd=tree,
+    where = subprocess.run([sys.executable, "-c", "import torch, verl, verl._C; print(verl.__file__)"], cwd=tree,
                            env=_env(tree), check=True, capture_output=True, text=True).stdout.strip()
     if not where.startswith(tree):
         raise SystemExit(f"the run in {tree} imports verl from {where}: it would not run that tree's code")
