@@ -109,6 +109,7 @@ def main() -> int:
     _check_import(base)
     _check_import(ROOT)
     work = args.work or tempfile.mkdtemp(prefix="verl-vs-commit-")
+    os.makedirs(work, exist_ok=True)
     same_yaml = open(os.path.join(base, EXAMPLE)).read() == open(os.path.join(ROOT, EXAMPLE)).read()
     yaml_diff = "" if same_yaml else _git("diff", "--stat", sha, "--", EXAMPLE)
     sides = {"baseline": (base, args.steps), "now": (ROOT, 3 * args.steps)}
