@@ -267,7 +267,7 @@ FAMILIES: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("Generation engines", "bench_engines", generic), ("Generation engines", "bench_padding_free", generic),
     ("Generation engines", "bench_prefix_tree", generic), ("Generation engines", "bench_cores", generic),
     ("Generation engines", "bench_quant", generic), ("Generation engines", "bench_continuous", generic),
-    ("Generation engines", "bench_decode", generic),
+    ("Generation engines", "bench_decode", generic), ("GRPO end to end: verl vs TRL", "bench_vs_commit", generic),
     ("3D-HybridEngine", "bench_reshard", generic), ("3D-HybridEngine", "bench_transition", generic),
     ("3D-HybridEngine", "bench_across", generic),
     ("Scaling", "bench_scaling", generic), ("Dataflow", "dataflow_overhead", generic),
@@ -793,8 +793,25 @@ def fig_decode(res) -> str:
             f"(`{d['meta']['command']}`, median of {job['repeats']}); " + "; ".join(parts))
 
 
+def fig_vs_commit(res) -> str:
+    d = res["bench_vs_commit.json"]
+    b, n = d["baseline"], d["now"]
+
+    def side(r):
+        ph = r["phases_s"]
+        return (f"{r['response_tokens_per_s']:.1f} generated tokens/s, {r['step_s']:.0f} s/step (generation "
+                f"{ph['timing/generate_s']:.0f} s, update {ph['timing/update_actor_s']:.0f} s; mean response "
+                f"{r['response_length']:.0f} tokens; {r['steps_counted']} steps counted)")
+    return (f"steps {', '.join(map(str, d['steps_paired']))} at {b['commit'][:10]}: {side(b)}; the same steps at "
+            f"{n['commit'][:10]}: {side(n)}; **{d['response_tokens_per_s_ratio']:.2f}x** the generated tokens/s "
+            f"({d['tokens_per_s_ratio']:.2f}x the trained tokens/s; per step "
+            f"{', '.join(f'{r:.2f}x' for r in d['step_ratios'])}), the example's settings "
+            f"{'the same' if d['example_same_at_both'] else 'different'} at both (`{d['meta']['command']}`, both "
+            f"at the same time, one thread each)")
+
+
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "continuous": fig_continuous, "decode": fig_decode,
+    "continuous": fig_continuous, "decode": fig_decode, "vs_commit": fig_vs_commit,
     "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree, "cores": fig_cores,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "faults_async_exact": fig_faults_async_exact,
     "snapshot_smollm2": fig_snapshot_smollm2,

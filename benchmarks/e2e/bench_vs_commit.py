@@ -8,11 +8,11 @@ whether they differ) with the same overrides (no checkpoints, no exports, no plo
 single-threaded process each, so that both see the same machine and the same outside load. The baseline is the
 commit's tree exported (`git archive`) under ~/.cache/verl/bench-baselines/<sha> with its own verl._C built there
 (the CPU build, as scripts/setup_env.sh builds it); its import location is checked before it runs. This checkout
-runs up to 3x --steps steps and is stopped when the baseline finishes, so that neither side runs alone. The first
-step of each side is left out (warm-up); of the rest, only steps that lie wholly inside the window where both
-were running count. Reported per side: generated (response) tokens per second of wall time and trained tokens per
+runs up to 3x --steps steps and is stopped when the baseline finishes, so that neither side runs alone. The same
+steps are compared on both sides (the same prompts, and the same samples where both sample alike): from the
+second (the first is warm-up) to the last this checkout finished while the baseline was still running. Reported per side: generated (response) tokens per second of wall time and trained tokens per
 second (the job's perf/response_tokens_per_s and perf/tokens_per_s, summed over the counted steps), the phases
-per step, the mean response length, and the ratio now / baseline. Writes benchmarks/results/bench_vs_commit.json.
+per step, the mean response length, the ratio now / baseline, and each paired step's time ratio. Writes benchmarks/results/bench_vs_commit.json.
 """
 
 from __future__ import annotations
@@ -77,10 +77,9 @@ def _rows(out: str) -> list[dict]:
     return [r for r in rows if "perf/step_time_s" in r]
 
 
-def summarize(rows: list[dict], start: float, end: float) -> dict:
-    """The side's figures over its steps after the first that lie wholly inside [start, end] (wall clock)."""
-    counted = [r for r in rows[1:] if r["perf/wall_time"] - r["perf/step_time_s"] >= start
-               and r["perf/wall_time"] <= end]
+def summarize(rows: list[dict], steps: list[int]) -> dict:
+    """The side's figures over `steps` (0-based indices into its logged steps)."""
+    counted = [rows[i] for i in steps]
     seconds = sum(r["perf/step_time_s"] for r in counted)
     if not counted:
         return {"steps_counted": 0}
@@ -110,8 +109,10 @@ def main() -> int:
     _check_import(ROOT)
     work = args.work or tempfile.mkdtemp(prefix="verl-vs-commit-")
     os.makedirs(work, exist_ok=True)
-    same_yaml = open(os.path.join(base, EXAMPLE)).read() == open(os.path.join(ROOT, EXAMPLE)).read()
-    yaml_diff = "" if same_yaml else _git("diff", "--stat", sha, "--", EXAMPLE)
+    import yaml
+    same_yaml = all(yaml.safe_load(open(os.path.join(t, EXAMPLE))) == yaml.safe_load(open(os.path.join(ROOT, EXAMPLE)))
+                    for t in (base,))  # the settings, comments aside
+    yaml_diff = "" if same_yaml else _git("diff", sha, "--", EXAMPLE)
     sides = {"baseline": (base, args.steps), "now": (ROOT, 3 * args.steps)}
     procs, outs = {}, {}
     for name, (tree, steps) in sides.items():
@@ -135,13 +136,17 @@ def main() -> int:
     for name, r in rows.items():
         if len(r) < 2:
             raise SystemExit(f"{name} logged {len(r)} steps: {work}/{name}.log")
-    # the window both ran in: from the later second-step start to the earlier last-step end
-    start = max(r[1]["perf/wall_time"] - r[1]["perf/step_time_s"] for r in rows.values())
-    end = min(r[-1]["perf/wall_time"] for r in rows.values())
-    res = {"baseline": {"commit": sha, **summarize(rows["baseline"], start, end)},
-           "now": {"commit": info.commit, "dirty": info.dirty, **summarize(rows["now"], start, end)},
-           "example_same_at_both": same_yaml, "example_diff": yaml_diff,
-           "overrides": COMMON, "window_s": end - start}
+    # The same steps on both sides (the same prompts; the same samples where both sample alike), from the second
+    # on, each finished by this checkout while the baseline was still running (so that neither ran alone).
+    end = rows["baseline"][-1]["perf/wall_time"]
+    paired = [i for i in range(1, min(len(rows["baseline"]), len(rows["now"])))
+              if rows["now"][i]["perf/wall_time"] <= end]
+    res = {"baseline": {"commit": sha, **summarize(rows["baseline"], paired)},
+           "now": {"commit": info.commit, "dirty": info.dirty, **summarize(rows["now"], paired)},
+           "steps_paired": [i + 1 for i in paired],
+           "step_ratios": [rows["baseline"][i]["perf/step_time_s"] / rows["now"][i]["perf/step_time_s"]
+                           for i in paired],
+           "example_same_at_both": same_yaml, "example_diff": yaml_diff, "overrides": COMMON}
     b, n = res["baseline"], res["now"]
     if b["steps_counted"] and n["steps_counted"]:
         res["response_tokens_per_s_ratio"] = n["response_tokens_per_s"] / b["response_tokens_per_s"]
