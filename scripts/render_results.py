@@ -806,8 +806,8 @@ def fig_vs_commit(res) -> str:
             f"{n['commit'][:10]}: {side(n)}; **{d['response_tokens_per_s_ratio']:.2f}x** the generated tokens/s "
             f"({d['tokens_per_s_ratio']:.2f}x the trained tokens/s; per step "
             f"{', '.join(f'{r:.2f}x' for r in d['step_ratios'])}), the example's settings "
-            f"{'the same' if d['example_same_at_both'] else 'different'} at both (`{d['meta']['command']}`, both "
-            f"at the same time, one thread each)")
+            f"{'the same' if d['example_same_at_both'] else 'different'} at both (`{d['meta']['command']}`: "
+            f"{d.get('schedule', 'together, one thread each')})")
 
 
 FIGURES: dict[str, Callable[[dict], str]] = {

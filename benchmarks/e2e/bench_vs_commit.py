@@ -1,11 +1,14 @@
 """The example job at an earlier commit and at this checkout, side by side in one window: how much faster the same
 job runs now than it did then.
 
-    python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 3
+    python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 3             # both at once, 1 thread each
+    python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 2 --sequential
 
-Both sides run `verl train examples/smollm2_gsm8k.yaml` (each tree's own copy of the file; the command prints
-whether they differ) with the same overrides (no checkpoints, no exports, no plots), at the same time, one
-single-threaded process each, so that both see the same machine and the same outside load. The baseline is the
+Both sides run `verl train examples/smollm2_gsm8k.yaml` (each tree's own copy of the file; the result says
+whether their settings differ) with the same overrides (no checkpoints, no exports, no plots), at the same time,
+one single-threaded process each, so that both see the same machine and the same outside load; or, with
+--sequential, one after the other, each alone on the machine with its example's own trainer.threads (the job as
+`verl train` runs it at each commit). The baseline is the
 commit's tree exported (`git archive`) under ~/.cache/verl/bench-baselines/<sha> with its own verl._C built there
 (the CPU build, as scripts/setup_env.sh builds it); its import location is checked before it runs. This checkout
 runs up to 3x --steps steps and is stopped when the baseline finishes, so that neither side runs alone. The same
@@ -58,8 +61,13 @@ def baseline_tree(rev: str) -> tuple[str, str]:
     return sha, where
 
 
-def _env(tree: str) -> dict:
-    return dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+def _env(tree: str, one_thread: bool = True) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree)
+    if one_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    else:
+        env.pop("OMP_NUM_THREADS", None)
+    return env
 
 
 def _check_import(tree: str) -> None:
@@ -97,6 +105,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", required=True, help="the earlier commit (any git revision)")
     ap.add_argument("--steps", type=int, default=3, help="the baseline's steps (its first is warm-up)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the baseline, then this checkout, each alone and with its example's own "
+                         "trainer.threads (what `verl train` of each does), instead of both at once on one thread")
     ap.add_argument("--work", default=None, help="run folders (default: a temporary folder)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_vs_commit.json"))
     args = ap.parse_args()
@@ -113,15 +124,20 @@ def main() -> int:
     same_yaml = all(yaml.safe_load(open(os.path.join(t, EXAMPLE))) == yaml.safe_load(open(os.path.join(ROOT, EXAMPLE)))
                     for t in (base,))  # the settings, comments aside
     yaml_diff = "" if same_yaml else _git("diff", sha, "--", EXAMPLE)
-    sides = {"baseline": (base, args.steps), "now": (ROOT, 3 * args.steps)}
+    together = not args.sequential
+    overrides = COMMON if together else [o for o in COMMON if not o.startswith("trainer.threads=")]
+    sides = {"baseline": (base, args.steps), "now": (ROOT, 3 * args.steps if together else args.steps)}
     procs, outs = {}, {}
     for name, (tree, steps) in sides.items():
         outs[name] = os.path.join(work, name)
         cmd = [sys.executable, "-m", "verl.cli.main", "train", EXAMPLE, f"trainer.total_steps={steps}",
-               f"trainer.output_dir={outs[name]}", *COMMON]
+               f"trainer.output_dir={outs[name]}", *overrides]
         log = open(os.path.join(work, f"{name}.log"), "w")
-        procs[name] = subprocess.Popen(cmd, cwd=tree, env=_env(tree), stdout=log, stderr=subprocess.STDOUT)
+        procs[name] = subprocess.Popen(cmd, cwd=tree, env=_env(tree, together), stdout=log,
+                                       stderr=subprocess.STDOUT)
         print(f"[vs-commit] {name}: {' '.join(cmd[1:])} (in {tree})", flush=True)
+        if not together:
+            procs[name].wait()
     while procs["baseline"].poll() is None:
         time.sleep(5)
         if procs["now"].poll() not in (None, 0):
@@ -140,13 +156,15 @@ def main() -> int:
     # on, each finished by this checkout while the baseline was still running (so that neither ran alone).
     end = rows["baseline"][-1]["perf/wall_time"]
     paired = [i for i in range(1, min(len(rows["baseline"]), len(rows["now"])))
-              if rows["now"][i]["perf/wall_time"] <= end]
+              if rows["now"][i]["perf/wall_time"] <= end or not together]
     res = {"baseline": {"commit": sha, **summarize(rows["baseline"], paired)},
            "now": {"commit": info.commit, "dirty": info.dirty, **summarize(rows["now"], paired)},
            "steps_paired": [i + 1 for i in paired],
            "step_ratios": [rows["baseline"][i]["perf/step_time_s"] / rows["now"][i]["perf/step_time_s"]
                            for i in paired],
-           "example_same_at_both": same_yaml, "example_diff": yaml_diff, "overrides": COMMON}
+           "example_same_at_both": same_yaml, "example_diff": yaml_diff, "overrides": overrides,
+           "schedule": "together, one thread each" if together else "one after the other, each alone with its "
+                                                                    "example's own trainer.threads"}
     b, n = res["baseline"], res["now"]
     if b["steps_counted"] and n["steps_counted"]:
         res["response_tokens_per_s_ratio"] = n["response_tokens_per_s"] / b["response_tokens_per_s"]
