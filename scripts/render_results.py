@@ -793,8 +793,19 @@ def fig_decode(res) -> str:
             f"(`{d['meta']['command']}`, median of {job['repeats']}); " + "; ".join(parts))
 
 
-def fig_vs_commit(res) -> str:
-    d = res["bench_vs_commit.json"]
+def _example_change(d) -> str:
+    """What differs in the example's settings between the two commits (its diff's lines, comments aside)."""
+    if d["example_same_at_both"]:
+        return "the example's settings the same at both"
+    lines = [(ln[0], ln[1:].split("#")[0].strip()) for ln in d["example_diff"].splitlines()
+             if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    old = [t for sign, t in lines if sign == "-" and t]
+    new = [t for sign, t in lines if sign == "+" and t]
+    old, new = [t for t in old if t not in new], [t for t in new if t not in old]  # comment-only edits drop out
+    return f"the example's settings changed: {'; '.join(old)} -> {'; '.join(new)}"
+
+
+def fig_vs_commit(d) -> str:
     b, n = d["baseline"], d["now"]
 
     def side(r):
@@ -805,13 +816,13 @@ def fig_vs_commit(res) -> str:
     return (f"steps {', '.join(map(str, d['steps_paired']))} at {b['commit'][:10]}: {side(b)}; the same steps at "
             f"{n['commit'][:10]}: {side(n)}; **{d['response_tokens_per_s_ratio']:.2f}x** the generated tokens/s "
             f"({d['tokens_per_s_ratio']:.2f}x the trained tokens/s; per step "
-            f"{', '.join(f'{r:.2f}x' for r in d['step_ratios'])}), the example's settings "
-            f"{'the same' if d['example_same_at_both'] else 'different'} at both (`{d['meta']['command']}`: "
+            f"{', '.join(f'{r:.2f}x' for r in d['step_ratios'])}), {_example_change(d)} (`{d['meta']['command']}`: "
             f"{d.get('schedule', 'together, one thread each')})")
 
 
 FIGURES: dict[str, Callable[[dict], str]] = {
-    "continuous": fig_continuous, "decode": fig_decode, "vs_commit": fig_vs_commit,
+    "continuous": fig_continuous, "decode": fig_decode,
+    "vs_commit_sequential": lambda res: fig_vs_commit(res["bench_vs_commit_sequential.json"]),
     "quant": fig_quant, "quant_job": fig_quant_job, "prefix_tree": fig_prefix_tree, "cores": fig_cores,
     "faults": fig_faults, "faults_exact": fig_faults_exact, "faults_async_exact": fig_faults_async_exact,
     "snapshot_smollm2": fig_snapshot_smollm2,
