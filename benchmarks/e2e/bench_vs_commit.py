@@ -2,7 +2,7 @@
 job runs now than it did then.
 
     python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 3             # both at once, 1 thread each
-    python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 2 --sequential
+    python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 2 --sequential --rounds 2
 
 Both sides run `verl train examples/smollm2_gsm8k.yaml` (each tree's own copy of the file; the result says
 whether their settings differ) with the same overrides (no checkpoints, no exports, no plots), at the same time,
@@ -85,9 +85,8 @@ def _rows(out: str) -> list[dict]:
     return [r for r in rows if "perf/step_time_s" in r]
 
 
-def summarize(rows: list[dict], steps: list[int]) -> dict:
-    """The side's figures over `steps` (0-based indices into its logged steps)."""
-    counted = [rows[i] for i in steps]
+def summarize(rows: list[dict], counted: list[dict]) -> dict:
+    """The side's figures over its `counted` steps (of `rows`, every step it logged)."""
     seconds = sum(r["perf/step_time_s"] for r in counted)
     if not counted:
         return {"steps_counted": 0}
@@ -101,32 +100,9 @@ def summarize(rows: list[dict], steps: list[int]) -> dict:
                                                                                        for r in rows]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="the earlier commit (any git revision)")
-    ap.add_argument("--steps", type=int, default=3, help="the baseline's steps (its first is warm-up)")
-    ap.add_argument("--sequential", action="store_true",
-                    help="run the baseline, then this checkout, each alone and with its example's own "
-                         "trainer.threads (what `verl train` of each does), instead of both at once on one thread")
-    ap.add_argument("--work", default=None, help="run folders (default: a temporary folder)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_vs_commit.json"))
-    args = ap.parse_args()
-    import tempfile
-
-    from verl.utils.results import RunInfo, write_result
-    info = RunInfo.start()
-    sha, base = baseline_tree(args.baseline)
-    _check_import(base)
-    _check_import(ROOT)
-    work = args.work or tempfile.mkdtemp(prefix="verl-vs-commit-")
+def run_round(sides: dict, overrides: list[str], together: bool, work: str) -> dict[str, list[dict]]:
+    """Runs both sides once (together, or the baseline then this checkout); each side's logged steps."""
     os.makedirs(work, exist_ok=True)
-    import yaml
-    same_yaml = all(yaml.safe_load(open(os.path.join(t, EXAMPLE))) == yaml.safe_load(open(os.path.join(ROOT, EXAMPLE)))
-                    for t in (base,))  # the settings, comments aside
-    yaml_diff = "" if same_yaml else _git("diff", sha, "--", EXAMPLE)
-    together = not args.sequential
-    overrides = COMMON if together else [o for o in COMMON if not o.startswith("trainer.threads=")]
-    sides = {"baseline": (base, args.steps), "now": (ROOT, 3 * args.steps if together else args.steps)}
     procs, outs = {}, {}
     for name, (tree, steps) in sides.items():
         outs[name] = os.path.join(work, name)
@@ -152,16 +128,57 @@ def main() -> int:
     for name, r in rows.items():
         if len(r) < 2:
             raise SystemExit(f"{name} logged {len(r)} steps: {work}/{name}.log")
-    # The same steps on both sides (the same prompts; the same samples where both sample alike), from the second
-    # on, each finished by this checkout while the baseline was still running (so that neither ran alone).
-    end = rows["baseline"][-1]["perf/wall_time"]
-    paired = [i for i in range(1, min(len(rows["baseline"]), len(rows["now"])))
-              if rows["now"][i]["perf/wall_time"] <= end or not together]
-    res = {"baseline": {"commit": sha, **summarize(rows["baseline"], paired)},
-           "now": {"commit": info.commit, "dirty": info.dirty, **summarize(rows["now"], paired)},
-           "steps_paired": [i + 1 for i in paired],
-           "step_ratios": [rows["baseline"][i]["perf/step_time_s"] / rows["now"][i]["perf/step_time_s"]
-                           for i in paired],
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", required=True, help="the earlier commit (any git revision)")
+    ap.add_argument("--steps", type=int, default=3, help="the baseline's steps (its first is warm-up)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the baseline, then this checkout, each alone and with its example's own "
+                         "trainer.threads (what `verl train` of each does), instead of both at once on one thread")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --sequential: repeat the pair (baseline, then this checkout) this many times")
+    ap.add_argument("--work", default=None, help="run folders (default: a temporary folder)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_vs_commit.json"))
+    args = ap.parse_args()
+    import tempfile
+
+    from verl.utils.results import RunInfo, write_result
+    info = RunInfo.start()
+    sha, base = baseline_tree(args.baseline)
+    _check_import(base)
+    _check_import(ROOT)
+    work = args.work or tempfile.mkdtemp(prefix="verl-vs-commit-")
+    os.makedirs(work, exist_ok=True)
+    import yaml
+    same_yaml = all(yaml.safe_load(open(os.path.join(t, EXAMPLE))) == yaml.safe_load(open(os.path.join(ROOT, EXAMPLE)))
+                    for t in (base,))  # the settings, comments aside
+    yaml_diff = "" if same_yaml else _git("diff", sha, "--", EXAMPLE)
+    together = not args.sequential
+    overrides = COMMON if together else [o for o in COMMON if not o.startswith("trainer.threads=")]
+    sides = {"baseline": (base, args.steps), "now": (ROOT, 3 * args.steps if together else args.steps)}
+    rounds = args.rounds if not together else 1
+    counted: dict[str, list] = {"baseline": [], "now": []}
+    logged: dict[str, list] = {"baseline": [], "now": []}
+    paired_steps, ratios = [], []
+    for r in range(rounds):
+        rows = run_round(sides, overrides, together, os.path.join(work, f"round{r}") if rounds > 1 else work)
+        # The same steps on both sides (the same prompts; the same samples where both sample alike), from the
+        # second on, each finished by this checkout while the baseline was still running (so that neither ran
+        # alone) when they run together.
+        end = rows["baseline"][-1]["perf/wall_time"]
+        paired = [i for i in range(1, min(len(rows["baseline"]), len(rows["now"])))
+                  if rows["now"][i]["perf/wall_time"] <= end or not together]
+        for name in rows:
+            counted[name] += [rows[name][i] for i in paired]
+            logged[name] += rows[name]
+        paired_steps += [i + 1 for i in paired]
+        ratios += [rows["baseline"][i]["perf/step_time_s"] / rows["now"][i]["perf/step_time_s"] for i in paired]
+    res = {"baseline": {"commit": sha, **summarize(logged["baseline"], counted["baseline"])},
+           "now": {"commit": info.commit, "dirty": info.dirty, **summarize(logged["now"], counted["now"])},
+           "rounds": rounds, "steps_paired": paired_steps, "step_ratios": ratios,
            "example_same_at_both": same_yaml, "example_diff": yaml_diff, "overrides": overrides,
            "schedule": "together, one thread each" if together else "one after the other, each alone with its "
                                                                     "example's own trainer.threads"}
