@@ -4,18 +4,19 @@ job runs now than it did then.
     python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 3             # both at once, 1 thread each
     python benchmarks/e2e/bench_vs_commit.py --baseline 3d01a18 --steps 2 --sequential --rounds 2
 
-Both sides run `verl train examples/smollm2_gsm8k.yaml` (each tree's own copy of the file; the result says
-whether their settings differ) with the same overrides (no checkpoints, no exports, no plots), at the same time,
-one single-threaded process each, so that both see the same machine and the same outside load; or, with
---sequential, one after the other, each alone on the machine with its example's own trainer.threads (the job as
-`verl train` runs it at each commit). The baseline is the
-commit's tree exported (`git archive`) under ~/.cache/verl/bench-baselines/<sha> with its own verl._C built there
-(the CPU build, as scripts/setup_env.sh builds it); its import location is checked before it runs. This checkout
-runs up to 3x --steps steps and is stopped when the baseline finishes, so that neither side runs alone. The same
-steps are compared on both sides (the same prompts, and the same samples where both sample alike): from the
-second (the first is warm-up) to the last this checkout finished while the baseline was still running. Reported per side: generated (response) tokens per second of wall time and trained tokens per
-second (the job's perf/response_tokens_per_s and perf/tokens_per_s, summed over the counted steps), the phases
-per step, the mean response length, the ratio now / baseline, and each paired step's time ratio. Writes benchmarks/results/bench_vs_commit.json.
+Both sides run `verl train examples/smollm2_gsm8k.yaml` (each tree's own copy of the file; the result says whether
+their settings differ) with bench_cores.py's overrides (no checkpoints, no exports, no plots): at the same time, one
+single-threaded process each, so that both see the same machine and the same outside load; or, with --sequential,
+one after the other, each alone on the machine with its example's own trainer.threads (the job as `verl train` runs
+it at each commit), --rounds times. The baseline is the commit's tree exported (`git archive`) under
+~/.cache/verl/bench-baselines/<sha> with its own verl._C built there (the CPU build, as scripts/setup_env.sh builds
+it); its import location is checked before it runs. Run together, this checkout runs up to 3x --steps steps and is
+stopped when the baseline finishes, so that neither side runs alone. The same steps are compared on both sides
+(the same prompts, and the same samples where both sample alike): from the second (the first is warm-up) to the
+last this checkout finished while the baseline was still running. Reported per side: generated (response) tokens
+per second of wall time and trained tokens per second (the job's perf/response_tokens_per_s and perf/tokens_per_s,
+summed over the counted steps), the phases per step, the mean response length, the ratio now / baseline, and each
+paired step's time ratio. Writes benchmarks/results/bench_vs_commit.json (--out).
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.e2e.bench_cores import COMMON as JOB  # noqa: E402  (the example's run, nothing written but metrics)
+
 EXAMPLE = os.path.join("examples", "smollm2_gsm8k.yaml")
-COMMON = ["trainer.save_final=false", "trainer.save_every=0", "trainer.export_hf=false", "trainer.plot=false",
-          "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.device=cpu", "trainer.overwrite=true",
-          "trainer.threads=1"]
 PHASES = ("timing/generate_s", "timing/old_log_prob_s", "timing/update_actor_s", "timing/sync_weights_s")
 
 
@@ -87,9 +87,9 @@ def _rows(out: str) -> list[dict]:
 
 def summarize(rows: list[dict], counted: list[dict]) -> dict:
     """The side's figures over its `counted` steps (of `rows`, every step it logged)."""
-    seconds = sum(r["perf/step_time_s"] for r in counted)
     if not counted:
         return {"steps_counted": 0}
+    seconds = sum(r["perf/step_time_s"] for r in counted)
     mean = lambda key: sum(r.get(key) or 0.0 for r in counted) / len(counted)  # noqa: E731
     return {"steps_counted": len(counted), "steps_run": len(rows), "step_s": seconds / len(counted),
             "response_tokens_per_s": sum(r["perf/response_tokens_per_s"] * r["perf/step_time_s"]
@@ -153,11 +153,11 @@ def main() -> int:
     work = args.work or tempfile.mkdtemp(prefix="verl-vs-commit-")
     os.makedirs(work, exist_ok=True)
     import yaml
-    same_yaml = all(yaml.safe_load(open(os.path.join(t, EXAMPLE))) == yaml.safe_load(open(os.path.join(ROOT, EXAMPLE)))
-                    for t in (base,))  # the settings, comments aside
+    # the settings, comments aside
+    same_yaml = yaml.safe_load(open(os.path.join(base, EXAMPLE))) == yaml.safe_load(open(os.path.join(ROOT, EXAMPLE)))
     yaml_diff = "" if same_yaml else _git("diff", sha, "--", EXAMPLE)
     together = not args.sequential
-    overrides = COMMON if together else [o for o in COMMON if not o.startswith("trainer.threads=")]
+    overrides = [*JOB, "trainer.threads=1"] if together else JOB
     sides = {"baseline": (base, args.steps), "now": (ROOT, 3 * args.steps if together else args.steps)}
     rounds = args.rounds if not together else 1
     counted: dict[str, list] = {"baseline": [], "now": []}
