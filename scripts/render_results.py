@@ -813,13 +813,13 @@ def fig_vs_commit(d) -> str:
         return (f"{r['response_tokens_per_s']:.1f} generated tokens/s, {r['step_s']:.0f} s/step (generation "
                 f"{ph['timing/generate_s']:.0f} s, update {ph['timing/update_actor_s']:.0f} s; mean response "
                 f"{r['response_length']:.0f} tokens; {r['steps_counted']} steps counted)")
-    rounds = d.get("rounds", 1)
+    rounds = d["rounds"]
     which = f"steps {', '.join(map(str, d['steps_paired']))}" + (f" of {rounds} rounds" if rounds > 1 else "")
     return (f"{which} at {b['commit'][:10]}: {side(b)}; the same steps at "
             f"{n['commit'][:10]}: {side(n)}; **{d['response_tokens_per_s_ratio']:.2f}x** the generated tokens/s "
             f"({d['tokens_per_s_ratio']:.2f}x the trained tokens/s; per step "
             f"{', '.join(f'{r:.2f}x' for r in d['step_ratios'])}), {_example_change(d)} (`{d['meta']['command']}`: "
-            f"{d.get('schedule', 'together, one thread each')})")
+            f"{d['schedule']})")
 
 
 FIGURES: dict[str, Callable[[dict], str]] = {

@@ -133,8 +133,9 @@ def _race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     rows = best.tolist()
     floor = torch.tensor([_race_score(u[i, j].item(), p[i, j].item()) for i, j in enumerate(rows)],
                          dtype=torch.float64) * (1.0 - _RACE_SLACK)
-    hits = (bound >= floor[:, None]).nonzero().tolist()  # row-major: each row's candidates in index order
-    top = [math.nan if b != b else -math.inf for b in floor.tolist()]
+    # row-major: each row's candidates in index order (none in a NaN row, which keeps its first NaN)
+    hits = (bound >= floor[:, None]).nonzero().tolist()
+    top = [-math.inf] * len(rows)
     for i, j in hits:
         score = _race_score(u[i, j].item(), p[i, j].item())
         if score > top[i]:
