@@ -78,6 +78,19 @@ def nearest(name: object, candidates: Iterable[object], what: str = "") -> str:
     return f" ({what or 'valid names'}: {', '.join(shown)})"
 
 
+def interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (Ctrl-C, SIGINT) behind ``exc``, if any: ``exc`` itself or one it was raised from or
+    while handling. Python wraps an exception in some places (a class body's ``__set_name__`` turns it into a
+    RuntimeError chained to it), so a Ctrl-C that lands there must still read as an interrupt."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def run_cli(main, argv: list[str] | None = None, prog: str = "verl") -> int:
     """Runs a command-line `main(argv)`: verl's own errors print as one short message on stderr (the message names
     the key or node and the fix; a traceback would bury it) and give exit code 2 (config) or 1 (runtime); Ctrl-C
@@ -85,7 +98,13 @@ def run_cli(main, argv: list[str] | None = None, prog: str = "verl") -> int:
     import os
     import sys
     try:
-        return main(argv) or 0
+        try:
+            return main(argv) or 0
+        except Exception as e:
+            kb = interrupt_in(e)
+            if kb is None:
+                raise
+            raise kb
     except VerlError as e:
         if os.environ.get("VERL_TRACEBACK", "") not in ("", "0"):
             raise

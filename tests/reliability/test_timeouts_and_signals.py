@@ -272,6 +272,33 @@ def test_behaves_keyboard_interrupt_stops_the_run_and_the_flow_runs_again():
         df.run({"x": 1})
 
 
+class _InterruptedOnSetName:
+    def __set_name__(self, owner, name):
+        raise KeyboardInterrupt
+
+
+def test_behaves_ctrl_c_wrapped_by_python_is_still_an_interrupt(capsys):
+    """Python 3.11 turns an exception raised in a class body's ``__set_name__`` (a dataclass field's, when Ctrl-C
+    lands while a node imports a module) into a RuntimeError chained to it; CI saw that exit 1 instead of 130.
+    The node still stops the run as an interrupt, and `verl train` still prints one line and exits 130."""
+    def define_a_class():
+        type("Late", (), {"field": _InterruptedOnSetName()})
+
+    with pytest.raises(RuntimeError) as wrapped:
+        define_a_class()
+    assert isinstance(wrapped.value.__cause__ or wrapped.value.__context__, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _hanging_flow(define_a_class, timeout_s=0).run({"x": 1})
+
+    from verl.errors import run_cli
+
+    def main(argv):
+        define_a_class()
+    assert run_cli(main, [], prog="verl train") == 130
+    err = capsys.readouterr().err
+    assert "verl train: interrupted (Ctrl-C / SIGINT)" in err and "Traceback" not in err, err
+
+
 def test_behaves_ctrl_c_interrupts_a_sleeping_node():
     import _thread
     # Python's own SIGINT handler, whatever an earlier test or library left installed: interrupt_main only

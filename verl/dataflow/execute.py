@@ -12,8 +12,8 @@ its ranks agree (a one-int all-reduce on a gloo control group, so a NCCL job's G
 synchronised for it) that nobody has failed; at the end of the run all ranks exchange their
 status, so every rank raises the same VerlRuntimeError instead of waiting for data that will never come.
 `sys.exit()` inside a node (SystemExit) takes this path too and becomes VerlRuntimeError on every rank. A
-KeyboardInterrupt (Ctrl-C, SIGINT) inside a node is the one exception: it leaves the run at once on the
-interrupted rank, because the agreement would wait for peers that may be busy inside their nodes for minutes,
+KeyboardInterrupt (Ctrl-C, SIGINT) inside a node, or an error Python chained to one (`verl.errors.interrupt_in`),
+is the one exception: it leaves the run at once on the interrupted rank, because the agreement would wait for peers that may be busy inside their nodes for minutes,
 and a rank waiting in a gloo or NCCL collective cannot be interrupted a second time. Its peers learn of it
 when their next collective with it fails (the connection closes as the process exits; under torchrun the agent
 also stops them) and raise VerlRuntimeError saying so.
@@ -53,7 +53,7 @@ from verl.dataflow.plan import MISSING, FlowGraph, Plan, PLANS, Step, Transfer, 
 from verl.dataflow.state import RunState
 from verl.dataflow.trace import NodeEvent, TraceRecorder, write_trace
 from verl.dataflow.transfer import move
-from verl.errors import VerlConfigError, VerlRuntimeError
+from verl.errors import VerlConfigError, VerlRuntimeError, interrupt_in
 
 __all__ = ["execute", "flush", "queued_values", "requeue"]
 
@@ -101,9 +101,10 @@ class _Run:
             try:
                 outs, _ = call(step, args)
             except BaseException as exc:  # noqa: BLE001 - every node failure (sys.exit too) is agreed on
-                self.fail_here(step, exc, None, time.monotonic() - start)
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
+                kb = interrupt_in(exc)
+                self.fail_here(step, kb or exc, None, time.monotonic() - start)
+                if kb is not None:
+                    raise kb
                 return
             for s, v in zip(step.out_slots, outs):
                 vals[s] = v
@@ -117,9 +118,10 @@ class _Run:
                 h(event)
             outs, retries = call(step, args)
         except BaseException as exc:  # noqa: BLE001 - a failing hook fails its node like the node itself would
-            self.fail_here(step, exc, event, time.perf_counter() - event.start_s)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
+            kb = interrupt_in(exc)
+            self.fail_here(step, kb or exc, event, time.perf_counter() - event.start_s)
+            if kb is not None:
+                raise kb
             return
         for s, v in zip(step.out_slots, outs):
             vals[s] = v
