@@ -784,13 +784,14 @@ def fig_decode(res) -> str:
 
     def part(name, what):
         r = d[name]
-        return (f"{what}: {r['after']['tokens_per_s']:.1f} tokens/s against {r['before']['tokens_per_s']:.1f} "
-                f"(**{r['speedup_tokens_per_s']:.2f}x**), {r['identical_samples']} of {r['samples']} samples "
-                f"identical")
-    parts = [part(n, w) for n, w in (("equal", f"EOS ignored ({job['max_new_tokens']} tokens per row on both sides)"),
+        return (f"{what}: {r['now']['tokens_per_s']:.1f} tokens/s against {r['mkl']['tokens_per_s']:.1f} with MKL "
+                f"packing (**{r['speedup_now_over_mkl']:.2f}x**) and {r['filed']['tokens_per_s']:.1f} as filed "
+                f"(**{r['speedup_now_over_filed']:.2f}x**), {r['now']['identical_to_filed']} of {r['samples']} "
+                f"samples identical to the filed side's")
+    parts = [part(n, w) for n, w in (("equal", f"EOS ignored ({job['max_new_tokens']} tokens per row on all sides)"),
                                      ("eos", "rows ending at EOS as in the example")) if n in d]
-    return (f"{d['model']}, {job['prompts']} prompts x {job['n']} samples, one thread, alternating runs "
-            f"(`{d['meta']['command']}`, median of {job['repeats']}); " + "; ".join(parts))
+    return (f"{d['model']}, {job['prompts']} prompts x {job['n']} samples, one thread, alternating runs, packing "
+            f"now {d['packing_now']} (`{d['meta']['command']}`, median of {job['repeats']}); " + "; ".join(parts))
 
 
 def _example_change(d) -> str:

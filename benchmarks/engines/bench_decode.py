@@ -1,21 +1,24 @@
-"""The torch engine's decode step before and after MKL-packed projections and the exponential race without most
-logarithms, side by side in one process on the example job's generation.
+"""The torch engine's decode step at three points of its history, side by side in one process on the example
+job's generation.
 
-  before   rollout projections through F.linear (`LlamaFamilyDecoder(pack=False)`), every sampling step's Exp(1)
-           noise drawn with `exponential_` (a logarithm per vocabulary entry)
-  after    the defaults: float32 projections packed for MKL once per generate (verl.rollout.fast_decoder), the race
-           from uniform draws with the logarithm taken only where a token can still win (verl.rollout.torch_engine)
+  filed    as it was when issue 30 asked for 2x: projections through F.linear (`LlamaFamilyDecoder(pack="none")`),
+           every sampling step's Exp(1) noise drawn with `exponential_` (a logarithm per vocabulary entry), one
+           query per head through SDPA's grouped-query path (`group_queries=False`)
+  mkl      projections packed for MKL (`pack="mkl"`) and the race from uniform draws with the logarithm taken
+           only where a token can still win (verl.rollout.torch_engine); attention as filed
+  now      the defaults: projections packed for oneDNN (`pack="auto"` where torch has it), the race, and each
+           key/value head's query heads attending side by side (`group_queries=True`)
 
 The work: SmolLM2-135M-Instruct (float32), examples/smollm2_gsm8k.yaml's generation (8 gsm_symbolic chat prompts x
 4 samples, temperature 1, seeded, one torch thread, --max-new-tokens 256), on the same loaded weights, the sides
-alternating (before, after, before, ...) so that machine load hits both alike. Two parts:
+alternating (filed, mkl, now, filed, ...) so that machine load hits all alike. Two parts:
 
-  equal   `ignore_eos`: every row decodes --max-new-tokens tokens on both sides (32 rows all the way), so both do
-          the same work; the samples must be identical (from 16 rows on the packed product is F.linear's bit for
-          bit, and the race draws what `exponential_` draws)
-  eos     the example as it runs: rows end at <|im_end|> and leave the batch, so the tail decodes fewer rows (where
-          packing gains most); tokens/s of each side and how many samples are identical (below 16 rows the packed
-          product differs from F.linear within rounding, so a long sample may diverge and the work differ)
+  equal   `ignore_eos`: every row decodes --max-new-tokens tokens on every side (32 rows all the way), so all do
+          the same work; how many samples are the same as the filed side's is reported (the race draws what
+          `exponential_` draws; packed products are within rounding of F.linear's, and a rounding that flips a
+          sampled token changes that sample from there on)
+  eos     the example as it runs: rows end at <|im_end|> and leave the batch, so the tail decodes fewer rows;
+          tokens/s of each side and how many samples are identical (the work may differ where a sample did)
 
     python benchmarks/engines/bench_decode.py                     # both parts, 1 repeat
     python benchmarks/engines/bench_decode.py --parts equal --repeats 2
@@ -35,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-SIDES = ("before", "after")
+SIDES = ("filed", "mkl", "now")
 
 
 def run(args) -> dict:
@@ -56,15 +59,19 @@ def run(args) -> dict:
         raise SystemExit("the torch engine does not run its fast decoder on this model")
     race = torch_engine._cpu_exponential_is_log1p()
     res = {"model": "smollm2-135m-instruct (float32)", "torch": torch.__version__,
-           "mkl_packing": fast.pack_unavailable or "available", "race_from_uniforms": race,
+           "packing_now": fast.packing, "pack_unavailable": fast.pack_unavailable, "race_from_uniforms": race,
            "job": {"prompts": len(prompts), "n": 4, "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
                    "threads": 1, "repeats": args.repeats},
-           "differs": "only the two changes: F.linear vs MKL-packed projections, exponential_ vs the uniform race; "
-                      "same weights, prompts, seeds, sampling settings"}
+           "sides": {"filed": "pack=none, exponential_, group_queries=False",
+                     "mkl": "pack=mkl, uniform race, group_queries=False",
+                     "now": f"pack=auto ({fast.packing}), uniform race, group_queries=True"},
+           "differs": "only the decode step's code paths named in sides; same weights, prompts, seeds, sampling "
+                      "settings"}
 
     def use(side: str) -> None:
-        fast.pack = side == "after"
-        torch_engine._exponential_checked[:] = [race and side == "after"]
+        fast.pack = {"filed": "none", "mkl": "mkl", "now": "auto"}[side]
+        fast.group_queries = side == "now"
+        torch_engine._exponential_checked[:] = [race and side != "filed"]
 
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
     for part in args.parts:
@@ -84,14 +91,15 @@ def run(args) -> dict:
         for side in SIDES:
             row = rows[side]
             row["tokens_per_s"] = statistics.median(n / s for n, s in zip(row["tokens"], row["generate_s"]))
-        same = sum(a.token_ids == b.token_ids for a, b in zip(outs["before"], outs["after"]))
-        res[part] = {"ignore_eos": part == "equal", **rows,
-                     "speedup_tokens_per_s": rows["after"]["tokens_per_s"] / rows["before"]["tokens_per_s"],
-                     "identical_samples": same, "samples": len(outs["after"])}
-        print(f"[decode] {part}: tokens/s before {rows['before']['tokens_per_s']:.1f} after "
-              f"{rows['after']['tokens_per_s']:.1f} ({res[part]['speedup_tokens_per_s']:.2f}x), "
-              f"{same}/{len(outs['after'])} samples identical", flush=True)
-    use("after")
+            row["identical_to_filed"] = sum(a.token_ids == b.token_ids for a, b in zip(outs[side], outs["filed"]))
+        res[part] = {"ignore_eos": part == "equal", **rows, "samples": len(outs["now"]),
+                     "speedup_now_over_filed": rows["now"]["tokens_per_s"] / rows["filed"]["tokens_per_s"],
+                     "speedup_now_over_mkl": rows["now"]["tokens_per_s"] / rows["mkl"]["tokens_per_s"],
+                     "speedup_mkl_over_filed": rows["mkl"]["tokens_per_s"] / rows["filed"]["tokens_per_s"]}
+        print(f"[decode] {part}: tokens/s " + ", ".join(f"{s} {rows[s]['tokens_per_s']:.1f}" for s in SIDES) +
+              f"; now {res[part]['speedup_now_over_filed']:.2f}x filed, {res[part]['speedup_now_over_mkl']:.2f}x mkl",
+              flush=True)
+    use("now")
     return res
 
 

@@ -317,27 +317,45 @@ def test_generate_with_fewer_rows_than_the_batch_runs_one_wave():
 
 
 @torch.no_grad()
-def test_float32_projections_run_packed_for_mkl_and_compute_what_f_linear_computes():
-    """Every float32 projection and the head are packed at start (this torch has MKL); a packed projection gives
-    F.linear's result bit for bit at 16 rows or more and the same row whatever the batch's row count (from 2);
-    pack=False keeps F.linear; both decoders give the same logits."""
+@pytest.mark.parametrize("pack", ["onednn", "mkl"])
+def test_float32_projections_run_packed_and_compute_what_f_linear_computes(pack):
+    """Every float32 projection and the head are packed at start (this torch has oneDNN and MKL); a packed
+    projection gives F.linear's result (MKL bit for bit at 16 rows or more, oneDNN within rounding) and oneDNN
+    gives the same row whatever the batch's row count (from 1 row) and thread count; pack="none" keeps
+    F.linear; all decoders give the same logits."""
     import torch.nn.functional as F
     model = MODELS["qwen2-bias"]()
-    dec = LlamaFamilyDecoder(model)
-    assert dec.pack_unavailable is None
+    assert LlamaFamilyDecoder(model).packing == "onednn"  # "auto" takes oneDNN where torch has it
+    dec = LlamaFamilyDecoder(model, pack=pack)
+    assert dec.pack_unavailable is None and dec.packing == pack
     ids, mask = _left_padded([5, 9, 1, 7], 64)
     dec.start(len(ids), ids.shape[1] + 2)
     assert dec.packed == 4 * len(model.model.layers) + 1
     attn = model.model.layers[0].self_attn
     qkv = dec.layers[0]["qkv"]
+    assert qkv.packed is not None and qkv.mode == pack
     weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
     x = torch.randn(24, weight.shape[1], generator=torch.Generator().manual_seed(0))
     out = qkv(x)
-    assert torch.equal(out, F.linear(x, weight, bias))
-    for rows in range(2, 24):
+    if pack == "mkl":
+        assert torch.equal(out, F.linear(x, weight, bias))
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    for rows in range(1 if pack == "onednn" else 16, 24):
         assert torch.equal(qkv(x[:rows]), out[:rows]), rows
-    plain = LlamaFamilyDecoder(model, pack=False)
+    if pack == "onednn":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(qkv(x), out)
+        finally:
+            torch.set_num_threads(threads)
+    plain = LlamaFamilyDecoder(model, pack="none")
     plain.start(len(ids), ids.shape[1] + 2)
     assert plain.packed == 0 and plain.layers[0]["qkv"].packed is None
     torch.testing.assert_close(dec.step(ids, mask), plain.step(ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_clear_unknown_packing_names_the_choices():
+    with pytest.raises(ValueError, match=r"pack='fast' is not one of \('auto', 'onednn', 'mkl', 'none'\)"):
+        LlamaFamilyDecoder(MODELS["qwen2-bias"](), pack="fast")

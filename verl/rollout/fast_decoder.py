@@ -9,17 +9,22 @@ back: fused projection weights are rebuilt at every `start`; LoRA adapters are m
 - one preallocated key/value buffer per layer, written in place (no cache objects, no concatenation);
 - q/k/v as one GEMM and gate/up as one GEMM;
 - a cos/sin table for every position of the batch computed once by the model's own rotary module;
-- `scaled_dot_product_attention` with grouped-query heads and a boolean padding mask;
-- float32 projections on CPU packed once per `start` into MKL's GEMM layout (`cblas_sgemm_pack`, through
-  torch's `mkl::_mkl_reorder_linear_weight` / `_mkl_linear`): an unpacked `F.linear` repacks the whole weight
-  at every call, which at the handful of rows a decode step has costs as much as the multiply (SmolLM2-135M at
-  32 rows: the projections ~1.5x faster packed alone, ~2.5x at 8 rows; a whole decode step ~1.15x). From 16
-  rows on the packed product equals F.linear's bit for bit; below, it is within rounding of it, and a row's
-  result does not depend on how many rows the batch has from 2 rows on (F.linear's changes below 16 rows).
-  The packed copies take more memory than the weights (SmolLM2-135M: the decoder's resident memory after
-  `prepare` is ~850 MB packed against ~525 MB unpacked, for 540 MB of float32 weights), freed by `finish`.
-  Where the packing ops are missing (a torch without MKL) the projections stay on `F.linear`
-  (`pack_unavailable` says why).
+- `scaled_dot_product_attention` with grouped-query heads and a boolean padding mask; a decode step (one query
+  per row) puts the query heads that share a key/value head side by side as that head's queries, so the
+  attention reads each cached key and value once for all of them (not once per query head);
+- float32 projections on CPU packed once per `start` into a GEMM library's own weight layout: an unpacked
+  `F.linear` repacks the whole weight at every call, which at the handful of rows a decode step has costs as
+  much as the multiply. `pack` chooses the library (`PACKINGS`):
+  "onednn" (torch's `mkldnn::_reorder_linear_weight` / `_linear_pointwise`): a row's result is the same bit
+  for bit whatever the batch's row count (1 row or a thousand) and thread count, within rounding of F.linear;
+  "mkl" (`cblas_sgemm_pack` through `mkl::_mkl_reorder_linear_weight` / `_mkl_linear`): F.linear's result bit
+  for bit from 16 rows on, within rounding below, where a row's result may depend on the row count (below 16
+  rows on an AMD EPYC; from 2 rows on, not on an Intel Xeon);
+  "auto" (the default) takes oneDNN where this torch has it, else MKL, else none; "none" keeps F.linear.
+  benchmarks/engines/bench_decode.py measures them on SmolLM2-135M's decode (bench_decode.json). The packed
+  copies take more memory than the weights (SmolLM2-135M, MKL: the decoder's resident memory after `prepare`
+  ~850 MB packed against ~525 MB unpacked, for 540 MB of float32 weights), freed by `finish`. Where the
+  packing ops are missing the projections stay on `F.linear` (`pack_unavailable` says why).
 
 Numerically it is the model's forward (checked against it in tests/rollout); models it does not know are
 reported by `unsupported_reason` and keep using their own forward. With `quantization="int8"` every projection
@@ -37,9 +42,10 @@ import torch.nn.functional as F
 
 from verl.ops.quant import int8_linear, quantize_int8
 
-__all__ = ["LlamaFamilyDecoder", "QUANTIZATIONS", "unsupported_reason"]
+__all__ = ["LlamaFamilyDecoder", "PACKINGS", "QUANTIZATIONS", "unsupported_reason"]
 
 QUANTIZATIONS = ("none", "int8")
+PACKINGS = ("auto", "onednn", "mkl", "none")
 
 _MODEL_TYPES = {"llama", "qwen2", "mistral"}
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -94,31 +100,51 @@ def _fused(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in pairs])
 
 
-def _pack_unavailable() -> str | None:
-    """None when this torch can pack float32 weights for MKL's GEMM, else why not."""
-    if not torch.backends.mkl.is_available():
-        return "this torch is built without MKL"
+def _pack_unavailable(kind: str) -> str | None:
+    """None when this torch can pack float32 weights for `kind`'s GEMM ("onednn", "mkl"), else why not."""
+    backend, ops = {"onednn": (torch.backends.mkldnn, ("mkldnn", "_reorder_linear_weight", "_linear_pointwise")),
+                    "mkl": (torch.backends.mkl, ("mkl", "_mkl_reorder_linear_weight", "_mkl_linear"))}[kind]
+    if not backend.is_available():
+        return f"this torch is built without {kind}"
+    lib = ops[0]
     try:
-        torch.ops.mkl._mkl_reorder_linear_weight, torch.ops.mkl._mkl_linear  # noqa: B018
+        for op in ops[1:]:
+            getattr(getattr(torch.ops, lib), op)
     except (AttributeError, RuntimeError):
-        return "this torch has no mkl::_mkl_reorder_linear_weight / mkl::_mkl_linear"
+        return f"this torch has no {lib}::{ops[1]} / {lib}::{ops[2]}"
     return None
 
 
-class _Proj:
-    """One projection as the decoder runs it: float (weight, bias), MKL-packed float32 (packed, bias), or int8
-    (qweight, scale, bias)."""
+def _packing(pack: str) -> tuple[str, str | None]:
+    """(the packing `pack` runs with, why the one asked for is not available or None)."""
+    if pack not in PACKINGS:
+        raise ValueError(f"LlamaFamilyDecoder: pack={pack!r} is not one of {PACKINGS}")
+    if pack == "none":
+        return "none", None
+    for kind in (("onednn", "mkl") if pack == "auto" else (pack,)):
+        why = _pack_unavailable(kind)
+        if why is None:
+            return kind, None
+    return "none", why
 
-    __slots__ = ("weight", "bias", "q", "scale", "packed")
+
+class _Proj:
+    """One projection as the decoder runs it: float (weight, bias), packed float32 (packed, bias; `mode` "onednn"
+    or "mkl"), or int8 (qweight, scale, bias)."""
+
+    __slots__ = ("weight", "bias", "q", "scale", "packed", "mode")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str = "float"):
-        self.weight, self.bias, self.q, self.scale, self.packed = weight, bias, None, None, None
+        self.weight, self.bias, self.q, self.scale, self.packed, self.mode = weight, bias, None, None, None, mode
         if mode == "int8":
             self.q, self.scale = quantize_int8(weight)
             self.weight = None  # the fused float copy goes: only the int8 one is read while decoding
-        elif mode == "packed":
-            # The batch size given to the packing is a hint only: the packed weight serves any number of rows
-            # (`_mkl_linear` takes the packed path when its last argument equals the rows it is given).
+        elif mode == "onednn":
+            # The batch size given to the packing is a hint only: the packed weight serves any number of rows.
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+            self.weight = None
+        elif mode == "mkl":
+            # As above (`_mkl_linear` takes the packed path when its last argument equals the rows it is given).
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 32)
             # The packed path reads only the original weight's sizes: a stand-in of that shape and no storage
             # lets the fused float copy go.
@@ -126,6 +152,8 @@ class _Proj:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if self.mode == "onednn":
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.numel() // x.shape[-1])
         if self.q is None:
             return F.linear(x, self.weight, self.bias)
@@ -147,7 +175,7 @@ class LlamaFamilyDecoder:
     the cache holds (the mask must follow). `finish()` frees the cache.
     """
 
-    def __init__(self, model: torch.nn.Module, quantization: str = "none", pack: bool = True):
+    def __init__(self, model: torch.nn.Module, quantization: str = "none", pack: str = "auto"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"LlamaFamilyDecoder cannot run this model: {reason}")
@@ -162,11 +190,13 @@ class LlamaFamilyDecoder:
         self.quantize_s = 0.0
         """Seconds the last `prepare` spent quantizing."""
         self.pack = pack
-        """Pack float32 CPU projections for MKL at `prepare` (see the module docstring); False: `F.linear`."""
-        self.pack_unavailable = _pack_unavailable()
-        """Why this torch cannot pack (None when it can)."""
+        """Which library float32 CPU projections are packed for at `prepare` (`PACKINGS`, module docstring)."""
+        self.packing, self.pack_unavailable = _packing(pack)
         self.packed = 0
-        """Projections running MKL-packed after the last `prepare` (LM head included)."""
+        """Projections running packed (for `packing`) after the last `prepare` (LM head included)."""
+        self.group_queries = True
+        """A decode step attends with each key/value head's query heads side by side (module docstring); False:
+        one query per head through SDPA's grouped-query path (what benchmarks/engines/bench_decode.py compares)."""
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -186,6 +216,7 @@ class LlamaFamilyDecoder:
         """Fuses the current weights and computes cos/sin for `max_len` positions (no cache yet: `join` adds rows)."""
         t0 = time.perf_counter()
         self.layers, self.quantized, self.unquantized, self.packed = [], 0, {}, 0
+        self.packing, self.pack_unavailable = _packing(self.pack)
         for i, layer in enumerate(self.base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             where = f"model.layers.{i}"
@@ -203,10 +234,10 @@ class LlamaFamilyDecoder:
 
     def _proj(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> _Proj:
         if self.quantization == "none":
-            if self.pack and self.pack_unavailable is None and weight.device.type == "cpu" and \
+            if self.packing != "none" and weight.device.type == "cpu" and \
                     weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
                 self.packed += 1
-                return _Proj(weight, bias, "packed")
+                return _Proj(weight, bias, self.packing)
             return _Proj(weight, bias)
         why = None
         if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
@@ -328,9 +359,14 @@ class LlamaFamilyDecoder:
             q = _rotate(q.view(B, S, H, d).transpose(1, 2), cos, sin)
             L["k"][:, :, t0:t1] = _rotate(k.view(B, S, KV, d).transpose(1, 2), cos, sin)
             L["v"][:, :, t0:t1] = v.view(B, S, KV, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, L["k"][:, :, :t1], L["v"][:, :, :t1], attn_mask=keys,
-                                               enable_gqa=KV != H)
-            x = x + L["o"](o.transpose(1, 2).reshape(B, S, H * d))
+            if S == 1 and self.group_queries:  # query head h reads key/value head h // (H // KV)
+                o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, d), L["k"][:, :, :t1],
+                                                   L["v"][:, :, :t1], attn_mask=keys)
+                x = x + L["o"](o.reshape(B, 1, H * d))
+            else:
+                o = F.scaled_dot_product_attention(q, L["k"][:, :, :t1], L["v"][:, :, :t1], attn_mask=keys,
+                                                   enable_gqa=KV != H)
+                x = x + L["o"](o.transpose(1, 2).reshape(B, S, H * d))
             gate, up = L["gu"](self._norm(x, L["ln2"])).chunk(2, dim=-1)
             x = x + L["down"](L["act"](gate) * up)
         self.length = t1
