@@ -159,7 +159,8 @@ def provenance(name: str, data: dict) -> list[str]:
     if meta.get("commit"):
         load = meta.get("load_avg_1m") or {}
         lines.append(f"Commit {meta['commit'][:10]}{' (with local changes)' if meta.get('dirty') else ''}, "
-                     f"{meta.get('date_utc', '')}, {meta.get('cpus')} CPU cores, load average "
+                     f"{meta.get('date_utc', '')}, {meta.get('cpus')} CPU cores"
+                     f"{' (' + meta['cpu_model'] + ')' if meta.get('cpu_model') else ''}, load average "
                      f"{fmt(load.get('start'))} at the start and {fmt(load.get('end'))} at the end, "
                      f"{fmt(meta.get('wall_s'))} s.")
     else:

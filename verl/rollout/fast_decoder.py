@@ -22,9 +22,9 @@ back: fused projection weights are rebuilt at every `start`; LoRA adapters are m
   rows on an AMD EPYC; from 2 rows on, not on an Intel Xeon);
   "auto" (the default) takes oneDNN where this torch has it, else MKL, else none; "none" keeps F.linear.
   benchmarks/engines/bench_decode.py measures them on SmolLM2-135M's decode (bench_decode.json). The packed
-  copies take more memory than the weights (SmolLM2-135M, MKL: the decoder's resident memory after `prepare`
-  ~850 MB packed against ~525 MB unpacked, for 540 MB of float32 weights), freed by `finish`. Where the
-  packing ops are missing the projections stay on `F.linear` (`pack_unavailable` says why).
+  copies take more memory than the fused float ones (SmolLM2-135M, 540 MB of float32 weights: `prepare` grew
+  the process's resident memory by ~1.0 GB for oneDNN, ~1.2 GB for MKL, ~0.5 GB unpacked), freed by `finish`.
+  Where the packing ops are missing the projections stay on `F.linear` (`pack_unavailable` says why).
 
 Numerically it is the model's forward (checked against it in tests/rollout); models it does not know are
 reported by `unsupported_reason` and keep using their own forward. With `quantization="int8"` every projection

@@ -82,7 +82,21 @@ class RunInfo:
                     timespec="seconds"),
                 "wall_s": round(time.time() - self.started, 1),
                 "load_avg_1m": {"start": self.load_start, "end": os.getloadavg()[0]}, "cpus": os.cpu_count(),
-                "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__}
+                "machine": platform.machine(), "cpu_model": cpu_model(), "python": platform.python_version(),
+                "torch": torch.__version__}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo; platform's answer elsewhere): the same job's figures differ between
+    the machines a benchmark may land on (an AMD EPYC and an Intel Xeon of 2 cores each, here), so a result
+    names its CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def write_result(path: str | os.PathLike, payload: dict, run: RunInfo, **meta) -> dict:
