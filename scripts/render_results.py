@@ -791,6 +791,12 @@ def fig_decode(res) -> str:
                 f"samples identical to the filed side's")
     parts = [part(n, w) for n, w in (("equal", f"EOS ignored ({job['max_new_tokens']} tokens per row on all sides)"),
                                      ("eos", "rows ending at EOS as in the example")) if n in d]
+    if "steps" in d:
+        st = d["steps"]
+        parts.append(f"the decode step alone, the sides' calls alternating step by step ({st['decode_steps']} steps "
+                     f"from a {st['prompt_width']}-token prompt): " + ", ".join(
+                         f"{rows} rows **{r['now_over_filed']:.2f}x** filed and **{r['now_over_mkl']:.2f}x** MKL"
+                         for rows, r in st["rows"].items()))
     return (f"{d['model']}, {job['prompts']} prompts x {job['n']} samples, one thread, alternating runs, packing "
             f"now {d['packing_now']} (`{d['meta']['command']}`, median of {job['repeats']}); " + "; ".join(parts))
 

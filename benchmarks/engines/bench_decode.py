@@ -19,9 +19,14 @@ alternating (filed, mkl, now, filed, ...) so that machine load hits all alike. T
           sampled token changes that sample from there on)
   eos     the example as it runs: rows end at <|im_end|> and leave the batch, so the tail decodes fewer rows;
           tokens/s of each side and how many samples are identical (the work may differ where a sample did)
+  steps   the decode step alone, paired: one decoder per side over the same weights, prefilled with the same
+          --rows x (the example's prompt width) token ids, then --max-new-tokens - 1 decode steps whose calls
+          alternate side by side step after step (a drift of the machine's speed, which on these shared machines
+          moves a whole generate by 10-20%, lands on all sides alike); seconds per side at each row count
 
-    python benchmarks/engines/bench_decode.py                     # both parts, 1 repeat
+    python benchmarks/engines/bench_decode.py                     # all three parts, 1 repeat
     python benchmarks/engines/bench_decode.py --parts equal --repeats 2
+    python benchmarks/engines/bench_decode.py --parts steps --rows 32 8
 
 Writes benchmarks/results/bench_decode.json (meta.command).
 """
@@ -74,7 +79,7 @@ def run(args) -> dict:
         torch_engine._exponential_checked[:] = [race and side != "filed"]
 
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
-    for part in args.parts:
+    for part in [p for p in args.parts if p != "steps"]:
         params = SamplingParams(n=4, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=1234,
                                 ignore_eos=part == "equal")
         rows = {s: {"generate_s": [], "tokens": []} for s in SIDES}
@@ -100,12 +105,51 @@ def run(args) -> dict:
               f"; now {res[part]['speedup_now_over_filed']:.2f}x filed, {res[part]['speedup_now_over_mkl']:.2f}x mkl",
               flush=True)
     use("now")
+    if "steps" in args.parts:
+        res["steps"] = paired_steps(model, max(map(len, prompts)), args)
     return res
+
+
+def paired_steps(model, width: int, args) -> dict:
+    """The decode step alone at each of --rows, the sides' calls alternating step by step (module docstring)."""
+    import torch
+
+    from verl.rollout.fast_decoder import LlamaFamilyDecoder
+    settings = {"filed": ("none", False), "mkl": ("mkl", False), "now": ("auto", True)}
+    out = {"prompt_width": width, "decode_steps": args.max_new_tokens - 1, "rows": {}}
+    for rows in args.rows:
+        decoders = {}
+        for side, (pack, group) in settings.items():
+            dec = LlamaFamilyDecoder(model, pack=pack)
+            dec.group_queries = group
+            dec.start(rows, width + args.max_new_tokens)
+            decoders[side] = dec
+        ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(rows, width + args.max_new_tokens, dtype=torch.long)
+        for dec in decoders.values():
+            dec.step(ids, mask[:, :width])
+        token = ids[:, -1:]
+        seconds = dict.fromkeys(settings, 0.0)
+        for _ in range(args.max_new_tokens - 1):
+            for side, dec in decoders.items():
+                t = time.perf_counter()
+                dec.step(token, mask[:, :dec.length + 1])
+                seconds[side] += time.perf_counter() - t
+        for dec in decoders.values():
+            dec.finish()
+        out["rows"][str(rows)] = {"seconds": seconds, "now_over_filed": seconds["filed"] / seconds["now"],
+                                  "now_over_mkl": seconds["mkl"] / seconds["now"]}
+        print(f"[decode] steps at {rows} rows: " + ", ".join(f"{s} {v:.1f} s" for s, v in seconds.items()) +
+              f"; now {seconds['filed'] / seconds['now']:.2f}x filed, {seconds['mkl'] / seconds['now']:.2f}x mkl",
+              flush=True)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", nargs="+", choices=("equal", "eos"), default=["equal", "eos"])
+    ap.add_argument("--parts", nargs="+", choices=("equal", "eos", "steps"), default=["equal", "eos", "steps"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[32, 21, 8],
+                    help="steps: the row counts (the example's 32 rows, and fewer as rows end)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_decode.json"))
