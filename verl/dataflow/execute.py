@@ -13,10 +13,10 @@ synchronised for it) that nobody has failed; at the end of the run all ranks exc
 status, so every rank raises the same VerlRuntimeError instead of waiting for data that will never come.
 `sys.exit()` inside a node (SystemExit) takes this path too and becomes VerlRuntimeError on every rank. A
 KeyboardInterrupt (Ctrl-C, SIGINT) inside a node, or an error Python chained to one (`verl.errors.interrupt_in`),
-is the one exception: it leaves the run at once on the interrupted rank, because the agreement would wait for peers that may be busy inside their nodes for minutes,
-and a rank waiting in a gloo or NCCL collective cannot be interrupted a second time. Its peers learn of it
-when their next collective with it fails (the connection closes as the process exits; under torchrun the agent
-also stops them) and raise VerlRuntimeError saying so.
+is the one exception: it leaves the run at once on the interrupted rank, because the agreement would wait for
+peers that may be busy inside their nodes for minutes, and a rank waiting in a gloo or NCCL collective cannot
+be interrupted a second time. Its peers learn of it when their next collective with it fails (the connection
+closes as the process exits; under torchrun the agent also stops them) and raise VerlRuntimeError saying so.
 
 Timeouts. Guarantees:
 - Every node has a time limit (``timeout_s``: an hour unless its config says otherwise, 0 only on request,
