@@ -43,7 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-SIDES = ("filed", "mkl", "now")
+# side -> (LlamaFamilyDecoder.pack, .group_queries, the uniform race)
+SIDES = {"filed": ("none", False, False), "mkl": ("mkl", False, True), "now": ("auto", True, True)}
 
 
 def run(args) -> dict:
@@ -67,16 +68,15 @@ def run(args) -> dict:
            "packing_now": fast.packing, "pack_unavailable": fast.pack_unavailable, "race_from_uniforms": race,
            "job": {"prompts": len(prompts), "n": 4, "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
                    "threads": 1, "repeats": args.repeats},
-           "sides": {"filed": "pack=none, exponential_, group_queries=False",
-                     "mkl": "pack=mkl, uniform race, group_queries=False",
-                     "now": f"pack=auto ({fast.packing}), uniform race, group_queries=True"},
+           "sides": {side: f"pack={pack}{f' ({fast.packing})' if pack == 'auto' else ''}, "
+                           f"{'uniform race' if uniform else 'exponential_'}, group_queries={group}"
+                     for side, (pack, group, uniform) in SIDES.items()},
            "differs": "only the decode step's code paths named in sides; same weights, prompts, seeds, sampling "
                       "settings"}
 
     def use(side: str) -> None:
-        fast.pack = {"filed": "none", "mkl": "mkl", "now": "auto"}[side]
-        fast.group_queries = side == "now"
-        torch_engine._exponential_checked[:] = [race and side != "filed"]
+        fast.pack, fast.group_queries, uniform = SIDES[side]
+        torch_engine._exponential_checked[:] = [race and uniform]
 
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
     for part in [p for p in args.parts if p != "steps"]:
@@ -115,11 +115,10 @@ def paired_steps(model, width: int, args) -> dict:
     import torch
 
     from verl.rollout.fast_decoder import LlamaFamilyDecoder
-    settings = {"filed": ("none", False), "mkl": ("mkl", False), "now": ("auto", True)}
     out = {"prompt_width": width, "decode_steps": args.max_new_tokens - 1, "rows": {}}
     for rows in args.rows:
         decoders = {}
-        for side, (pack, group) in settings.items():
+        for side, (pack, group, _) in SIDES.items():
             dec = LlamaFamilyDecoder(model, pack=pack)
             dec.group_queries = group
             dec.start(rows, width + args.max_new_tokens)
@@ -129,7 +128,7 @@ def paired_steps(model, width: int, args) -> dict:
         for dec in decoders.values():
             dec.step(ids, mask[:, :width])
         token = ids[:, -1:]
-        seconds = dict.fromkeys(settings, 0.0)
+        seconds = dict.fromkeys(SIDES, 0.0)
         for _ in range(args.max_new_tokens - 1):
             for side, dec in decoders.items():
                 t = time.perf_counter()

@@ -414,9 +414,9 @@ def _fsdp_one_rank_role(rank, world_size):
     from verl.models.tiny import tiny_model
     from verl.trainer.ppo_trainer import role_placements
     from verl.workers.fsdp import FSDPEngine
+    import torch.distributed as dist
     cfg = load_config(PPOConfig, None, ["trainer.placement=split", "actor.engine=fsdp", "actor.ranks=[0]",
                                         "rollout.ranks=[1]", "reward.ranks=[0]"])
-    import torch.distributed as dist
     placement = init_placement("cpu", process_group=True)
     places = role_placements(placement, cfg.roles(world_size))
     size = None
