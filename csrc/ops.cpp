@@ -121,10 +121,12 @@ TORCH_LIBRARY(verl, m) {
   // entropy, kl). logprob / entropy [B, T] (0 where mask is 0). With `with_grad`, grad_hidden [B*T, H] and
   // grad_weight [V, H] are d loss / d input at grad_output = 1, computed in this forward pass (3 GEMMs in all);
   // the backward is loss_grad_scale of each. chunk_n: valid tokens per chunk (0 = the backend's default).
+  // grad_weight=False (a frozen head): grad_weight is an empty [0] tensor and its GEMM is skipped (2 GEMMs).
   m.def("linear_rl_loss(Tensor hidden, Tensor weight, Tensor labels, Tensor mask, Tensor advantages, "
         "Tensor? old_logprob, Tensor? ref_logprob, float temperature, str loss_type, float clip_low, "
         "float clip_high, float clip_c, str kl_kind, float kl_coef, float entropy_coeff, str mode, "
-        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len, int chunk_n, bool with_grad) -> "
+        "float? global_tokens, float? global_seqs, int dp_size, float? norm_len, int chunk_n, bool with_grad, "
+        "bool grad_weight=True) -> "
         "(Tensor loss, Tensor stats, Tensor logprob, Tensor entropy, Tensor grad_hidden, Tensor grad_weight)");
 
   // ---- int8 weight-only linear (verl/ops/quant.py; contract in verl/int8_linear.h, kernels in {cpu,cuda}) --

@@ -128,9 +128,10 @@ def sample_problem(B, T, H, V, seed, dtype=torch.float64, device="cpu", holes=Tr
     return [x.to(device) for x in (h, w, y, mask, adv, old, ref)]
 
 
-def _fused(h, w, y, mask, adv, old, ref, t, lt, lo, hi, c, kind, kc, ec, mode, chunk_n=3, with_grad=True):
+def _fused(h, w, y, mask, adv, old, ref, t, lt, lo, hi, c, kind, kc, ec, mode, chunk_n=3, with_grad=True,
+           grad_weight=True):
     return OPS.linear_rl_loss(h, w, y, mask, adv, old, ref, t, lt, lo, hi, c, kind, kc, ec, mode, None, None, 1, None,
-                              chunk_n, with_grad)
+                              chunk_n, with_grad, grad_weight)
 
 
 def _close(got, want, tol):
@@ -195,6 +196,32 @@ def test_wrapper_autograd_and_backend_switch():
                                  "token-mean", 20.0, None, 2, None, 0, False)
     _close(nog[0], a.loss, 1e-7)
     assert nog[4].numel() == 0 and nog[5].numel() == 0
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_a_frozen_head_skips_grad_weight_and_changes_nothing_else(device, dtype):
+    """A head that does not require grad (LoRA's) costs no grad_weight GEMM: the op returns an empty grad_weight and
+    every other output bit for bit as with it; the wrapper asks for it only when the weight requires grad, and
+    autograd refuses a weight gradient from a call that skipped it instead of returning nothing."""
+    h, w, y, mask, adv, old, ref = sample_problem(3, 5, 8, 37, seed=5, dtype=dtype, device=device)
+    args = (0.9, "vanilla", 0.2, 0.28, 3.0, "k3", 0.2, 0.01, "token-mean")
+    both = _fused(h, w, y, mask, adv, old, ref, *args)
+    frozen = _fused(h, w, y, mask, adv, old, ref, *args, grad_weight=False)
+    assert both[5].shape == w.shape and frozen[5].numel() == 0
+    for a, b in zip(frozen[:5], both[:5]):
+        assert torch.equal(a, b)
+    kw = dict(old_logprob=old, ref_logprob=ref, temperature=0.9, clip_high=0.28, kl_coef=0.2, entropy_coeff=0.01)
+    grads = []
+    for head in (w, w.clone().requires_grad_()):  # frozen, then trained
+        hh = h.clone().requires_grad_()
+        O.linear_rl_loss(hh, head, y, mask, adv, **kw).loss.backward()
+        grads.append(hh.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = OPS.linear_rl_loss(hh, ww, y, mask, adv, old, ref, *args, None, None, 1, None, 3, True, False)[0]
+    with pytest.raises(RuntimeError, match="called with grad_weight=False"):
+        loss.backward()
 
 
 def test_non_contiguous_inputs_give_the_same_result():

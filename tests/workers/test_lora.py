@@ -95,6 +95,75 @@ def test_the_reference_is_the_base_with_adapters_off_and_holds_no_second_copy():
     assert unique_bytes(actor.module, ref.view_of.module) == unique_bytes(model) < 1.15 * one
 
 
+def _logits_and_adapter_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    logits.pow(2).mean().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_fused_lora_linear_is_pefts_forward_and_gradients_in_one_node(monkeypatch):
+    """apply_lora gives every injected linear the one-node forward (FusedLoraLinear): logits and every adapter's
+    gradient as PEFT's own layers give them (a bias included); with the adapters off, merged, or dropout active it
+    is PEFT's forward itself."""
+    import copy
+
+    from peft.tuners.lora import Linear
+
+    import verl.models.lora as L
+    fused_calls = []
+    apply = L._LoraLinearFn.apply
+    monkeypatch.setattr(L._LoraLinearFn, "apply", lambda *a: fused_calls.append(1) or apply(*a))
+    model = _lora_model()
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(type(m).__name__ == "FusedLoraLinear" for m in layers)
+    peft_model = copy.deepcopy(model)
+    for m in peft_model.modules():
+        if isinstance(m, Linear):
+            m.__class__ = Linear
+    ids = torch.randint(4, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    (got, got_g), (want, want_g) = _logits_and_adapter_grads(model, ids), _logits_and_adapter_grads(peft_model, ids)
+    assert len(fused_calls) == len(layers)  # every linear, forward once
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert got_g.keys() == want_g.keys() and all(".lora_" in n for n in got_g) and got_g
+    for n in got_g:
+        torch.testing.assert_close(got_g[n], want_g[n], rtol=1e-5, atol=1e-7)
+    fused_calls.clear()
+    with adapters_disabled(model):
+        model(ids)
+    layers[0].merge()
+    model(ids)
+    layers[0].unmerge()
+    assert len(fused_calls) == len(layers) - 1  # off: none; the merged layer: PEFT's forward
+
+    class Biased(torch.nn.Module):  # a linear with a bias, and dropout on the adapter
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(6, 5, bias=True)
+
+        def forward(self, x):
+            return self.proj(x)
+    from verl.models.lora import adapter_dropout
+    for drop in (0.0, 0.5):
+        torch.manual_seed(2)
+        one = apply_lora(Biased(), LoRAConfig(enabled=True, rank=2, alpha=4.0, dropout=drop,
+                                              target_modules=["proj"]))
+        _randomize_adapters(one, 3)
+        ref = copy.deepcopy(one)
+        ref.proj.__class__ = Linear
+        x = torch.randn(3, 4, 6, requires_grad=True)
+        fused_calls.clear()
+        for m in (one, ref):
+            m.zero_grad(set_to_none=True)
+            with adapter_dropout(m):
+                torch.manual_seed(5)
+                m(x).sum().backward()
+        assert len(fused_calls) == (1 if drop == 0.0 else 0)  # active dropout: PEFT's forward
+        torch.testing.assert_close(one.proj.lora_A.default.weight.grad, ref.proj.lora_A.default.weight.grad)
+        torch.testing.assert_close(one.proj.lora_B.default.weight.grad, ref.proj.lora_B.default.weight.grad)
+        assert one.proj.base_layer.bias.grad is None
+
+
 def test_the_adapter_exports_in_peft_format_and_merges_into_the_base(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

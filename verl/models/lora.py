@@ -11,6 +11,13 @@ decoder-layer units) works unchanged. A wrapped linear `<p>` holds `<p>.base_lay
 trainable `<p>.lora_A.default.weight` [r, in] and `<p>.lora_B.default.weight` [out, r]; its output is
 base(x) + (alpha / r) * B A dropout(x). B starts at zero, so a fresh adapter leaves the model unchanged.
 
+PEFT's linear runs the adapter as two more modules, a scaling and an out-of-place add, each recorded by autograd.
+apply_lora gives each injected linear `FusedLoraLinear`'s forward instead (still a PEFT layer: isinstance, export,
+merge and disable work as before): one autograd node computing base(x) with (x A^T) B^T accumulated into it in
+place (the scaling as the GEMM's alpha), and in backward only the frozen base's d x and the adapter's four small
+GEMMs, accumulated the same way. It falls back to PEFT's forward whenever PEFT has something more to do: adapters
+off or merged, active dropout, a variant (DoRA), dtypes that PEFT would cast, a trainable base.
+
 Sync views (what the 3D-HybridEngine plans from and reads each step, by name):
 - "all": every parameter under its own name (full fine-tuning).
 - "adapter": the lora_A / lora_B tensors only, under their own names (the engine holds the same adapters).
@@ -22,7 +29,6 @@ Sync views (what the 3D-HybridEngine plans from and reads each step, by name):
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -81,7 +87,77 @@ def apply_lora(module: torch.nn.Module, cfg) -> torch.nn.Module:
     inject_adapter_in_model(peft_cfg, module, adapter_name=ADAPTER)
     for name, p in module.named_parameters():
         p.requires_grad_(".lora_" in name)
+    fused = _fused_class()
+    for _, layer in _tuner_layers(module):
+        if type(layer) is fused.__base__:
+            layer.__class__ = fused
     return module
+
+
+class _LoraLinearFn(torch.autograd.Function):
+    """y = x W^T + bias + scale (x A^T) B^T, W and bias frozen; saves x and x A^T (PEFT's layers save the same)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scale):
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = x2 @ a.t()
+        y = torch.nn.functional.linear(x2, weight, bias)
+        y.addmm_(xa, b.t(), alpha=scale)
+        ctx.save_for_backward(x2, xa, weight, a, b)
+        ctx.scale, ctx.x_shape = scale, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, xa, weight, a, b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyb = dy2 @ b
+        dx = da = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy2 @ weight
+            dx.addmm_(dyb, a, alpha=ctx.scale)
+            dx = dx.view(ctx.x_shape)
+        if ctx.needs_input_grad[3]:
+            da = (dyb.t() @ x2).mul_(ctx.scale)
+        if ctx.needs_input_grad[4]:
+            db = (dy2.t() @ xa).mul_(ctx.scale)
+        return dx, None, None, da, db, None
+
+
+_FUSED: list[type] = []
+
+
+def _fused_class() -> type:
+    """FusedLoraLinear, made once peft is imported (the vLLM and TRL environments have no peft)."""
+    if not _FUSED:
+        from peft.tuners.lora import Linear
+
+        class FusedLoraLinear(Linear):
+            """PEFT's LoRA linear with the one-node forward of the module docstring where nothing else applies."""
+
+            def _fusable(self, x: torch.Tensor) -> bool:
+                if self.disable_adapters or self.merged or list(self.active_adapters) != [ADAPTER]:
+                    return False
+                base, drop = self.base_layer, self.lora_dropout[ADAPTER]
+                if type(base) is not torch.nn.Linear or ADAPTER in self.lora_variant:
+                    return False
+                if drop.training and not isinstance(drop, torch.nn.Identity) and drop.p > 0:
+                    return False
+                frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+                return frozen and x.dtype == base.weight.dtype == self.lora_A[ADAPTER].weight.dtype \
+                    == self.lora_B[ADAPTER].weight.dtype
+
+            def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+                if args or kwargs or not self._fusable(x):
+                    return super().forward(x, *args, **kwargs)
+                base = self.base_layer
+                return _LoraLinearFn.apply(x, base.weight, base.bias, self.lora_A[ADAPTER].weight,
+                                           self.lora_B[ADAPTER].weight, float(self.scaling[ADAPTER]))
+
+        FusedLoraLinear.__module__, FusedLoraLinear.__qualname__ = __name__, "FusedLoraLinear"
+        globals()["FusedLoraLinear"] = FusedLoraLinear  # importable by name (pickling a model finds it)
+        _FUSED.append(FusedLoraLinear)
+    return _FUSED[0]
 
 
 @contextlib.contextmanager

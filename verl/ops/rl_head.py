@@ -16,10 +16,11 @@ Tokens where the mask is 0 are skipped (log-prob and entropy 0, no gradient, the
 Why it is fast (csrc/include/verl/rl_head.h): every input of the gradient except the row's log-sum-exp is known
 before the op runs, so chunk by chunk (rows x the whole vocabulary) the kernel computes the logits (GEMM 1),
 log-prob / entropy / loss / d loss / d logits in two streaming passes over the chunk, then grad_hidden (GEMM 2)
-and grad_weight (GEMM 3). Forward + backward is 3 GEMMs, the [N, V] logits are never whole (one [rows, V] buffer),
-and the backward op only scales the saved gradients by grad_output. The gradients cost one [N, H] and one [V, H]
-tensor until backward, the same as autograd's; beyond them the op holds one [rows, V] logits chunk and, when some
-tokens are masked, one [rows, H] buffer of the chunk's gathered hidden rows (never a copy of all of hidden).
+and grad_weight (GEMM 3). Forward + backward is 3 GEMMs (2 for a head that does not require grad: LoRA's), the
+[N, V] logits are never whole (one [rows, V] buffer), and the backward op only scales the saved gradients by
+grad_output. The gradients cost one [N, H] and one [V, H] tensor until backward, the same as autograd's; beyond
+them the op holds one [rows, V] logits chunk and, when some tokens are masked, one [rows, H] buffer of the
+chunk's gathered hidden rows (never a copy of all of hidden).
 
 Vocab parallel (`vocab_parallel_linear_rl_loss`): each tensor-parallel rank holds Megatron's contiguous slice of
 the LM head rows; per chunk of whole sequences, each rank reduces its slice, two small all-reduces (max, then sum
@@ -205,7 +206,7 @@ def linear_rl_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     loss, stats, lp, ent, _, _ = torch.ops.verl.linear_rl_loss(
         h, weight, labels, mask, advantages.detach(), det(old_logprob), det(ref_logprob), t, loss_type,
         float(clip_low), float(ch), float(clip_c), kl_kind, float(kl_coef), float(entropy_coeff), *a.args(),
-        int(chunk_n), with_grad)
+        int(chunk_n), with_grad, weight.requires_grad)  # a frozen head (LoRA): GEMM 3 skipped
     return _output(loss, stats, lp, ent)
 
 
@@ -323,14 +324,15 @@ def vocab_parallel_linear_rl_loss(hidden: torch.Tensor, weight_shard: torch.Tens
 
 def _fake_linear_rl_loss(hidden, weight, labels, mask, advantages, old_logprob, ref_logprob, temperature, loss_type,
                          clip_low, clip_high, clip_c, kl_kind, kl_coef, entropy_coeff, mode, global_tokens,
-                         global_seqs, dp_size, norm_len, chunk_n, with_grad):
+                         global_seqs, dp_size, norm_len, chunk_n, with_grad, grad_weight=True):
     torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
                  lambda: f"`hidden` [N, H] and `weight` [V, H] disagree: {tuple(hidden.shape)}, {tuple(weight.shape)}")
     torch._check(mask.dim() == 2 and hidden.shape[0] == mask.shape[0] * mask.shape[1],
                  lambda: f"`hidden` must be [B*T, H] for `mask` [B, T], got {tuple(hidden.shape)}")
     dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     gh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if with_grad else hidden.new_empty((0,))
-    gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if with_grad else weight.new_empty((0,))
+    gw = (torch.empty_like(weight, memory_format=torch.contiguous_format) if with_grad and grad_weight
+          else weight.new_empty((0,)))
     return (hidden.new_empty((), dtype=dt), hidden.new_empty((8,), dtype=torch.float32),
             hidden.new_empty(mask.shape, dtype=dt), hidden.new_empty(mask.shape, dtype=dt), gh, gw)
 
@@ -340,7 +342,7 @@ def _setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     # Without this autograd hands backward a zero tensor for every other output: a [V, H] one for grad_weight.
     ctx.set_materialize_grads(False)
-    ctx.with_grad = inputs[-1]
+    ctx.with_grad, ctx.grad_weight = inputs[21], inputs[22] if len(inputs) > 22 else True
 
 
 def _backward(ctx, grad, *_unused):
@@ -353,6 +355,10 @@ def _backward(ctx, grad, *_unused):
     if ctx.needs_input_grad[0]:
         out[0] = _scale_in_place(grad, gh)
     if ctx.needs_input_grad[1]:
+        if not ctx.grad_weight:
+            raise RuntimeError("verl::linear_rl_loss was called with grad_weight=False, so it computed no gradient "
+                               "for `weight`; call it with grad_weight=True (verl.ops.linear_rl_loss does when the "
+                               "weight requires grad)")
         out[1] = _scale_in_place(grad, gw)
     return tuple(out)
 

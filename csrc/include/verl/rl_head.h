@@ -17,7 +17,7 @@
 //   per-token loss, statistics, glp, gh       O(rows) ATen math in double, below
 //   K::grad_chunk(Z -> G in place)            one streaming pass: d loss / d logits
 //   grad_h_c = G W                            GEMM 2
-//   grad_W  += G^T h_c                        GEMM 3
+//   grad_W  += G^T h_c                        GEMM 3 (skipped for a frozen head: grad_weight=false)
 //
 // Forward + backward is 3 GEMMs over the vocabulary (the unfused chunked path recomputes Z: 4), the [N, V] logits
 // are never whole (one [rows, V] buffer, reused), and the backward op only multiplies the two saved gradients by
@@ -244,10 +244,16 @@ struct GradAcc {
   bool wide = true;
 };
 
-inline GradAcc new_grads(const logprob::Linear& L, int64_t nv) {
+// grad_weight false (a frozen head: LoRA, a frozen embedding tied to it): g.w stays an empty [0] tensor and
+// GEMM 3 never runs.
+inline GradAcc new_grads(const logprob::Linear& L, int64_t nv, bool grad_weight) {
   GradAcc g;
   g.wide = L.w.scalar_type() == at::kFloat || L.w.scalar_type() == at::kDouble;
   g.h = nv == L.n ? at::empty({L.n, L.hdim}, L.h.options()) : at::zeros({L.n, L.hdim}, L.h.options());
+  if (!grad_weight) {
+    g.w = at::empty({0}, L.w.options());
+    return g;
+  }
   g.w = nv == 0 ? at::zeros({L.v, L.hdim}, L.w.options().dtype(g.wide ? L.w.scalar_type() : at::kFloat))
                 : at::empty({L.v, L.hdim}, L.w.options().dtype(g.wide ? L.w.scalar_type() : at::kFloat));
   if (!g.wide) g.tmp = at::empty({std::min<int64_t>(L.v, 4096), L.hdim}, L.w.options());
@@ -260,7 +266,9 @@ inline GradAcc new_grads(const logprob::Linear& L, int64_t nv) {
 inline void chunk_gemms(const Tensor& G, Tensor& hc, bool hc_owned, const Tensor& w, GradAcc& g, const Tensor& idx,
                         int64_t t0, bool first) {
   const int64_t rows = hc.size(0);
-  if (g.wide) {
+  if (g.w.numel() == 0) {
+    // no grad_weight (new_grads): GEMM 2 alone
+  } else if (g.wide) {
     if (first) at::mm_out(g.w, G.t(), hc);
     else g.w.addmm_(G.t(), hc);
   } else {
@@ -338,7 +346,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
                     double clip_low, double clip_high, double clip_c, c10::string_view kl_kind, double kl_coef,
                     double entropy_coeff, c10::string_view mode, std::optional<double> global_tokens,
                     std::optional<double> global_seqs, int64_t dp_size, std::optional<double> norm_len,
-                    int64_t chunk_n, bool with_grad) {
+                    int64_t chunk_n, bool with_grad, bool grad_weight) {
   const char* op = "linear_rl_loss";
   TORCH_CHECK(chunk_n >= 0, op, ": `chunk_n` must be >= 0 (0 = the backend's default chunk), got ", chunk_n);
   TORCH_CHECK(mask.dim() == 2, op, ": `mask` must be 2-D [B, T] (sequences x response tokens), got shape ",
@@ -355,7 +363,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
   for (size_t i = 0; i + 1 < cuts.size(); ++i) max_rows = std::max(max_rows, cuts[i + 1] - cuts[i]);
   const auto dopt = L.h.options().dtype(at::kDouble);
   Tensor sums = at::zeros({kStats}, dopt), lp_v = at::empty({nv}, dopt), ent_v = at::empty({nv}, dopt);
-  GradAcc g = with_grad ? new_grads(L, nv) : GradAcc{};
+  GradAcc g = with_grad ? new_grads(L, nv, grad_weight) : GradAcc{};
   const Tensor scratch = at::empty({max_rows * L.v}, L.h.options());
   const Tensor hbuf = s.all_valid ? Tensor() : at::empty({max_rows, L.hdim}, L.h.options());
   for (size_t i = 0; i + 1 < cuts.size(); ++i) {
@@ -389,6 +397,7 @@ Out6 linear_rl_loss(const Tensor& hidden, const Tensor& weight, const Tensor& la
   if (!with_grad) {
     return {loss, stats.to(at::kFloat), lp_out, ent_out, at::empty({0}, L.h.options()), at::empty({0}, L.w.options())};
   }
+  // g.w: an empty [0] tensor of the weight's dtype without grad_weight
   return {loss, stats.to(at::kFloat), lp_out, ent_out, g.h, g.wide ? g.w : g.w.to(L.w.scalar_type())};
 }
 
