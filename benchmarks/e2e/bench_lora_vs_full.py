@@ -54,6 +54,11 @@ def _plot(curves: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _per_cpu_s(row: dict) -> float:
+    """The step's tokens per CPU second of its process."""
+    return row["perf/tokens_per_s"] * row["perf/step_time_s"] / row["perf/cpu_time_s"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
@@ -95,6 +100,13 @@ def main() -> None:
                                                               for a, b in pairs),
                    generate_time_ratio_median=statistics.median(a["timing/generate_s"] / b["timing/generate_s"]
                                                                 for a, b in pairs),
+                   # the same ratio per CPU second of each job's process: what the machine's load does not move
+                   tokens_per_cpu_s_ratio_median=statistics.median(_per_cpu_s(a) / _per_cpu_s(b) for a, b in pairs),
+                   # the most LoRA could give here: the full job's step with its update's weight-gradient third
+                   # gone (LoRA keeps the forward and the input gradients, every other phase is the same)
+                   ceiling_ratio_median=statistics.median(
+                       b["perf/step_time_s"] / (b["perf/step_time_s"] - b["timing/update_actor_s"] / 3)
+                       for _, b in pairs),
                    reward_first={n: rows[0]["reward/mean"] for n, rows in curves.items()},
                    reward_last={n: rows[-1]["reward/mean"] for n, rows in curves.items()},
                    reward_mean_last_half={n: statistics.mean(r["reward/mean"] for r in rows[len(rows) // 2:])
