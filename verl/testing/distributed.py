@@ -81,11 +81,8 @@ def _detach(dup) -> int:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[Any], kwargs: dict,
-            results: "mp.Queue", release, pg_timeout_s: float, threads: int, env: dict[str, str],
+            results: "mp.Queue", pg_timeout_s: float, threads: int, env: dict[str, str],
             stdio: tuple[int, int]) -> None:
-    """One rank. Rank 0 hosts the rendezvous store: after reporting it stays until the parent has every rank's
-    result or a failure (`release`), so a rank still creating groups over the store when rank 0's function
-    returns never finds it gone (its connection reset); a failure releases at once."""
     os.environ.clear()  # the caller's environment and stdout / stderr (a forked rank holds the fork server's)
     os.environ.update(env)
     for fd, target in zip(stdio, (1, 2)):
@@ -108,8 +105,6 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
     except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        if rank == 0:
-            release.wait(timeout=pg_timeout_s)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -131,14 +126,14 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _ranks_context(spawn)
-    results, release = ctx.Queue(), ctx.Event()
+    results = ctx.Queue()
     port = free_port()
     # The process group's own timeout is shorter than ours, so a rank stuck in a collective whose peer died
     # errors out by itself; we still kill stragglers at `timeout`.
     pg_timeout = max(5.0, timeout * 0.8)
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), results, release,
-                               pg_timeout, threads, {**os.environ, **(env or {})}, (_Fd(1), _Fd(2))))
+                         args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), results, pg_timeout, threads,
+                               {**os.environ, **(env or {})}, (_Fd(1), _Fd(2))))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -146,7 +141,6 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
     try:
         outputs, failure = _collect(procs, results, world_size, time.monotonic() + timeout, fn, timeout)
     finally:
-        release.set()
         _reap(procs, results, quick=failure is not None)
     if failure is not None:
         raise failure
