@@ -29,6 +29,7 @@ Sync views (what the 3D-HybridEngine plans from and reads each step, by name):
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -124,40 +125,36 @@ class _LoraLinearFn(torch.autograd.Function):
         return dx, None, None, da, db, None
 
 
-_FUSED: list[type] = []
-
-
+@functools.cache
 def _fused_class() -> type:
     """FusedLoraLinear, made once peft is imported (the vLLM and TRL environments have no peft)."""
-    if not _FUSED:
-        from peft.tuners.lora import Linear
+    from peft.tuners.lora import Linear
 
-        class FusedLoraLinear(Linear):
-            """PEFT's LoRA linear with the one-node forward of the module docstring where nothing else applies."""
+    class FusedLoraLinear(Linear):
+        """PEFT's LoRA linear with the one-node forward of the module docstring where nothing else applies."""
 
-            def _fusable(self, x: torch.Tensor) -> bool:
-                if self.disable_adapters or self.merged or list(self.active_adapters) != [ADAPTER]:
-                    return False
-                base, drop = self.base_layer, self.lora_dropout[ADAPTER]
-                if type(base) is not torch.nn.Linear or ADAPTER in self.lora_variant:
-                    return False
-                if drop.training and not isinstance(drop, torch.nn.Identity) and drop.p > 0:
-                    return False
-                frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
-                return frozen and x.dtype == base.weight.dtype == self.lora_A[ADAPTER].weight.dtype \
-                    == self.lora_B[ADAPTER].weight.dtype
+        def _fusable(self, x: torch.Tensor) -> bool:
+            if self.disable_adapters or self.merged or list(self.active_adapters) != [ADAPTER]:
+                return False
+            base, drop = self.base_layer, self.lora_dropout[ADAPTER]
+            if type(base) is not torch.nn.Linear or ADAPTER in self.lora_variant:
+                return False
+            if drop.training and not isinstance(drop, torch.nn.Identity) and drop.p > 0:
+                return False
+            frozen = not base.weight.requires_grad and (base.bias is None or not base.bias.requires_grad)
+            return frozen and x.dtype == base.weight.dtype == self.lora_A[ADAPTER].weight.dtype \
+                == self.lora_B[ADAPTER].weight.dtype
 
-            def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-                if args or kwargs or not self._fusable(x):
-                    return super().forward(x, *args, **kwargs)
-                base = self.base_layer
-                return _LoraLinearFn.apply(x, base.weight, base.bias, self.lora_A[ADAPTER].weight,
-                                           self.lora_B[ADAPTER].weight, float(self.scaling[ADAPTER]))
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if args or kwargs or not self._fusable(x):
+                return super().forward(x, *args, **kwargs)
+            base = self.base_layer
+            return _LoraLinearFn.apply(x, base.weight, base.bias, self.lora_A[ADAPTER].weight,
+                                       self.lora_B[ADAPTER].weight, float(self.scaling[ADAPTER]))
 
-        FusedLoraLinear.__module__, FusedLoraLinear.__qualname__ = __name__, "FusedLoraLinear"
-        globals()["FusedLoraLinear"] = FusedLoraLinear  # importable by name (pickling a model finds it)
-        _FUSED.append(FusedLoraLinear)
-    return _FUSED[0]
+    FusedLoraLinear.__module__, FusedLoraLinear.__qualname__ = __name__, "FusedLoraLinear"
+    globals()["FusedLoraLinear"] = FusedLoraLinear  # importable by name (pickling a model finds it)
+    return FusedLoraLinear
 
 
 @contextlib.contextmanager
