@@ -3,9 +3,12 @@ an eager PyTorch reference, side by side in one run.
 
 The work of one MoE layer's dispatch as megatron-core's all-to-all dispatcher does it (top-k routing already
 done): permute the tokens to expert-contiguous rows with their routing weights, then (after the experts, here
-the identity) unpermute them and combine each token's K rows; forward and backward. The loss is
-<combined rows, g> + sum of the permuted weights, g a fixed random [T, H] tensor: the dense gradient a next layer
-hands back (a plain sum would hand back a stride-0 tensor no model produces), and every gradient path runs.
+the identity) unpermute them and combine each token's K rows; forward and backward. The backward starts from
+the gradients a next layer hands back: g, a fixed random [T, H] tensor, for the combined rows (a dense gradient;
+a plain sum's would be a stride-0 tensor no model produces) and ones for the permuted weights, so every gradient
+path runs and nothing but the dispatch is timed (a loss <combined, g> would add two [T, H] products, the same
+for every variant, to each step). The check value, <combined, g> + sum of the permuted weights, is computed
+outside the timed step.
 
     verl       verl.ops.moe_permute / moe_unpermute (verl._C: a stable counting sort, row gathers, a per-token
                combine; the backward is gathers too)
@@ -75,13 +78,12 @@ def _step(variant: str, x: dict):
             return unpermute(out.permuted, out.dst_of), out.permuted_probs
         probs_of = "probs"
 
-    def step():
+    def step(check: bool = False):
         h = x["hidden"].detach().requires_grad_()
         p = x[probs_of].detach().requires_grad_()
         out, pp = run(h, p)
-        loss = (out * x["upstream"]).sum() + pp.sum()
-        loss.backward()
-        return float(loss.detach())
+        torch.autograd.backward((out, pp), (x["upstream"], torch.ones_like(pp)))
+        return float((out.detach() * x["upstream"]).sum() + pp.detach().sum()) if check else None
     return step
 
 
@@ -96,11 +98,12 @@ def _rss_mib() -> tuple[float, float]:
 def _child_mem(variant: str, T: int, H: int, E: int) -> dict:
     x = _inputs(T, H, E)
     step = _step(variant, x)
-    step()  # warm-up: first-call allocations (thread pools, dispatcher caches) are not the op's memory
+    # warm-up: first-call allocations (thread pools, dispatcher caches) are not the op's memory
+    loss = step(check=True)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base = _rss_mib()[1]
-    loss = step()
+    step()
     return {"peak_mib": _rss_mib()[0] - base, "loss": loss}
 
 
@@ -110,7 +113,7 @@ def _child_time(T: int, H: int, E: int, reps: int) -> dict:
     best = {v: float("inf") for v in VARIANTS}
     losses = {}
     for v, s in steps.items():
-        losses[v] = s()  # warm-up
+        losses[v] = s(check=True)  # warm-up
     for _ in range(reps):
         for v, s in steps.items():
             c0 = time.thread_time()
@@ -173,7 +176,8 @@ def main() -> None:
     rows = [_measure(T, H, E, args.reps, a) for a in ALLOCATORS for T, H, E in sizes]
     meta = {"threads": 1, "timing": "thread CPU time, min over reps, variants interleaved",
             "memory": "peak extra resident memory of one fwd+bwd (VmHWM), a process per variant",
-            "work": f"permute with weights + unpermute-and-combine, forward and backward, top-{TOP_K}"}
+            "work": f"permute with weights + unpermute-and-combine, forward and backward from a given upstream "
+                    f"gradient (no loss op timed), top-{TOP_K}"}
     write_result(args.out, {"meta": meta, "rows": rows}, run)
     print(f"wrote {args.out}")
 

@@ -23,13 +23,6 @@
 #include "verl/logprob.h"
 #include "verl/rl_head.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
-// One build serves any x86-64 CPU; the loader picks the AVX2+FMA clone where the CPU has it.
-#define VERL_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define VERL_SIMD_CLONES
-#endif
-
 namespace verl {
 namespace {
 

@@ -4,6 +4,15 @@
 #include <cstdint>
 #include <cstring>
 
+// One build serves any x86-64 CPU: a function marked VERL_SIMD_CLONES is compiled twice, for AVX2+FMA
+// (x86-64-v3) and for baseline x86-64, and the loader picks the clone the CPU can run. Only code inlined into
+// such a function is compiled for the clone's ISA.
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
+#define VERL_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VERL_SIMD_CLONES
+#endif
+
 namespace verl {
 
 // exp for float without a libm call, so that loops calling it vectorise: Cody-Waite range reduction

@@ -20,11 +20,8 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
-#define VERL_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define VERL_SIMD_CLONES
-#endif
+#include "verl/cpu_math.h"  // VERL_SIMD_CLONES
+
 #if defined(__GNUC__)
 // Token lambdas and loop templates are forced inline into the cloned chunk functions: only inlined code is
 // compiled for the clone's ISA.
