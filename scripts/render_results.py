@@ -51,7 +51,7 @@ PRE_PROVENANCE: dict[str, str] = {
         "bench_transition.json", "e2e_grpo_vs_trl.json", "bench_sandbox.json",
         "validation_default_job.json", "validation_default_job_seed2.json", "validation_default_job_seed3.json",
         "verl_key_coverage.json", "bench_delta_sync.json", "bench_delta_sync_1000.json", "bench_lora_sync.json",
-        "e2e_grpo_vs_trl_tiny_padded.json", "bench_moe_dispatch.json", "bench_moe_sync.json",
+        "e2e_grpo_vs_trl_tiny_padded.json", "bench_moe_sync.json",
         "moe_layout_matrix.json")},
     "bench_across.json": "No command recorded; `python benchmarks/reshard/bench_across.py` (the quick model) is the "
                          "script's default run.",
