@@ -1,6 +1,8 @@
 """Router replay from real runs: the MoE default job (examples/moe_tiny.yaml: a tiny Qwen3-MoE-style policy on the
-megatron engine, the torch rollout engine) trained in bfloat16 with actor.router_replay=off and =rollout, and the
-dense default job on the same engines and dtype as the log-prob baseline.
+megatron engine, the torch rollout engine) trained in bfloat16 with actor.router_replay=off and =rollout, and two
+dense baselines on the same engines and dtype: the MoE job's dense twin (the same job and shape with a dense
+Qwen3 policy: the same attention, q/k norms and width, one MLP instead of the experts), the like-for-like
+baseline, and the dense default job (a Llama policy of the same width, no q/k norms).
 
 Per run, averaged over its GRPO steps: moe/router_mismatch_frac (the share of (token, MoE layer) routing decisions
 where the actor's forward picked other experts than the rollout engine did; with replay, the experts it used),
@@ -9,7 +11,7 @@ tokens; mismatch_kl), the expert load balance and the reward first -> last. In f
 identically on this model (the figure is 0 with replay off too), so the runs are bfloat16, where the engines'
 rounding differs (transformers computes the router logits in bfloat16, megatron in float32).
 
-    python benchmarks/e2e/bench_router_replay.py                 # 3 runs x 30 GRPO steps (+ the warm start)
+    python benchmarks/e2e/bench_router_replay.py                 # 4 runs x 30 GRPO steps (+ the warm start)
 Writes benchmarks/results/bench_router_replay.json.
 """
 
@@ -28,6 +30,7 @@ BF16 = ["model.dtype=bfloat16", "actor.megatron.params_dtype=bfloat16"]
 RUNS = {
     "moe_replay_off": ["examples/moe_tiny.yaml", "actor.router_replay=off", *BF16],
     "moe_replay_on": ["examples/moe_tiny.yaml", "actor.router_replay=rollout", *BF16],
+    "dense_twin": ["examples/moe_tiny.yaml", "model.tiny.family=qwen3", "actor.router_replay=off", *BF16],
     "dense": ["verl/trainer/config/default.yaml", "actor.engine=megatron", *BF16],
 }
 KEYS = ("moe/router_mismatch_frac", "rollout/mismatch_mean", "rollout/mismatch_kl", "moe/expert_load_max_over_mean",
