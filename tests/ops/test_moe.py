@@ -21,7 +21,9 @@ def sample_inputs(device, dtype=torch.float32):
     ids, no probs, non-contiguous hidden, and tiles that cut an expert's rows (T*K > 256)."""
     g = torch.Generator().manual_seed(0)
     cases = []
-    for T, H, E, K in [(1, 8, 4, 1), (5, 3, 4, 2), (37, 16, 8, 2), (300, 24, 16, 4), (129, 5, 64, 2), (64, 12, 3, 3)]:
+    # H = 77: the CPU float rows' 32-wide loop, an 8-wide step and a 5-element tail
+    for T, H, E, K in [(1, 8, 4, 1), (5, 3, 4, 2), (37, 16, 8, 2), (300, 24, 16, 4), (129, 5, 64, 2), (64, 12, 3, 3),
+                       (33, 77, 6, 2)]:
         h = torch.randn(T, H, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
         ids = _ids(T, K, E, g).to(device)
         p = torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1).to(device)
@@ -102,10 +104,11 @@ def test_gradcheck(device):
 
 @needs_ext
 @pytest.mark.parametrize("device", devices())
-def test_gradients_match_reference(device):
+@pytest.mark.parametrize("H", [16, 77])  # 77: every loop of the CPU float rows (32-wide, 8-wide, tail)
+def test_gradients_match_reference(device, H):
     g = torch.Generator().manual_seed(3)
-    h0, p0 = torch.randn(40, 16, generator=g).to(device), torch.rand(40, 2, generator=g).to(device)
-    ids, up = _ids(40, 2, 8, g).to(device), torch.randn(40, 16, generator=g).to(device)
+    h0, p0 = torch.randn(40, H, generator=g).to(device), torch.rand(40, 2, generator=g).to(device)
+    ids, up = _ids(40, 2, 8, g).to(device), torch.randn(40, H, generator=g).to(device)
     grads = []
     for permute, unpermute in ((M.moe_permute, M.moe_unpermute), (M.moe_permute_ref, M.moe_unpermute_ref)):
         h, p = h0.clone().requires_grad_(), p0.clone().requires_grad_()
