@@ -61,3 +61,14 @@ def test_timeout_instead_of_hang():
 def test_hard_exit_is_reported():
     with pytest.raises(RankFailure, match="rank 0"):
         run_distributed(_exit_hard, world_size=2, timeout=60)
+
+
+def _store_after_rank_0_returned(rank, world_size):
+    if rank == 1:  # rank 0 has returned (and exited) by now: the rendezvous store must still answer
+        time.sleep(4.0)
+        dist.distributed_c10d._get_default_store().add("late", 1)  # (a set is not answered: add is)
+    return rank
+
+
+def test_the_store_outlives_rank_0():
+    assert run_distributed(_store_after_rank_0_returned, world_size=2, timeout=60) == [0, 1]

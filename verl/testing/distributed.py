@@ -14,6 +14,11 @@ process (~5-10 s of imports a spawned rank would pay each time); each rank start
 environment, `sys.path` and stdout / stderr (pytest's capfd sees what ranks print), as a spawned one would.
 VERL_TEST_SPAWN=1 spawns them instead.
 
+The rendezvous store lives in the calling process for the whole run, not in rank 0: a rank still using the
+store (a late `add`, a barrier of its own) never finds it gone because rank 0 returned and exited first, while
+rank 0's exit still closes its connections to the other ranks at once (a peer waiting on a rank that failed
+sees it right away).
+
 A rank that raises makes `run_distributed` raise `RankFailure` naming the rank, with the rank's own
 traceback in the message; the other ranks are then stopped instead of waiting in a collective. A run
 that outlives `timeout` is killed and reported the same way (gloo would otherwise hang a healthy rank for
@@ -37,7 +42,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import reduction
 
-from verl.distributed.placement import free_port
 
 
 class RankFailure(RuntimeError):
@@ -93,8 +97,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: Sequence[
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)  # the caller hosts it
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         out = fn(rank, world_size, *args, **kwargs)
         try:
             payload = pickle.dumps(out)
@@ -127,10 +132,13 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _ranks_context(spawn)
     results = ctx.Queue()
-    port = free_port()
     # The process group's own timeout is shorter than ours, so a rank stuck in a collective whose peer died
     # errors out by itself; we still kill stragglers at `timeout`.
     pg_timeout = max(5.0, timeout * 0.8)
+    # the rendezvous store, here until every rank is reaped (port 0: the system picks a free one)
+    store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=pg_timeout),
+                          wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, tuple(args), dict(kwargs or {}), results, pg_timeout, threads,
                                {**os.environ, **(env or {})}, (_Fd(1), _Fd(2))))
@@ -142,6 +150,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), kwa
         outputs, failure = _collect(procs, results, world_size, time.monotonic() + timeout, fn, timeout)
     finally:
         _reap(procs, results, quick=failure is not None)
+        del store
     if failure is not None:
         raise failure
     return [outputs[r] for r in range(world_size)]
