@@ -12,7 +12,8 @@
 //
 // float32 rows go through small row functions compiled for AVX2+FMA and baseline x86-64 (VERL_SIMD_CLONES):
 // a scaled copy, a scaled add, and a dot product with four vector accumulators (a single running sum is one
-// dependent add per element, which made the probs gradient compute-bound: ~2.5x slower than its memory traffic).
+// dependent add per element, which made the probs gradient compute-bound: moe_unpermute_backward took 123 ms
+// with it and 79 ms with these at 16384 x 2048, top-2, one thread).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

@@ -43,7 +43,6 @@ import torch.multiprocessing as mp
 from multiprocessing import reduction
 
 
-
 class RankFailure(RuntimeError):
     """A rank of `run_distributed` raised, or the run timed out."""
 
