@@ -133,6 +133,11 @@ TORCH_LIBRARY(verl, m) {
   // out [M, N] = (x [M, K] @ qweight[N, K]^T) * scale[N] + bias[N], float32 with int8 weights quantized per
   // output row (verl.ops.quantize_int8). Generation only: not differentiable.
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
+
+  // ---- one decode step's attention (verl/ops/attention.py; contract in verl/attention.h, CPU kernel only) ----
+  // q [B, H, G, d]: the G query heads sharing each key/value head; k, v [B, H, T, d] (a view of a larger cache is
+  // read in place); mask bool [B, T]. out [B, H, G, d]. Generation only: not differentiable.
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 
 static struct PyModuleDef verl_c_module = {PyModuleDef_HEAD_INIT, "_C",

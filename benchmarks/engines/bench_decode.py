@@ -4,14 +4,15 @@ job's generation.
   filed    as it was when issue 30 asked for 2x: projections through F.linear (`LlamaFamilyDecoder(pack="none")`),
            every sampling step's Exp(1) noise drawn with `exponential_` (a logarithm per vocabulary entry), one
            query per head through SDPA's grouped-query path (`group_queries=False`)
-  mkl      projections packed for MKL (`pack="mkl"`) and the race from uniform draws with the logarithm taken
-           only where a token can still win (verl.rollout.torch_engine); attention as filed
-  now      the defaults: projections packed for oneDNN (`pack="auto"` where torch has it), the race, and each
-           key/value head's query heads attending side by side (`group_queries=True`)
+  sdpa     the previous defaults: projections packed for oneDNN (`pack="auto"` where torch has it), the race from
+           uniform draws with the logarithm taken only where a token can still win (verl.rollout.torch_engine), and
+           each key/value head's query heads attending side by side (`group_queries=True`) through SDPA
+  now      the defaults: as sdpa, the attention through verl's decode kernel (`fused_attention=True`,
+           verl.ops.decode_attention)
 
 The work: SmolLM2-135M-Instruct (float32), examples/smollm2_gsm8k.yaml's generation (8 gsm_symbolic chat prompts x
 4 samples, temperature 1, seeded, one torch thread, --max-new-tokens 256), on the same loaded weights, the sides
-alternating (filed, mkl, now, filed, ...) so that machine load hits all alike. Two parts:
+alternating (filed, sdpa, now, filed, ...) so that machine load hits all alike. Two parts:
 
   equal   `ignore_eos`: every row decodes --max-new-tokens tokens on every side (32 rows all the way), so all do
           the same work; how many samples are the same as the filed side's is reported (the race draws what
@@ -43,8 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# side -> (LlamaFamilyDecoder.pack, .group_queries, the uniform race)
-SIDES = {"filed": ("none", False, False), "mkl": ("mkl", False, True), "now": ("auto", True, True)}
+# side -> (LlamaFamilyDecoder.pack, .group_queries, the uniform race, .fused_attention)
+SIDES = {"filed": ("none", False, False, False), "sdpa": ("auto", True, True, False), "now": ("auto", True, True, True)}
 
 
 def run(args) -> dict:
@@ -69,13 +70,14 @@ def run(args) -> dict:
            "job": {"prompts": len(prompts), "n": 4, "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
                    "threads": 1, "repeats": args.repeats},
            "sides": {side: f"pack={pack}{f' ({fast.packing})' if pack == 'auto' else ''}, "
-                           f"{'uniform race' if uniform else 'exponential_'}, group_queries={group}"
-                     for side, (pack, group, uniform) in SIDES.items()},
+                           f"{'uniform race' if uniform else 'exponential_'}, group_queries={group}, "
+                           f"fused_attention={fused}"
+                     for side, (pack, group, uniform, fused) in SIDES.items()},
            "differs": "only the decode step's code paths named in sides; same weights, prompts, seeds, sampling "
                       "settings"}
 
     def use(side: str) -> None:
-        fast.pack, fast.group_queries, uniform = SIDES[side]
+        fast.pack, fast.group_queries, uniform, fast.fused_attention = SIDES[side]
         torch_engine._exponential_checked[:] = [race and uniform]
 
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
@@ -99,10 +101,10 @@ def run(args) -> dict:
             row["identical_to_filed"] = sum(a.token_ids == b.token_ids for a, b in zip(outs[side], outs["filed"]))
         res[part] = {"ignore_eos": part == "equal", **rows, "samples": len(outs["now"]),
                      "speedup_now_over_filed": rows["now"]["tokens_per_s"] / rows["filed"]["tokens_per_s"],
-                     "speedup_now_over_mkl": rows["now"]["tokens_per_s"] / rows["mkl"]["tokens_per_s"],
-                     "speedup_mkl_over_filed": rows["mkl"]["tokens_per_s"] / rows["filed"]["tokens_per_s"]}
+                     "speedup_now_over_sdpa": rows["now"]["tokens_per_s"] / rows["sdpa"]["tokens_per_s"],
+                     "speedup_sdpa_over_filed": rows["sdpa"]["tokens_per_s"] / rows["filed"]["tokens_per_s"]}
         print(f"[decode] {part}: tokens/s " + ", ".join(f"{s} {rows[s]['tokens_per_s']:.1f}" for s in SIDES) +
-              f"; now {res[part]['speedup_now_over_filed']:.2f}x filed, {res[part]['speedup_now_over_mkl']:.2f}x mkl",
+              f"; now {res[part]['speedup_now_over_filed']:.2f}x filed, {res[part]['speedup_now_over_sdpa']:.2f}x sdpa",
               flush=True)
     use("now")
     if "steps" in args.parts:
@@ -118,9 +120,9 @@ def paired_steps(model, width: int, args) -> dict:
     out = {"prompt_width": width, "decode_steps": args.max_new_tokens - 1, "rows": {}}
     for rows in args.rows:
         decoders = {}
-        for side, (pack, group, _) in SIDES.items():
+        for side, (pack, group, _, fused) in SIDES.items():
             dec = LlamaFamilyDecoder(model, pack=pack)
-            dec.group_queries = group
+            dec.group_queries, dec.fused_attention = group, fused
             dec.start(rows, width + args.max_new_tokens)
             decoders[side] = dec
         ids = torch.randint(0, model.config.vocab_size, (rows, width), generator=torch.Generator().manual_seed(0))
@@ -137,9 +139,9 @@ def paired_steps(model, width: int, args) -> dict:
         for dec in decoders.values():
             dec.finish()
         out["rows"][str(rows)] = {"seconds": seconds, "now_over_filed": seconds["filed"] / seconds["now"],
-                                  "now_over_mkl": seconds["mkl"] / seconds["now"]}
+                                  "now_over_sdpa": seconds["sdpa"] / seconds["now"]}
         print(f"[decode] steps at {rows} rows: " + ", ".join(f"{s} {v:.1f} s" for s, v in seconds.items()) +
-              f"; now {seconds['filed'] / seconds['now']:.2f}x filed, {seconds['mkl'] / seconds['now']:.2f}x mkl",
+              f"; now {seconds['filed'] / seconds['now']:.2f}x filed, {seconds['sdpa'] / seconds['now']:.2f}x sdpa",
               flush=True)
     return out
 

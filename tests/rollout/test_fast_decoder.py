@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl.rollout import RolloutConfig, SamplingParams, TorchRollout
+from verl import _extension
+from verl.ops.attention import decode_attention
+from verl.rollout import RolloutConfig, SamplingParams, TorchRollout, fast_decoder
 from verl.rollout.fast_decoder import LlamaFamilyDecoder, unsupported_reason
 from verl.models.tiny import tiny_model, tiny_tokenizer
 
@@ -42,14 +44,19 @@ def _hf_last_logits(model, ids, mask):
     return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
 
 
+@pytest.mark.parametrize("fused_attention", [True, False], ids=["verl-attention", "sdpa"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 @torch.no_grad()
-def test_prefill_and_every_decode_step_match_the_transformers_forward(name):
+def test_prefill_and_every_decode_step_match_the_transformers_forward(name, fused_attention, monkeypatch):
+    """Decode steps attend through verl.ops.decode_attention by default (where verl._C is built), or SDPA."""
     model = MODELS[name]()
     assert unsupported_reason(model) is None
     ids, mask = _left_padded([5, 9, 1, 7], 64)
     steps = 6
     dec = LlamaFamilyDecoder(model)
+    dec.fused_attention = fused_attention
+    calls = []
+    monkeypatch.setattr(fast_decoder, "decode_attention", lambda *a: calls.append(1) or decode_attention(*a))
     dec.start(len(ids), ids.shape[1] + steps)
     logits = dec.step(ids, mask)
     g = torch.Generator().manual_seed(1)
@@ -60,6 +67,8 @@ def test_prefill_and_every_decode_step_match_the_transformers_forward(name):
         live = torch.tensor([1, 1, 0 if s >= 2 else 1, 1])  # row 2 finishes after two steps (masked from then on)
         ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, live[:, None]], 1)
         logits = dec.step(nxt, mask)
+    n_layers = len(model.model.layers)
+    assert len(calls) == (steps * n_layers if fused_attention and _extension.available() else 0)
 
 
 @torch.no_grad()

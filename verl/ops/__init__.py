@@ -67,6 +67,7 @@ from verl.ops.losses import (  # per-token KL and the fused RL losses with maske
 )
 
 from verl.ops.quant import int8_linear, int8_linear_ref, quantize_int8  # int8 weight-only linear (generation)
+from verl.ops.attention import decode_attention, decode_attention_ref  # one decode step's attention (generation)
 from verl.ops.rl_head import (  # the fused RL loss head: hidden states + LM head weight -> the actor's loss
     HEAD_LOSSES,
     HeadLossOutput,
@@ -97,4 +98,6 @@ __all__ = [
     "HEAD_LOSSES", "HeadLossOutput", "linear_rl_loss", "linear_rl_loss_ref", "vocab_parallel_linear_rl_loss",
     # int8 weight-only linear for generation (verl/ops/quant.py)
     "quantize_int8", "int8_linear", "int8_linear_ref",
+    # one decode step's attention on CPU (verl/ops/attention.py)
+    "decode_attention", "decode_attention_ref",
 ]

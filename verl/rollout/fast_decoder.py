@@ -40,6 +40,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from verl.ops._backend import use_fused
+from verl.ops.attention import decode_attention
 from verl.ops.quant import int8_linear, quantize_int8
 
 __all__ = ["LlamaFamilyDecoder", "PACKINGS", "QUANTIZATIONS", "unsupported_reason"]
@@ -197,6 +199,9 @@ class LlamaFamilyDecoder:
         self.group_queries = True
         """A decode step attends with each key/value head's query heads side by side (module docstring); False:
         one query per head through SDPA's grouped-query path (what benchmarks/engines/bench_decode.py compares)."""
+        self.fused_attention = True
+        """A float32 CPU decode step with `group_queries` attends through verl.ops.decode_attention (one pass over
+        the cache per key/value head, csrc/cpu/attention.cpp) where the extension has it; False: SDPA."""
         cfg = model.config
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
@@ -352,6 +357,11 @@ class LlamaFamilyDecoder:
             keys = (keys & causal) | own
         x = self.base.embed_tokens(ids)
         H, KV, d = self.n_heads, self.n_kv, self.head_dim
+        # a float32 CPU decode step attends through verl's kernel (verl.ops.decode_attention) when it is built
+        rows_mask = None
+        if S == 1 and self.group_queries and self.fused_attention and x.device.type == "cpu" and \
+                x.dtype == torch.float32 and use_fused("decode_attention", x):
+            rows_mask = mask[:, :t1].bool().contiguous()
         for L in self.layers:
             h = self._norm(x, L["ln1"])
             qkv = L["qkv"](h)
@@ -360,8 +370,12 @@ class LlamaFamilyDecoder:
             L["k"][:, :, t0:t1] = _rotate(k.view(B, S, KV, d).transpose(1, 2), cos, sin)
             L["v"][:, :, t0:t1] = v.view(B, S, KV, d).transpose(1, 2)
             if S == 1 and self.group_queries:  # query head h reads key/value head h // (H // KV)
-                o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, d), L["k"][:, :, :t1],
-                                                   L["v"][:, :, :t1], attn_mask=keys)
+                if rows_mask is not None:
+                    o = decode_attention(q.reshape(B, KV, H // KV, d), L["k"][:, :, :t1], L["v"][:, :, :t1],
+                                         rows_mask)
+                else:
+                    o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, d), L["k"][:, :, :t1],
+                                                       L["v"][:, :, :t1], attn_mask=keys)
                 x = x + L["o"](o.reshape(B, 1, H * d))
             else:
                 o = F.scaled_dot_product_attention(q, L["k"][:, :, :t1], L["v"][:, :, :t1], attn_mask=keys,
