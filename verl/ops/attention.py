@@ -7,8 +7,9 @@ A decode step reads the whole key/value cache for a few multiply-adds per float,
 takes to stream from memory; SDPA's CPU kernel runs it as a small flash-attention problem well below that speed
 (csrc/cpu/attention.cpp). k and v may be views of the first T columns of a larger preallocated cache (the strides
 of rows, heads and positions are free; head_dim must be contiguous). Masked positions change nothing whatever they
-hold (NaN included), so padding columns may be left uninitialised; a row with no valid position gives zeros. CPU kernel only: on other devices, or
-without the extension, the reference (SDPA, the fused attention that device has) runs. Not differentiable.
+hold (NaN included), so padding columns may be left uninitialised; a row with no valid position gives zeros. CPU
+kernel only: on other devices, or without the extension, the reference (SDPA, the fused attention that device has)
+runs. Not differentiable.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ back: fused projection weights are rebuilt at every `start`; LoRA adapters are m
 - a cos/sin table for every position of the batch computed once by the model's own rotary module;
 - `scaled_dot_product_attention` with grouped-query heads and a boolean padding mask; a decode step (one query
   per row) puts the query heads that share a key/value head side by side as that head's queries, so the
-  attention reads each cached key and value once for all of them (not once per query head);
+  attention reads each cached key and value once for all of them (not once per query head); in float32 on CPU
+  that step runs verl's decode-attention kernel (`verl.ops.decode_attention`; `fused_attention`);
 - float32 projections on CPU packed once per `start` into a GEMM library's own weight layout: an unpacked
   `F.linear` repacks the whole weight at every call, which at the handful of rows a decode step has costs as
   much as the multiply. `pack` chooses the library (`PACKINGS`):

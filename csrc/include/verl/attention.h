@@ -5,8 +5,8 @@
 // q [B, H, G, d] float32: the G query heads that share key/value head h (grouped-query attention; G = 1 without
 // grouping). k, v [B, H, T, d] float32, each head's rows of d floats contiguous (the strides of B, H and T are
 // free, so a view of the first T columns of a larger cache is read in place). mask [B, T] bool: the cached
-// positions row b attends to; masked positions change nothing, whatever they hold. A row with no valid position gives zeros.
-// out [B, H, G, d] float32. Not differentiable: generation only.
+// positions row b attends to; masked positions change nothing, whatever they hold. A row with no valid position
+// gives zeros. out [B, H, G, d] float32. Not differentiable: generation only.
 #pragma once
 
 #include <ATen/ATen.h>
