@@ -787,8 +787,8 @@ def fig_decode(res) -> str:
 
     def part(name, what):
         r = d[name]
-        return (f"{what}: {r['now']['tokens_per_s']:.1f} tokens/s against {r['sdpa']['tokens_per_s']:.1f} with SDPA's "
-                f"attention (**{r['speedup_now_over_sdpa']:.2f}x**) and {r['filed']['tokens_per_s']:.1f} as filed "
+        return (f"{what}: {r['now']['tokens_per_s']:.1f} tokens/s against {r['prev']['tokens_per_s']:.1f} with oneDNN's "
+                f"projections and SDPA's attention (**{r['speedup_now_over_prev']:.2f}x**) and {r['filed']['tokens_per_s']:.1f} as filed "
                 f"(**{r['speedup_now_over_filed']:.2f}x**), {r['now']['identical_to_filed']} of {r['samples']} "
                 f"samples identical to the filed side's")
     parts = [part(n, w) for n, w in (("equal", f"EOS ignored ({job['max_new_tokens']} tokens per row on all sides)"),
@@ -797,7 +797,7 @@ def fig_decode(res) -> str:
         st = d["steps"]
         parts.append(f"the decode step alone, the sides' calls alternating step by step ({st['decode_steps']} steps "
                      f"from a {st['prompt_width']}-token prompt): " + ", ".join(
-                         f"{rows} rows **{r['now_over_filed']:.2f}x** filed and **{r['now_over_sdpa']:.2f}x** SDPA"
+                         f"{rows} rows **{r['now_over_filed']:.2f}x** filed and **{r['now_over_prev']:.2f}x** oneDNN + SDPA"
                          for rows, r in st["rows"].items()))
     return (f"{d['model']}, {job['prompts']} prompts x {job['n']} samples, one thread, alternating runs, packing "
             f"now {d['packing_now']} (`{d['meta']['command']}`, median of {job['repeats']}); " + "; ".join(parts))

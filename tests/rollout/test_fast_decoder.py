@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import needs_ext
 from verl import _extension
 from verl.ops.attention import decode_attention
 from verl.rollout import RolloutConfig, SamplingParams, TorchRollout, fast_decoder
@@ -326,15 +327,16 @@ def test_generate_with_fewer_rows_than_the_batch_runs_one_wave():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("pack", ["onednn", "mkl"])
+@pytest.mark.parametrize("pack", [pytest.param("verl", marks=needs_ext), "onednn", "mkl"])
 def test_float32_projections_run_packed_and_compute_what_f_linear_computes(pack):
-    """Every float32 projection and the head are packed at start (this torch has oneDNN and MKL); a packed
-    projection gives F.linear's result (MKL bit for bit at 16 rows or more, oneDNN within rounding) and oneDNN
-    gives the same row whatever the batch's row count (from 1 row) and thread count; pack="none" keeps
-    F.linear; all decoders give the same logits."""
+    """Every float32 projection and the head are packed at start (verl._C is built; this torch has oneDNN and
+    MKL); a packed projection gives F.linear's result (MKL bit for bit at 16 rows or more, verl's and oneDNN within
+    rounding) and verl's and oneDNN give the same row whatever the batch's row count (from 1 row) and thread count;
+    pack="none" keeps F.linear; all decoders give the same logits."""
     import torch.nn.functional as F
     model = MODELS["qwen2-bias"]()
-    assert LlamaFamilyDecoder(model).packing == "onednn"  # "auto" takes oneDNN where torch has it
+    # "auto" takes verl's where the extension is built, else oneDNN where torch has it
+    assert LlamaFamilyDecoder(model).packing == ("verl" if _extension.available() else "onednn")
     dec = LlamaFamilyDecoder(model, pack=pack)
     assert dec.pack_unavailable is None and dec.packing == pack
     ids, mask = _left_padded([5, 9, 1, 7], 64)
@@ -350,9 +352,9 @@ def test_float32_projections_run_packed_and_compute_what_f_linear_computes(pack)
     if pack == "mkl":
         assert torch.equal(out, F.linear(x, weight, bias))
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
-    for rows in range(1 if pack == "onednn" else 16, 24):
+    for rows in range(16 if pack == "mkl" else 1, 24):
         assert torch.equal(qkv(x[:rows]), out[:rows]), rows
-    if pack == "onednn":
+    if pack != "mkl":
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
         try:
@@ -366,5 +368,5 @@ def test_float32_projections_run_packed_and_compute_what_f_linear_computes(pack)
 
 
 def test_clear_unknown_packing_names_the_choices():
-    with pytest.raises(ValueError, match=r"pack='fast' is not one of \('auto', 'onednn', 'mkl', 'none'\)"):
+    with pytest.raises(ValueError, match=r"pack='fast' is not one of \('auto', 'verl', 'onednn', 'mkl', 'none'\)"):
         LlamaFamilyDecoder(MODELS["qwen2-bias"](), pack="fast")

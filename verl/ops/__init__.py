@@ -68,6 +68,7 @@ from verl.ops.losses import (  # per-token KL and the fused RL losses with maske
 
 from verl.ops.quant import int8_linear, int8_linear_ref, quantize_int8  # int8 weight-only linear (generation)
 from verl.ops.attention import decode_attention, decode_attention_ref  # one decode step's attention (generation)
+from verl.ops.packed_linear import pack_linear_weight, packed_linear, packed_linear_ref  # decode projections
 from verl.ops.rl_head import (  # the fused RL loss head: hidden states + LM head weight -> the actor's loss
     HEAD_LOSSES,
     HeadLossOutput,
@@ -100,4 +101,6 @@ __all__ = [
     "quantize_int8", "int8_linear", "int8_linear_ref",
     # one decode step's attention on CPU (verl/ops/attention.py)
     "decode_attention", "decode_attention_ref",
+    # float32 linear with a weight packed once, for decoding on CPU (verl/ops/packed_linear.py)
+    "pack_linear_weight", "packed_linear", "packed_linear_ref",
 ]

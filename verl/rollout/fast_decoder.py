@@ -15,16 +15,21 @@ back: fused projection weights are rebuilt at every `start`; LoRA adapters are m
   that step runs verl's decode-attention kernel (`verl.ops.decode_attention`; `fused_attention`);
 - float32 projections on CPU packed once per `start` into a GEMM library's own weight layout: an unpacked
   `F.linear` repacks the whole weight at every call, which at the handful of rows a decode step has costs as
-  much as the multiply. `pack` chooses the library (`PACKINGS`):
+  much as the multiply. `pack` chooses the layout (`PACKINGS`):
+  "verl" (`verl.ops.packed_linear`, csrc/cpu/packed_linear.cpp): panels of 16 output rows with k outermost, and a
+  6-row x 16-output register block per panel; every output is one FMA chain over k, so a row's result is the same
+  bit for bit whatever the batch's row count and thread count, within rounding of F.linear;
   "onednn" (torch's `mkldnn::_reorder_linear_weight` / `_linear_pointwise`): a row's result is the same bit
   for bit whatever the batch's row count (1 row or a thousand) and thread count, within rounding of F.linear;
   "mkl" (`cblas_sgemm_pack` through `mkl::_mkl_reorder_linear_weight` / `_mkl_linear`): F.linear's result bit
   for bit from 16 rows on, within rounding below, where a row's result may depend on the row count (below 16
   rows on an AMD EPYC; from 2 rows on, not on an Intel Xeon);
-  "auto" (the default) takes oneDNN where this torch has it, else MKL, else none; "none" keeps F.linear.
+  "auto" (the default) takes verl's where the extension is built, else oneDNN where this torch has it, else MKL,
+  else none; "none" keeps F.linear.
   benchmarks/engines/bench_decode.py measures them on SmolLM2-135M's decode (bench_decode.json). The packed
   copies take more memory than the fused float ones (SmolLM2-135M, 540 MB of float32 weights: `prepare` grew
-  the process's resident memory by ~1.0 GB for oneDNN, ~1.2 GB for MKL, ~0.5 GB unpacked), freed by `finish`.
+  the process's resident memory by ~1.0 GB for oneDNN, ~1.2 GB for MKL, ~0.5 GB unpacked; verl's panels hold
+  the fused weights once, padded to 16 rows), freed by `finish`.
   Where the packing ops are missing the projections stay on `F.linear` (`pack_unavailable` says why).
 
 Numerically it is the model's forward (checked against it in tests/rollout); models it does not know are
@@ -42,13 +47,15 @@ import torch
 import torch.nn.functional as F
 
 from verl.ops._backend import use_fused
+from verl import _extension
 from verl.ops.attention import decode_attention
+from verl.ops.packed_linear import pack_linear_weight, packed_linear
 from verl.ops.quant import int8_linear, quantize_int8
 
 __all__ = ["LlamaFamilyDecoder", "PACKINGS", "QUANTIZATIONS", "unsupported_reason"]
 
 QUANTIZATIONS = ("none", "int8")
-PACKINGS = ("auto", "onednn", "mkl", "none")
+PACKINGS = ("auto", "verl", "onednn", "mkl", "none")
 
 _MODEL_TYPES = {"llama", "qwen2", "mistral"}
 _STATIC_ROPE = {"default", "linear", "llama3"}
@@ -104,7 +111,13 @@ def _fused(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
 
 
 def _pack_unavailable(kind: str) -> str | None:
-    """None when this torch can pack float32 weights for `kind`'s GEMM ("onednn", "mkl"), else why not."""
+    """None when float32 weights can be packed for `kind`'s GEMM ("verl", "onednn", "mkl"), else why not."""
+    if kind == "verl":
+        if not _extension.available():
+            return "the extension verl._C is not built or failed to import"
+        if not _extension.has_kernel("packed_linear", "CPU"):
+            return "verl._C has no CPU kernel for verl::packed_linear (rebuild it)"
+        return None
     backend, ops = {"onednn": (torch.backends.mkldnn, ("mkldnn", "_reorder_linear_weight", "_linear_pointwise")),
                     "mkl": (torch.backends.mkl, ("mkl", "_mkl_reorder_linear_weight", "_mkl_linear"))}[kind]
     if not backend.is_available():
@@ -124,7 +137,7 @@ def _packing(pack: str) -> tuple[str, str | None]:
         raise ValueError(f"LlamaFamilyDecoder: pack={pack!r} is not one of {PACKINGS}")
     if pack == "none":
         return "none", None
-    for kind in (("onednn", "mkl") if pack == "auto" else (pack,)):
+    for kind in (("verl", "onednn", "mkl") if pack == "auto" else (pack,)):
         why = _pack_unavailable(kind)
         if why is None:
             return kind, None
@@ -132,14 +145,18 @@ def _packing(pack: str) -> tuple[str, str | None]:
 
 
 class _Proj:
-    """One projection as the decoder runs it: float (weight, bias), packed float32 (packed, bias; `mode` "onednn"
-    or "mkl"), or int8 (qweight, scale, bias)."""
+    """One projection as the decoder runs it: float (weight, bias), packed float32 (packed, bias; `mode` "verl",
+    "onednn" or "mkl"), or int8 (qweight, scale, bias)."""
 
-    __slots__ = ("weight", "bias", "q", "scale", "packed", "mode")
+    __slots__ = ("weight", "bias", "q", "scale", "packed", "mode", "out_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str = "float"):
         self.weight, self.bias, self.q, self.scale, self.packed, self.mode = weight, bias, None, None, None, mode
-        if mode == "int8":
+        self.out_features = weight.shape[0]
+        if mode == "verl":
+            self.packed = pack_linear_weight(weight.detach())
+            self.weight = None
+        elif mode == "int8":
             self.q, self.scale = quantize_int8(weight)
             self.weight = None  # the fused float copy goes: only the int8 one is read while decoding
         elif mode == "onednn":
@@ -155,6 +172,8 @@ class _Proj:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
+            if self.mode == "verl":
+                return packed_linear(x, self.packed, self.bias, self.out_features)
             if self.mode == "onednn":
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.numel() // x.shape[-1])
