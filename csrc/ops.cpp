@@ -134,12 +134,12 @@ TORCH_LIBRARY(verl, m) {
   // output row (verl.ops.quantize_int8). Generation only: not differentiable.
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
 
-  // ---- one decode step's attention (verl/ops/attention.py; contract in verl/attention.h, CPU kernel only) ----
+  // ---- one decode step's attention (verl/ops/attention.py; contract in verl/attention.h, kernels in {cpu,cuda}) --
   // q [B, H, G, d]: the G query heads sharing each key/value head; k, v [B, H, T, d] (a view of a larger cache is
   // read in place); mask bool [B, T]. out [B, H, G, d]. Generation only: not differentiable.
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 
-  // ---- float32 linear with a packed weight (verl/ops/packed_linear.py; contract in verl/packed_linear.h, CPU) --
+  // ---- float32 linear, packed weight (verl/ops/packed_linear.py; contract in verl/packed_linear.h, {cpu,cuda}) --
   // out [M, n] = x [M, K] @ w[n, K]^T + bias[n], w given as packed [ceil(n / 16), K, 16] (pack_linear_weight).
   // Generation only: not differentiable.
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import needs_ext
+from tests.conftest import devices, needs_ext
 from verl.ops import backend
 from verl.ops.attention import decode_attention, decode_attention_ref
 
@@ -34,8 +34,10 @@ def sample_inputs(seed: int = 0):
 
 
 @needs_ext
-def test_kernel_matches_reference():
+@pytest.mark.parametrize("device", devices())
+def test_kernel_matches_reference(device):
     for q, k, v, mask in sample_inputs():
+        q, k, v, mask = (t.to(device) for t in (q, k, v, mask))
         want = decode_attention_ref(q, k, v, mask)
         with backend("fused"):
             got = decode_attention(q, k, v, mask)
@@ -44,8 +46,9 @@ def test_kernel_matches_reference():
 
 
 @needs_ext
-def test_masked_positions_change_nothing_whatever_they_hold():
-    q, k, v, mask = sample_inputs()[1]
+@pytest.mark.parametrize("device", devices())
+def test_masked_positions_change_nothing_whatever_they_hold(device):
+    q, k, v, mask = (t.to(device) for t in sample_inputs()[1])
     want = decode_attention_ref(q, k, v, mask)
     k2, v2 = k.clone(), v.clone()
     k2[~mask[:, None, :].expand(-1, k.shape[1], -1)] = float("nan")
@@ -56,8 +59,9 @@ def test_masked_positions_change_nothing_whatever_they_hold():
 
 
 @needs_ext
-def test_a_row_with_no_valid_position_gives_zeros():
-    q, k, v, mask = sample_inputs()[2]
+@pytest.mark.parametrize("device", devices())
+def test_a_row_with_no_valid_position_gives_zeros(device):
+    q, k, v, mask = (t.to(device) for t in sample_inputs()[2])
     mask = mask.clone()
     mask[1] = False
     with backend("fused"):
@@ -75,8 +79,10 @@ def test_the_scale_is_applied():
 
 
 @needs_ext
-def test_opcheck():
+@pytest.mark.parametrize("device", devices())
+def test_opcheck(device):
     for q, k, v, mask in sample_inputs()[:4]:
+        q, k, v, mask = (t.to(device) for t in (q, k, v, mask))
         torch.library.opcheck(torch.ops.verl.decode_attention.default, (q, k, v, mask, 0.125))
 
 

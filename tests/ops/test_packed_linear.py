@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import needs_ext
+from tests.conftest import devices, needs_ext
 from verl.ops import backend
 from verl.ops.packed_linear import pack_linear_weight, packed_linear, packed_linear_ref
 
@@ -34,20 +34,23 @@ def test_packing_layout():
 
 
 @needs_ext
-def test_kernel_matches_f_linear():
+@pytest.mark.parametrize("device", devices())
+def test_kernel_matches_f_linear(device):
     for x, w, b in sample_inputs():
+        x, w, b = (None if t is None else t.to(device) for t in (x, w, b))
         with backend("fused"):
             got = packed_linear(x, pack_linear_weight(w), b, w.shape[0])
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4, msg=str((x.shape, w.shape)))
-    x, w, b = sample_inputs()[5]
+    x, w, b = (t.to(device) for t in sample_inputs()[5])
     with backend("fused"):  # leading dimensions are flattened and restored
         got = packed_linear(x.view(13, 1, 576), pack_linear_weight(w), b, 50)
     torch.testing.assert_close(got, F.linear(x, w, b)[:, None], rtol=1e-5, atol=1e-4)
 
 
 @needs_ext
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads():
-    x, w, b = sample_inputs()[5]
+@pytest.mark.parametrize("device", devices())
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads(device):
+    x, w, b = (t.to(device) for t in sample_inputs()[5])
     x = torch.cat([x, x.flip(0), x[:6]])  # 32 rows
     p = pack_linear_weight(w)
     with backend("fused"):
@@ -64,8 +67,10 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_or_the_threads():
 
 
 @needs_ext
-def test_opcheck():
+@pytest.mark.parametrize("device", devices())
+def test_opcheck(device):
     for x, w, b in sample_inputs()[:4]:
+        x, w, b = (None if t is None else t.to(device) for t in (x, w, b))
         torch.library.opcheck(torch.ops.verl.packed_linear.default, (x, pack_linear_weight(w), b, w.shape[0]))
 
 

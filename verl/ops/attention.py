@@ -7,9 +7,9 @@ A decode step reads the whole key/value cache for a few multiply-adds per float,
 takes to stream from memory; SDPA's CPU kernel runs it as a small flash-attention problem well below that speed
 (csrc/cpu/attention.cpp). k and v may be views of the first T columns of a larger preallocated cache (the strides
 of rows, heads and positions are free; head_dim must be contiguous). Masked positions change nothing whatever they
-hold (NaN included), so padding columns may be left uninitialised; a row with no valid position gives zeros. CPU
-kernel only: on other devices, or without the extension, the reference (SDPA, the fused attention that device has)
-runs. Not differentiable.
+hold (NaN included), so padding columns may be left uninitialised; a row with no valid position gives zeros. Kernels for
+CPU and CUDA (the fast decoder calls it on CPU only: on a GPU it keeps SDPA's fused kernels); without the extension
+the reference (SDPA) runs. Not differentiable.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     [B, H, G, d]. `scale` defaults to 1 / sqrt(d)."""
     _check(q, k, v, mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.device.type != "cpu" or not use_fused("decode_attention", q):
+    if not use_fused("decode_attention", q):
         return decode_attention_ref(q, k, v, mask, scale)
     k, v = (t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     return torch.ops.verl.decode_attention(q, k, v, mask, scale)

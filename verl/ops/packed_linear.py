@@ -7,8 +7,9 @@ A decode step multiplies a handful of rows by every weight of the model; `F.line
 and GEMM libraries tune for many rows. The panels make each block of 16 outputs one contiguous stream that a
 register block of 6 rows x 16 outputs consumes with two vector loads and twelve FMAs per k (csrc/cpu/packed_linear.cpp);
 the next panel is prefetched while the first row block runs. Every output is one FMA chain over k in order, so a
-row's result is the same bit for bit whatever the number of rows beside it or the thread count. CPU kernel only (on
-other devices, or without the extension, the reference `F.linear` on the unpacked weight runs). Not differentiable.
+row's result is the same bit for bit whatever the number of rows beside it or the thread count. Kernels for CPU and
+CUDA (the fast decoder packs only on CPU: on a GPU it keeps cuBLAS through F.linear); without the extension the
+reference, `F.linear` on the unpacked weight, runs. Not differentiable.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def packed_linear_ref(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [..., K] float32 times the packed weight of `n` outputs (+ bias [n]): [..., n]."""
     _check(x, packed, bias, n)
-    if x.device.type != "cpu" or not use_fused("packed_linear", x):
+    if not use_fused("packed_linear", x):
         return packed_linear_ref(x, packed, bias, n)
     lead = x.shape[:-1]
     return torch.ops.verl.packed_linear(x.reshape(-1, x.shape[-1]), packed, bias, n).view(*lead, n)

@@ -1,4 +1,4 @@
-// One decode step's attention (csrc/cpu/attention.cpp; Python side verl/ops/attention.py).
+// One decode step's attention (csrc/cpu/attention.cpp, csrc/cuda/attention.cu; Python side verl/ops/attention.py).
 //
 //   out[b, h, g] = sum_t softmax_t(scale * q[b, h, g] . k[b, h, t] over t with mask[b, t]) * v[b, h, t]
 //

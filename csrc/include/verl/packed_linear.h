@@ -1,5 +1,5 @@
-// float32 linear with the weight packed once for few-row products (csrc/cpu/packed_linear.cpp; Python side
-// verl/ops/packed_linear.py).
+// float32 linear with the weight packed once for few-row products (csrc/cpu/packed_linear.cpp,
+// csrc/cuda/packed_linear.cu; Python side verl/ops/packed_linear.py).
 //
 //   out[m, n] = sum_k x[m, k] * w[n, k] + bias[n],   packed[p, k, j] = w[16 p + j, k] (0 past the last row)
 //
