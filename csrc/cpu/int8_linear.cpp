@@ -68,42 +68,31 @@ __attribute__((target("avx2,fma"))) inline __m256 widen8(const int8_t* src) {
 }
 
 // MB activation rows x NB weight rows starting at (m0, n0). 4 x 3 is the largest block whose accumulators (12),
-// widened weights (3) and activation vector (1) fit AVX2's 16 registers: one more spills to the stack. One
-// variable per accumulator (no arrays): compiled through a target attribute (the file is built for baseline
-// x86-64), GCC kept an array of __m256 accumulators in memory and stored every one after each step of k.
-#define VERL_W(j) \
-  if constexpr (NB > j) w##j = widen8(p.w + (n0 + j) * K + k);
-#define VERL_ROW(i)                                                                    \
-  if constexpr (MB > i) {                                                              \
-    const __m256 xv = _mm256_loadu_ps(p.x + (m0 + i) * K + k);                         \
-    a##i##0 = _mm256_fmadd_ps(xv, w0, a##i##0);                                        \
-    if constexpr (NB > 1) a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1);                  \
-    if constexpr (NB > 2) a##i##2 = _mm256_fmadd_ps(xv, w2, a##i##2);                  \
-  }
-#define VERL_FINISH(i, j)                                                              \
-  if constexpr (MB > i && NB > j) {                                                    \
-    const float* xr = p.x + (m0 + i) * K;                                              \
-    const int8_t* wr = p.w + (n0 + j) * K;                                             \
-    float dot = hsum(a##i##j);                                                         \
-    for (int64_t k = K8; k < K; ++k) dot += xr[k] * static_cast<float>(wr[k]);         \
-    p.out[(m0 + i) * p.N + n0 + j] = finish(p, n0 + j, dot);                           \
-  }
-
+// widened weights (3) and activation vector (1) fit AVX2's 16 registers: one more spills to the stack.
 template <int MB, int NB>
 __attribute__((target("avx2,fma"))) void micro(const Problem& p, int64_t m0, int64_t n0) {
-  const int64_t K = p.K, K8 = K & ~int64_t(7);
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00, a20 = a00, a21 = a00,
-         a22 = a00, a30 = a00, a31 = a00, a32 = a00, w0 = a00, w1 = a00, w2 = a00;
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t K8 = p.K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
-    VERL_W(0) VERL_W(1) VERL_W(2)
-    VERL_ROW(0) VERL_ROW(1) VERL_ROW(2) VERL_ROW(3)
+    __m256 w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = widen8(p.w + (n0 + j) * p.K + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_loadu_ps(p.x + (m0 + i) * p.K + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
+    }
   }
-  VERL_FINISH(0, 0) VERL_FINISH(0, 1) VERL_FINISH(0, 2) VERL_FINISH(1, 0) VERL_FINISH(1, 1) VERL_FINISH(1, 2)
-  VERL_FINISH(2, 0) VERL_FINISH(2, 1) VERL_FINISH(2, 2) VERL_FINISH(3, 0) VERL_FINISH(3, 1) VERL_FINISH(3, 2)
+  for (int i = 0; i < MB; ++i) {
+    const float* xr = p.x + (m0 + i) * p.K;
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* wr = p.w + (n0 + j) * p.K;
+      float dot = hsum(acc[i][j]);
+      for (int64_t k = K8; k < p.K; ++k) dot += xr[k] * static_cast<float>(wr[k]);
+      p.out[(m0 + i) * p.N + n0 + j] = finish(p, n0 + j, dot);
+    }
+  }
 }
-#undef VERL_W
-#undef VERL_ROW
-#undef VERL_FINISH
 
 template <int NB>
 __attribute__((target("avx2,fma"))) void rows_avx2(const Problem& p, int64_t n0) {
