@@ -18,14 +18,8 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "verl/cpu_math.h"
 #include "verl/int8_linear.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define VERL_X86 1
-#else
-#define VERL_X86 0
-#endif
 
 namespace verl {
 namespace {
@@ -179,10 +173,6 @@ bool have_avx512() {
   return ok;
 }
 
-bool have_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 #endif
 
 at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scale_in,
@@ -204,7 +194,7 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& qweight_in,
     const int64_t n0 = kRows * b, n1 = std::min(N, kRows * e);
 #if VERL_X86
     if (have_avx512()) return block_avx512(p, n0, n1);
-    if (have_avx2()) return block_avx2(p, n0, n1);
+    if (cpu_has_avx2_fma()) return block_avx2(p, n0, n1);
 #endif
     block_scalar(p, n0, n1);
   });

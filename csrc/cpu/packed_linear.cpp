@@ -15,14 +15,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "verl/cpu_math.h"
 #include "verl/packed_linear.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define VERL_X86 1
-#else
-#define VERL_X86 0
-#endif
 
 namespace verl {
 namespace {
@@ -79,10 +73,6 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, const int64_t
 #undef VERL_ROW
 #undef VERL_OUT
 
-bool have_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 #endif
 
 void store(const Problem& p, int64_t m0, int MB, int64_t panel, const float* tile) {
@@ -102,7 +92,7 @@ void panel_rows(const Problem& p, int64_t panel, bool last) {
   while (m < p.M) {
     const int MB = static_cast<int>(std::min<int64_t>(6, p.M - m));
 #if VERL_X86
-    if (have_avx2()) {
+    if (cpu_has_avx2_fma()) {
       const float* x = p.x + m * p.K;
       const float* pf = m == 0 ? next : w;
       switch (MB) {

@@ -327,11 +327,6 @@ VERL_AVX2 void gae_group8(const S* rp, const S* vp, const bool* mp, int64_t T, f
   finish_group8<S>(L, rp, vp, mp, T, gamma, gl, ap, tp, out);
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
 // Scans rows [0, 8 * (B / 8)) in groups of 8 when the CPU has AVX2+FMA; returns how many rows it did.
 template <typename S>
 int64_t gae_rows8(const S* rp, const S* vp, const bool* mp, int64_t B, int64_t T, double gamma, double lam, S* ap,

@@ -13,7 +13,23 @@
 #define VERL_SIMD_CLONES
 #endif
 
+// VERL_X86: 1 where the x86 intrinsics (immintrin.h) are available to kernels that pick an AVX2 path at run time.
+#if !defined(__CUDACC__) && (defined(__x86_64__) || defined(_M_X64))
+#include <immintrin.h>
+#define VERL_X86 1
+#else
+#define VERL_X86 0
+#endif
+
 namespace verl {
+
+#if VERL_X86
+// Whether this CPU runs AVX2 and FMA (asked once per process): the kernels with an AVX2 path and a baseline one.
+inline bool cpu_has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#endif
 
 // exp for float without a libm call, so that loops calling it vectorise: Cody-Waite range reduction
 // x = k ln2 + r and a degree-6 polynomial for exp(r) (Cephes expf coefficients), about 1 ulp (relative
