@@ -46,8 +46,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from verl.ops._backend import use_fused
 from verl import _extension
+from verl.ops._backend import use_fused
 from verl.ops.attention import decode_attention
 from verl.ops.packed_linear import pack_linear_weight, packed_linear
 from verl.ops.quant import int8_linear, quantize_int8
